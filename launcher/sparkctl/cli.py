@@ -1,0 +1,180 @@
+"""The `sparkctl` command line.
+
+Global options go before the command (`sparkctl --env-file X check`). Each command lives in its own
+module under sparkctl/commands/ and is imported only when it runs, so `sparkctl --help` is fast and
+a command that is missing its optional parts cannot break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import SparkctlError, UsageError
+
+# command name -> (module under sparkctl.commands, one-line help shown by `sparkctl --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("config", "Show the resolved settings and where each value came from."),
+    "plan": ("plan", "Plan memory per rank and the exact KV-cache bytes (offline)."),
+    "render": ("render", "Render env.tp4 and the per-rank docker/vllm command lines (offline)."),
+    "check": ("check", "Preflight every node in parallel; write env.tp4 with the discovered pins."),
+    "verify-model": ("verify_model", "Verify the checkpoint's layout and EXL3 ABI from its headers."),
+    "build": ("build", "Build the image chain on every rank (or once, shipping missing layers)."),
+    "bake": ("bake", "Render docker-bake.hcl for CI builds of the image chain (linux/arm64)."),
+    "up": ("lifecycle", "Start the service: workers, then the head."),
+    "wait": ("lifecycle", "Wait until the service answers a real completion."),
+    "status": ("lifecycle", "Report every rank's container and the head's health."),
+    "logs": ("lifecycle", "Show or follow the ranks' logs, prefixed by rank."),
+    "down": ("lifecycle", "Stop the service: head first, then workers."),
+    "lock": ("lifecycle", "Show or break the cluster lock."),
+    "audit": ("lifecycle", "Show the audit lines sparkctl wrote on every node."),
+    "trust": ("trust", "Show a node's host key and record it in known_hosts."),
+    "bench": ("bench", "Measure decode tok/s, TTFT and accepted tokens/step on a running service."),
+    "lab": ("lab", "Build or remove the built-in lab cluster (root)."),
+}
+
+
+@dataclass
+class Globals:
+    """What the global options said; commands turn it into Settings."""
+
+    env_file: str | None = None
+    nodes: str | None = None
+    model: str | None = None
+    recipe: str | None = None
+    ssh_config: str | None = None
+    json: bool = False
+    verbosity: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def cli_overrides(self) -> dict[str, str]:
+        """The CLI flags that are also knobs, highest precedence."""
+        out: dict[str, str] = {}
+        if self.nodes is not None:
+            out["NODES"] = self.nodes
+        if self.model is not None:
+            out["MODEL"] = self.model
+        if self.recipe is not None:
+            out["RECIPE"] = self.recipe
+        return out
+
+    def settings(self, **kwargs: Any) -> Any:
+        from .settings import load_settings
+
+        return load_settings(
+            env_file=self.env_file,
+            cli=self.cli_overrides(),
+            environ=dict(os.environ),
+            **kwargs,
+        )
+
+    def ssh_config_path(self) -> str:
+        if self.ssh_config:
+            return self.ssh_config
+        return os.environ.get("SPARKCTL_SSH_CONFIG") or os.path.expanduser("~/.ssh/config")
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module_name, help_text = COMMANDS[cmd_name]
+        try:
+            module = importlib.import_module(f"sparkctl.commands.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"sparkctl.commands.{module_name}":
+                raise
+            return _not_built(cmd_name, help_text)
+        cmd = getattr(module, "COMMANDS", {}).get(cmd_name) or getattr(module, "command", None)
+        if cmd is None:
+            return _not_built(cmd_name, help_text)
+        return cmd  # type: ignore[no-any-return]
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Short help from the table, so listing commands imports none of them.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_text) for name, (_, help_text) in COMMANDS.items()])
+
+
+def _not_built(name: str, help_text: str) -> click.Command:
+    @click.command(name=name, help=help_text + " (not built yet)", context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def stub(args: tuple[str, ...]) -> None:
+        raise UsageError(f"`sparkctl {name}` is not built yet in this version ({__version__})")
+
+    return stub
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--env-file", metavar="PATH", help="Cluster env file (else $SPARKCTL_ENV_FILE, else env/cluster.env).")
+@click.option("--nodes", metavar="'H1 H2 ...'", help="SSH host aliases, head first (env: NODES).")
+@click.option("--model", metavar="DIR", help="Checkpoint folder, same path on every node (env: MODEL).")
+@click.option("--recipe", metavar="NAME", help="Recipe name or path to a recipe file (env: RECIPE).")
+@click.option("--ssh-config", metavar="PATH", help="ssh_config with the node aliases (env: SPARKCTL_SSH_CONFIG).")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON document on stdout.")
+@click.option("-v", "--verbose", count=True, help="More detail (-vv shows tracebacks).")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors.")
+@click.version_option(__version__, prog_name="sparkctl")
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    env_file: str | None,
+    nodes: str | None,
+    model: str | None,
+    recipe: str | None,
+    ssh_config: str | None,
+    as_json: bool,
+    verbose: int,
+    quiet: bool,
+) -> None:
+    """sparkctl: bring up a multi-node vLLM service on GPU nodes over SSH and Docker."""
+    ctx.obj = Globals(
+        env_file=env_file,
+        nodes=nodes,
+        model=model,
+        recipe=recipe,
+        ssh_config=ssh_config,
+        json=as_json,
+        verbosity=-1 if quiet else verbose,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: maps sparkctl's errors to exit codes and never shows a user a traceback."""
+    verbose = "-vv" in (argv or sys.argv[1:])
+    try:
+        rv = cli.main(args=argv, prog_name="sparkctl", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(2 if isinstance(exc, click.UsageError | click.BadParameter) else exc.exit_code)
+    except SparkctlError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # a bug in sparkctl: one line, the traceback only on request
+        if verbose:
+            traceback.print_exc()
+        click.echo(f"internal error: {type(exc).__name__}: {exc} (run with -vv for the traceback)", err=True)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()
