@@ -1,0 +1,219 @@
+"""Builders: pure functions that return the exact command lines sparkctl runs (Kamal style).
+
+No I/O here. Every function returns an argv list; whoever sends one across SSH joins it with
+shlex.join, so every value is quoted. Tests pin these lists as exact strings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import __version__
+from .errors import UsageError
+from .plan import Plan
+from .settings import RankPins, Settings
+
+LABEL_CLUSTER = "sparkctl.cluster"
+LABEL_RANK = "sparkctl.rank"
+LABEL_CONFIG_HASH = "sparkctl.config-hash"
+LABEL_RECIPE = "sparkctl.recipe"
+LABEL_LAYER = "sparkctl.layer"
+LABEL_CONTENT_HASH = "sparkctl.content-hash"
+LABEL_VERSION = "sparkctl.version"
+REMOTE_STATE_DIR = ".sparkctl"  # relative to the SSH user's home: where rank env files live on a node
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything that defines one rank's container, before the config hash is known."""
+
+    rank: int
+    node: str
+    pins: RankPins
+    env: dict[str, str]
+    vllm_argv: list[str]
+
+
+def container_name(cluster: str, rank: int) -> str:
+    return f"sparkctl-{cluster}-rank{rank}"
+
+
+def remote_env_file(cluster: str, rank: int) -> str:
+    return f"{REMOTE_STATE_DIR}/{cluster}/rank{rank}.env"
+
+
+def master_addr(settings: Settings, pins: list[RankPins]) -> str:
+    addr = settings.get("MASTER_ADDR") or pins[0].fabric_ip
+    if not addr:
+        raise UsageError("the head's fabric IP is not known (RANK0_FABRIC_IP / MASTER_ADDR)",
+                         fix="run `sparkctl check` to discover it, or set RANK0_FABRIC_IP in the env file")
+    return str(addr)
+
+
+def speculative_config(settings: Settings) -> str | None:
+    method = settings.get("SPEC_METHOD")
+    tokens = settings.getint("SPEC_K")
+    if method == "mtp":
+        return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
+    if method == "dspark":
+        template = settings.recipe.dspark_speculative_config or ""
+        doc = json.loads(template.replace("{dir}", json.dumps(str(settings.get("DSPARK")))[1:-1])
+                         .replace("{tokens}", str(tokens)))
+        return json.dumps(doc, separators=(",", ":"))
+    return None
+
+
+def kv_cache_bytes(settings: Settings, plan: Plan) -> int:
+    override = settings.get("KV_CACHE_MEMORY_BYTES")
+    return int(override) if override else plan.kv_cache_memory_bytes
+
+
+def vllm_serve_argv(settings: Settings, plan: Plan, rank: int, pins: list[RankPins]) -> list[str]:
+    """`vllm serve` for one rank: the mp multi-node flags, TP/DCP, explicit KV bytes, MTP, port."""
+    nnodes = len(settings.nodes)
+    argv = [
+        "vllm", "serve", str(settings.model),
+        "--served-model-name", str(settings.get("SERVED_MODEL_NAME")),
+        "--port", str(settings.getint("PORT")),
+        "--tensor-parallel-size", str(settings.getint("TP")),
+        "--decode-context-parallel-size", str(settings.getint("DCP")),
+        "--dcp-comm-backend", str(settings.get("DCP_COMM_BACKEND")),
+        "--nnodes", str(nnodes),
+        "--node-rank", str(rank),
+        "--master-addr", master_addr(settings, pins),
+        "--master-port", str(settings.getint("MASTER_PORT")),
+        "--max-model-len", str(settings.getint("MAX_MODEL_LEN")),
+        "--kv-cache-dtype", str(settings.get("KV_CACHE_DTYPE")),
+        "--kv-cache-memory-bytes", str(kv_cache_bytes(settings, plan)),
+        "--gpu-memory-utilization", f"{float(settings.get('GPU_MEMORY_UTILIZATION')):g}",
+    ]
+    spec = speculative_config(settings)
+    if spec:
+        argv += ["--speculative-config", spec]
+    argv += list(settings.recipe.vllm_extra_args)
+    if rank > 0:
+        argv.append("--headless")
+    return argv
+
+
+def rank_env(settings: Settings, rank: int, pins: RankPins) -> dict[str, str]:
+    """The container environment of one rank: its own NIC pins, then recipe, seed knobs and secrets.
+
+    Secrets travel in this env file (mode 0600 on the node), never on a command line.
+    """
+    missing = pins.missing()
+    if missing:
+        keys = ", ".join(f"RANK{rank}_{m}" for m in missing)
+        raise UsageError(f"rank {rank} ({settings.nodes[rank]}): {keys} not known",
+                         fix="run `sparkctl check` to discover the fabric pins, or set them in the env file")
+    env = {
+        "NCCL_SOCKET_IFNAME": str(pins.netdev),
+        "GLOO_SOCKET_IFNAME": str(pins.netdev),
+        "TP_SOCKET_IFNAME": str(pins.netdev),
+        "UCX_NET_DEVICES": str(pins.netdev),
+        "NCCL_IB_HCA": str(pins.rdma_dev),
+        "NCCL_IB_GID_INDEX": str(pins.gid_index),
+        "VLLM_HOST_IP": str(pins.fabric_ip),
+    }
+    env.update(settings.recipe.container.env)
+    env["ABLIT"] = str(settings.get("ABLIT", 0))
+    if settings.get("HEAD_Q"):
+        env["HEAD_Q"] = str(settings.get("HEAD_Q"))
+    env.update(settings.passthrough_env())
+    env.update(settings.secrets())
+    return env
+
+
+def env_file_text(env: dict[str, str]) -> str:
+    """docker --env-file format: KEY=value per line, taken literally (no quotes, no expansion)."""
+    for key, value in env.items():
+        if "\n" in value or "\r" in value or "\x00" in value:
+            raise UsageError(f"{key}: a container environment value cannot contain a newline or NUL")
+    return "".join(f"{k}={v}\n" for k, v in sorted(env.items()))
+
+
+def rank_specs(settings: Settings, plan: Plan, pins: list[RankPins]) -> list[RankSpec]:
+    return [
+        RankSpec(rank, node, pins[rank], rank_env(settings, rank, pins[rank]),
+                 vllm_serve_argv(settings, plan, rank, pins))
+        for rank, node in enumerate(settings.nodes)
+    ]
+
+
+def config_hash(settings: Settings, specs: list[RankSpec]) -> str:
+    """One hash for the whole cluster: any change on any rank replaces every rank (TP restarts together).
+
+    Secrets enter only as their own SHA-256, so the hash changes with a rotated key but never reveals it.
+    """
+    secrets = settings.secrets()
+
+    def scrub(env: dict[str, str]) -> dict[str, str]:
+        return {k: (hashlib.sha256(v.encode()).hexdigest() if k in secrets else v) for k, v in env.items()}
+
+    doc: dict[str, Any] = {
+        "image": settings.get("IMAGE"),
+        "recipe": settings.recipe.name,
+        "container": _container_options(settings),
+        "ranks": [{"node": s.node, "env": scrub(s.env), "argv": s.vllm_argv} for s in specs],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _container_options(settings: Settings) -> list[str]:
+    c = settings.recipe.container
+    nofile = settings.getint("ULIMIT_NOFILE")
+    memlock = settings.getint("ULIMIT_MEMLOCK")
+    opts = [
+        "--network", c.network,
+        "--ipc", c.ipc,
+        "--ulimit", f"nofile={nofile}:{nofile}",
+        "--ulimit", f"memlock={memlock}:{memlock}",
+    ]
+    for dev in c.devices:
+        opts += ["--device", dev]
+    for cap in c.cap_add:
+        opts += ["--cap-add", cap]
+    if c.gpus:
+        opts += ["--gpus", c.gpus]
+    opts += ["--shm-size", str(settings.get("SHM_SIZE"))]
+    mounts = [str(settings.model)]
+    for key in ("DSPARK", "ABLIT_HOST_DIR"):
+        if settings.get(key):
+            mounts.append(str(settings.get(key)))
+    for path in mounts:  # the model and its companions are mounted read-only, always
+        opts += ["--mount", f"type=bind,source={path},target={path},readonly"]
+    return opts
+
+
+def docker_run_argv(settings: Settings, spec: RankSpec, cfg_hash: str) -> list[str]:
+    cluster = settings.cluster_name
+    return [
+        "docker", "run", "--detach",
+        "--name", container_name(cluster, spec.rank),
+        "--label", f"{LABEL_CLUSTER}={cluster}",
+        "--label", f"{LABEL_RANK}={spec.rank}",
+        "--label", f"{LABEL_CONFIG_HASH}={cfg_hash}",
+        "--label", f"{LABEL_RECIPE}={settings.recipe.name}",
+        "--restart", "no",
+        *_container_options(settings),
+        "--env-file", remote_env_file(cluster, spec.rank),
+        str(settings.get("IMAGE")),
+        *spec.vllm_argv,
+    ]
+
+
+def image_labels(recipe: str, layer: str, content_hash: str) -> dict[str, str]:
+    """Labels every image sparkctl builds carries (build skips a layer whose content hash matches)."""
+    return {LABEL_RECIPE: recipe, LABEL_LAYER: layer, LABEL_CONTENT_HASH: content_hash, LABEL_VERSION: __version__}
+
+
+def docker_build_argv(tag: str, base: str, labels: dict[str, str], context: str, *, no_cache: bool = False) -> list[str]:
+    argv = ["docker", "build", "--tag", tag, "--build-arg", f"BASE={base}"]
+    for key, value in sorted(labels.items()):
+        argv += ["--label", f"{key}={value}"]
+    if no_cache:
+        argv.append("--no-cache")
+    return argv + [context]

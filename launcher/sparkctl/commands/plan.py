@@ -1,0 +1,53 @@
+"""`sparkctl plan`: the memory plan per rank and the exact --kv-cache-memory-bytes, offline."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from ..errors import CheckFailed
+from ..output import console, emit_json, warn
+from ..plan import GIB, gb, plan_for
+
+
+@click.command("plan")
+@click.option("--node-memory", type=int, metavar="BYTES", help="Plan for this node memory (default NODE_MEMORY_BYTES).")
+@click.pass_obj
+def command(g: object, node_memory: int | None) -> None:
+    """Plan weights, KV cache and overhead per rank; refuse a plan that does not fit (exit 1)."""
+    from ..cli import Globals
+
+    assert isinstance(g, Globals)
+    s = g.settings()
+    warn(s.warnings)
+    plan = plan_for(s, node_memory)
+    if g.json:
+        emit_json({"model": str(s.model), "recipe": s.recipe.name, "plan": plan.to_dict()})
+    else:
+        c = console(False)
+        t = Table(title=f"memory plan per rank — {s.model} (recipe {s.recipe.name})", title_justify="left")
+        t.add_column("term")
+        t.add_column("bytes", justify="right")
+        t.add_column("", justify="right", style="dim")
+        t.add_row(f"weights: {gb(plan.weights_total)} of shards ÷ TP={plan.tp}",
+                  f"{plan.weights_per_rank:,}", gb(plan.weights_per_rank))
+        for term in plan.kv_terms:
+            t.add_row(f"  KV/token: {term.name} × {term.layers} layers", f"{term.bytes_per_token:,}", "")
+        t.add_row(f"KV per token (all layers, {plan.kv_cache_dtype})", f"{plan.kv_bytes_per_token:,}", "")
+        t.add_row(f"KV tokens per rank: ⌈{plan.max_model_len:,} / DCP={plan.dcp}⌉ × {plan.max_full_seqs} seq",
+                  f"{plan.tokens_per_rank:,}", "")
+        t.add_row("KV cache per rank", f"{plan.kv_cache_memory_bytes:,}", gb(plan.kv_cache_memory_bytes))
+        t.add_row(f"overhead (CUDA/NCCL, {plan.overhead_bytes / GIB:g} GiB)", f"{plan.overhead_bytes:,}",
+                  gb(plan.overhead_bytes))
+        t.add_row("total per rank", f"{plan.per_rank_total:,}", gb(plan.per_rank_total), style="bold")
+        t.add_row(f"node memory − OS reserve ({plan.os_reserve_bytes / GIB:g} GiB)", f"{plan.available:,}",
+                  gb(plan.available))
+        t.add_row("headroom", f"{plan.headroom:,}", gb(plan.headroom),
+                  style="green" if plan.headroom >= 0 else "red")
+        c.print(t)
+        for note in plan.notes:
+            c.print(f"note: {note}")
+        c.print(f"--kv-cache-memory-bytes {plan.kv_cache_memory_bytes}")
+    problems = plan.problems()
+    if problems:
+        raise CheckFailed("plan refused: " + "\n  ".join(problems))

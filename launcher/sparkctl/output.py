@@ -1,0 +1,30 @@
+"""Where output goes: with --json exactly one JSON document on stdout and human text on stderr;
+without it, human text on stdout. Warnings always go to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+
+def console(as_json: bool) -> Console:
+    """The console human text goes to (stderr when stdout carries JSON)."""
+    return Console(stderr=as_json, highlight=False, soft_wrap=False)
+
+
+def warn_console() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def warn(lines: list[str]) -> None:
+    c = warn_console()
+    for line in lines:
+        c.print(f"[yellow]warning:[/] {line}", markup=True)

@@ -1,0 +1,253 @@
+"""The memory planner: will the model, its KV cache and the runtime's overhead fit on every rank?
+
+    per rank = weights (shards ÷ TP) + KV cache + overhead (~14 GiB of CUDA/NCCL state)
+    must fit in node memory − OS reserve (unified memory on GB10: GPU and CPU share it)
+
+KV bytes per token, MLA (vLLM's own spec), for every attention layer incl. the MTP layers:
+    (kv_lora_rank + qk_rope_head_dim) × dtype bytes      (576 B in fp8; fp8_ds_mla is a fixed 656 B)
+  + index_head_dim + 4                                   (the sparse-attention indexer, when present)
+With DCP=d each rank holds ceil(max_model_len / d) tokens of each sequence; MLA's latent KV is not
+split by TP. The result is the exact integer for `--kv-cache-memory-bytes` (per GPU, in bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckFailed, UsageError
+from .settings import Settings
+
+GIB = 1 << 30
+GB = 1000**3
+MAX_JSON_BYTES = 64 << 20  # config.json and the index are small; refuse anything absurd
+INDEX_NAME = "model.safetensors.index.json"
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
+_MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FP8_DS_MLA_BYTES = 656
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str
+    size: int | None  # None: named by the index but missing from the folder
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    config: dict[str, Any]
+    shards: tuple[Shard, ...]
+    index_total_size: int | None
+
+    @property
+    def missing(self) -> list[str]:
+        return [s.name for s in self.shards if s.size is None]
+
+    @property
+    def shard_bytes(self) -> int:
+        return sum(s.size or 0 for s in self.shards)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise UsageError(f"{what} not found: {path}", fix="MODEL must be the checkpoint folder itself") from None
+    if size > MAX_JSON_BYTES:
+        raise UsageError(f"{path}: {size} bytes is too large for a {what}")
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: not valid JSON ({exc})") from None
+
+
+def read_checkpoint(model: Path) -> CheckpointInfo:
+    """config.json + the shard list (from the index, else *.safetensors) with their sizes on disk."""
+    if not model.is_dir():
+        raise UsageError(f"MODEL={model} is not a folder on this machine",
+                         fix="point MODEL at the checkpoint folder (it must hold config.json)")
+    config = _read_json(model / "config.json", "config.json")
+    if not isinstance(config, dict):
+        raise UsageError(f"{model / 'config.json'}: expected a JSON object")
+    index_path = model / INDEX_NAME
+    total: int | None = None
+    if index_path.exists():
+        index = _read_json(index_path, "safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise UsageError(f"{index_path}: has no weight_map object")
+        names = sorted({str(v) for v in weight_map.values()})
+        meta = index.get("metadata")
+        if isinstance(meta, dict) and isinstance(meta.get("total_size"), int):
+            total = meta["total_size"]
+    else:
+        names = sorted(p.name for p in model.glob("*.safetensors"))
+        if not names:
+            raise UsageError(f"{model}: no {INDEX_NAME} and no *.safetensors files")
+    shards = []
+    for name in names:
+        p = model / name
+        if "/" in name or name.startswith("."):
+            raise UsageError(f"{index_path}: shard name {name!r} must be a plain file name")
+        shards.append(Shard(name, p.stat().st_size if p.is_file() else None))
+    return CheckpointInfo(model, config, tuple(shards), total)
+
+
+@dataclass(frozen=True)
+class KvTerm:
+    name: str
+    bytes_per_token_per_layer: int
+    layers: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_token_per_layer * self.layers
+
+
+@dataclass
+class Plan:
+    tp: int
+    dcp: int
+    max_model_len: int
+    max_full_seqs: int
+    kv_cache_dtype: str
+    weights_total: int
+    weights_per_rank: int
+    kv_terms: list[KvTerm]
+    kv_bytes_per_token: int
+    tokens_per_rank: int
+    kv_cache_memory_bytes: int
+    overhead_bytes: int
+    os_reserve_bytes: int
+    node_memory_bytes: int
+    gpu_memory_utilization: float
+    gpu_memory_utilization_cap: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def per_rank_total(self) -> int:
+        return self.weights_per_rank + self.kv_cache_memory_bytes + self.overhead_bytes
+
+    @property
+    def available(self) -> int:
+        return self.node_memory_bytes - self.os_reserve_bytes
+
+    @property
+    def headroom(self) -> int:
+        return self.available - self.per_rank_total
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.headroom < 0:
+            out.append(
+                f"does not fit: per rank {gb(self.weights_per_rank)} weights + {gb(self.kv_cache_memory_bytes)} KV "
+                f"+ {gb(self.overhead_bytes)} overhead = {gb(self.per_rank_total)}, but a node has "
+                f"{gb(self.node_memory_bytes)} − {gb(self.os_reserve_bytes)} OS reserve = {gb(self.available)} "
+                f"({gb(-self.headroom)} short)"
+            )
+        if self.gpu_memory_utilization > self.gpu_memory_utilization_cap:
+            out.append(
+                f"GPU_MEMORY_UTILIZATION={self.gpu_memory_utilization:g} is above the recipe's cap "
+                f"{self.gpu_memory_utilization_cap:g}: vLLM's startup guard refuses it, because the worker already "
+                f"holds ~{self.overhead_bytes / GIB:g} GiB of CUDA/NCCL state when it measures free memory; size "
+                f"the KV cache with --kv-cache-memory-bytes instead"
+            )
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kv_terms"] = [dict(asdict(t), bytes_per_token=t.bytes_per_token) for t in self.kv_terms]
+        d.update(per_rank_total=self.per_rank_total, available=self.available, headroom=self.headroom,
+                 fits=self.fits, problems=self.problems())
+        return d
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def _cfg_int(config: dict[str, Any], key: str, where: Path) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise UsageError(f"{where / 'config.json'}: {key} should be a non-negative integer, got {value!r}")
+    return value
+
+
+def kv_terms(config: dict[str, Any], kv_dtype: str, tp: int, indexer_extra: int, where: Path) -> list[KvTerm]:
+    """Bytes per token of KV cache on one rank, term by term."""
+    layers = _cfg_int(config, "num_hidden_layers", where) + int(config.get("num_nextn_predict_layers") or 0)
+    if kv_dtype == "auto":
+        dtype_bytes = _MODEL_DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
+    else:
+        dtype_bytes = _DTYPE_BYTES.get(kv_dtype, 2)
+    terms: list[KvTerm] = []
+    if "kv_lora_rank" in config:  # MLA: one latent vector + the rope key per token per layer
+        if kv_dtype == "fp8_ds_mla":
+            terms.append(KvTerm("MLA latent (fp8_ds_mla, fixed 656 B)", FP8_DS_MLA_BYTES, layers))
+        else:
+            width = _cfg_int(config, "kv_lora_rank", where) + _cfg_int(config, "qk_rope_head_dim", where)
+            terms.append(KvTerm(f"MLA latent ({width} × {dtype_bytes} B, {kv_dtype})", width * dtype_bytes, layers))
+    else:  # ordinary attention: K and V per KV head, heads split across TP ranks
+        heads = _cfg_int(config, "num_key_value_heads", where) if "num_key_value_heads" in config else \
+            _cfg_int(config, "num_attention_heads", where)
+        head_dim = config.get("head_dim") or _cfg_int(config, "hidden_size", where) // max(
+            _cfg_int(config, "num_attention_heads", where), 1)
+        per_rank_heads = max(1, math.ceil(heads / tp))
+        terms.append(KvTerm(f"K+V ({per_rank_heads} heads × {head_dim} × 2 × {dtype_bytes} B)",
+                            2 * per_rank_heads * int(head_dim) * dtype_bytes, layers))
+    if "index_head_dim" in config:
+        idx = _cfg_int(config, "index_head_dim", where) + indexer_extra
+        terms.append(KvTerm(f"indexer ({config['index_head_dim']} + {indexer_extra} B)", idx, layers))
+    return terms
+
+
+def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int | None = None) -> Plan:
+    mem = settings.recipe.memory
+    tp, dcp = settings.getint("TP"), settings.getint("DCP")
+    max_len, seqs = settings.getint("MAX_MODEL_LEN"), settings.getint("MAX_FULL_SEQS")
+    kv_dtype = str(settings.get("KV_CACHE_DTYPE"))
+    notes: list[str] = []
+    total = ckpt.shard_bytes
+    if ckpt.missing:
+        notes.append(f"{len(ckpt.missing)} shard(s) named by the index are missing ({', '.join(ckpt.missing[:3])}"
+                     f"{'…' if len(ckpt.missing) > 3 else ''}); run `sparkctl verify-model`")
+        if ckpt.index_total_size:
+            total = max(total, ckpt.index_total_size)
+    terms = kv_terms(ckpt.config, kv_dtype, tp, mem.indexer_extra_bytes, ckpt.path)
+    per_token = sum(t.bytes_per_token for t in terms)
+    block = mem.kv_block_tokens
+    tokens = math.ceil(math.ceil(max_len / dcp) / block) * block * seqs
+    return Plan(
+        tp=tp, dcp=dcp, max_model_len=max_len, max_full_seqs=seqs, kv_cache_dtype=kv_dtype,
+        weights_total=total,
+        weights_per_rank=math.ceil(total / tp),
+        kv_terms=terms,
+        kv_bytes_per_token=per_token,
+        tokens_per_rank=tokens,
+        kv_cache_memory_bytes=tokens * per_token,
+        overhead_bytes=int(mem.overhead_gib * GIB),
+        os_reserve_bytes=int(mem.os_reserve_gib * GIB),
+        node_memory_bytes=node_memory_bytes or settings.getint("NODE_MEMORY_BYTES"),
+        gpu_memory_utilization=float(settings.get("GPU_MEMORY_UTILIZATION")),
+        gpu_memory_utilization_cap=mem.gpu_memory_utilization_cap,
+        notes=notes,
+    )
+
+
+def plan_for(settings: Settings, node_memory_bytes: int | None = None) -> Plan:
+    return make_plan(settings, read_checkpoint(settings.model), node_memory_bytes)
+
+
+def require_fit(plan: Plan) -> None:
+    problems = plan.problems()
+    if problems:
+        raise CheckFailed("plan refused: " + "\n  ".join(problems))

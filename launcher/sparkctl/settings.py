@@ -1,0 +1,487 @@
+"""Settings: every knob, where its value came from, and the rules it must satisfy.
+
+Sources, lowest to highest precedence:
+    recipe defaults < env file < process environment < CLI flags
+The env file is `--env-file`, else $SPARKCTL_ENV_FILE, else env/cluster.env when it exists.
+Every value remembers its source so that an error can say "TP=4 must be divisible by DCP=3
+(DCP from env/cluster.env)" and `sparkctl config` can show where each value came from.
+Secrets (anything named *TOKEN*, *KEY*, *SECRET*, *PASSWORD*) are never shown.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dotenv import dotenv_values
+
+from .errors import UsageError
+from .recipes import DEFAULT_RECIPE, Recipe, load_recipe
+
+REDACTED = "[REDACTED]"
+_SECRET_RE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+DEFAULT_ENV_FILE = Path("env/cluster.env")
+
+# Values that reach a shell, a file or a label must not carry these.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+_NETDEV_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
+_CLUSTER_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+_SIZE_RE = re.compile(r"^[0-9]+[bkmg]?$")
+_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$", re.IGNORECASE)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "fp8_inc")
+RANK_KEY_RE = re.compile(r"^RANK(\d+)_(FABRIC_IP|CX7_IF|CX7_IB|GID_INDEX)$")
+PASSTHROUGH_RE = re.compile(r"^(STANDIN_[A-Z0-9_]+|SKIP_[A-Z0-9_]+)$")
+
+
+def is_secret(key: str) -> bool:
+    return bool(_SECRET_RE.search(key))
+
+
+# ----------------------------------------------------------------------------------------------
+# Knob registry
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: str  # str | int | float | list | path | bool
+    doc: str
+    required: bool = False
+    check: Callable[[Any], str | None] | None = None  # returns the rule broken, or None
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+
+
+def _no_control(value: Any) -> str | None:
+    if isinstance(value, str) and _CONTROL_RE.search(value):
+        return "must not contain control characters (newlines, tabs, NUL)"
+    return None
+
+
+def _abs_path(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    if not str(value).startswith("/"):
+        return "must be an absolute path"
+    if "," in str(value):
+        return "must not contain ',' (docker --mount cannot bind such a path)"
+    return _no_control(value)
+
+
+def _nodes(value: Any) -> str | None:
+    if not value:
+        return "must name at least one SSH host alias"
+    seen: set[str] = set()
+    for alias in value:
+        if not _ALIAS_RE.match(alias):
+            return (
+                f"node alias {alias!r} is not a valid SSH host alias "
+                "(letters, digits, '.', '_', '-'; define it in your ssh config)"
+            )
+        if alias in seen:
+            return f"node {alias!r} is listed twice"
+        seen.add(alias)
+    return None
+
+
+def _regex(rx: re.Pattern[str], what: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if value in (None, ""):
+            return None
+        return None if rx.match(str(value)) else f"must be {what}"
+
+    return check
+
+
+def _cidr(value: Any) -> str | None:
+    if not value:
+        return None
+    try:
+        ipaddress.IPv4Network(str(value), strict=False)
+    except ValueError:
+        return "must be an IPv4 network in CIDR form, e.g. 192.168.100.0/24"
+    return None
+
+
+def _ipv4(value: Any) -> str | None:
+    if not value:
+        return None
+    try:
+        ipaddress.IPv4Address(str(value))
+    except ValueError:
+        return "must be an IPv4 address"
+    return None
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in [
+        Knob("NODES", "list", "SSH host aliases of the ranks, head (rank 0) first.", required=True, check=_nodes),
+        Knob("MODEL", "path", "Checkpoint folder, at the same path on every node.", required=True, check=_abs_path),
+        Knob("RECIPE", "str", "Recipe name (glm53-exl3-tp4, glm53-exl3-2.75bpw, lab) or a recipe file."),
+        Knob("CLUSTER_NAME", "str", "Name of this cluster: the value of the sparkctl.cluster label.",
+             check=_regex(_CLUSTER_RE, "lower-case letters, digits, '.', '_', '-' (max 63)")),
+        Knob("TP", "int", "Tensor-parallel size (one GPU per rank on GB10).", minimum=1, maximum=1024),
+        Knob("DCP", "int", "Decode-context-parallel size; TP must be divisible by it.", minimum=1, maximum=1024),
+        Knob("GPUS_PER_NODE", "int", "GPUs per node (1 on DGX Spark).", minimum=1, maximum=64),
+        Knob("DCP_COMM_BACKEND", "str", "DCP communication backend.", choices=("ag_rs", "a2a")),
+        Knob("MAX_MODEL_LEN", "int", "Context length in tokens.", minimum=1, maximum=100_000_000),
+        Knob("KV_CACHE_DTYPE", "str", "KV-cache dtype (vLLM only rejects a typo after loading).",
+             choices=KV_CACHE_DTYPES),
+        Knob("MAX_FULL_SEQS", "int", "Concurrent full-length sequences the KV cache must hold.",
+             minimum=1, maximum=4096),
+        Knob("GPU_MEMORY_UTILIZATION", "float", "vLLM --gpu-memory-utilization (capped by the recipe).",
+             minimum=0.01, maximum=1.0),
+        Knob("KV_CACHE_MEMORY_BYTES", "int", "Per-GPU KV-cache bytes; default: the planner's figure.", minimum=1),
+        Knob("NODE_MEMORY_BYTES", "int", "Node memory for offline planning; check uses each node's MemTotal.",
+             minimum=1),
+        Knob("PORT", "int", "OpenAI API port on the head.", minimum=1, maximum=65535),
+        Knob("MASTER_ADDR", "str", "Rendezvous address; default: the head's fabric IP (RANK0_FABRIC_IP).",
+             check=_ipv4),
+        Knob("MASTER_PORT", "int", "Rendezvous port on the head's fabric address.", minimum=1, maximum=65535),
+        Knob("SERVED_MODEL_NAME", "str", "Model name the API serves.", check=_no_control),
+        Knob("SPEC_METHOD", "str", "Speculative decoding: mtp (the checkpoint's MTP block), dspark, or off.",
+             choices=("mtp", "dspark", "off")),
+        Knob("SPEC_K", "int", "Speculative tokens per step (MTP k).", minimum=1, maximum=16),
+        Knob("DSPARK", "path", "DSpark drafter folder (with SPEC_METHOD=dspark).", check=_abs_path),
+        Knob("IMAGE", "str", "Image every rank runs (the chain's top layer).",
+             check=_regex(_IMAGE_RE, "a Docker image reference")),
+        Knob("BASE_IMAGE", "str", "Base image of the chain.", check=_regex(_IMAGE_RE, "a Docker image reference")),
+        Knob("ULIMIT_NOFILE", "int", "Container nofile limit (soft=hard).", minimum=1024),
+        Knob("ULIMIT_MEMLOCK", "int", "Container memlock limit in bytes, -1 for unlimited.", minimum=-1),
+        Knob("SHM_SIZE", "str", "Container /dev/shm size (docker --shm-size).",
+             check=_regex(_SIZE_RE, "a size like 64g, 512m or a byte count")),
+        Knob("FABRIC_SUBNET", "str", "Fabric network (CIDR); check picks the CX7 netdev with an address in it.",
+             check=_cidr),
+        Knob("HEAD_Q", "str", "6-bit EXL3 head (2.75 bpw pack): on or off.", choices=("on", "off")),
+        Knob("ABLIT", "int", "Load-time abliteration (0: the shards already carry it).", minimum=0, maximum=1),
+        Knob("ABLIT_HOST_DIR", "path", "Host folder with the load-time abliteration files.", check=_abs_path),
+        Knob("LOCAL_MODEL_DIR", "path", "Seed launcher's name for MODEL (used when MODEL is not set).",
+             check=_abs_path),
+        Knob("HF_TOKEN", "str", "Hugging Face token (secret; never shown, passed by file)."),
+        Knob("VLLM_API_KEY", "str", "API key the service requires (secret; passed by file, not argv)."),
+    ]
+}
+
+RANK_KNOB_DOCS = {
+    "FABRIC_IP": "Rank n's fabric IPv4 (discovered by check).",
+    "CX7_IF": "Rank n's fabric netdev, e.g. enp1s0f0np0 or enP2p1s0f1np1 (discovered by check).",
+    "CX7_IB": "Rank n's RDMA device, e.g. rocep1s0f0 (discovered by check).",
+    "GID_INDEX": "Rank n's RoCE v2 GID index (discovered by check; it drifts, never hard-code 3).",
+}
+
+
+def knob_doc(key: str) -> str | None:
+    if key in KNOBS:
+        return KNOBS[key].doc
+    m = RANK_KEY_RE.match(key)
+    if m:
+        return RANK_KNOB_DOCS[m.group(2)]
+    if PASSTHROUGH_RE.match(key):
+        return "Passed to the containers' environment as it is."
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Resolved values
+
+
+@dataclass(frozen=True)
+class Value:
+    key: str
+    value: Any
+    raw: str
+    source: str  # e.g. "recipe glm53-exl3-tp4", "env file env/cluster.env", "environment", "--nodes"
+
+    @property
+    def shown(self) -> str:
+        return REDACTED if is_secret(self.key) and self.raw else self.raw
+
+
+@dataclass(frozen=True)
+class RankPins:
+    """Per-rank fabric pins: discovered by `check`, or given as RANK<n>_* knobs."""
+
+    fabric_ip: str | None = None
+    netdev: str | None = None
+    rdma_dev: str | None = None
+    gid_index: int | None = None
+
+    def missing(self) -> list[str]:
+        names = {"fabric_ip": "FABRIC_IP", "netdev": "CX7_IF", "rdma_dev": "CX7_IB", "gid_index": "GID_INDEX"}
+        return [knob for attr, knob in names.items() if getattr(self, attr) is None]
+
+
+@dataclass
+class Settings:
+    values: dict[str, Value]
+    recipe: Recipe
+    env_file: Path | None
+    warnings: list[str] = field(default_factory=list)
+
+    # -- access
+    def get(self, key: str, default: Any = None) -> Any:
+        v = self.values.get(key)
+        return default if v is None or v.value in (None, "") else v.value
+
+    def source(self, key: str) -> str:
+        v = self.values.get(key)
+        return v.source if v else "unset"
+
+    def describe(self, key: str) -> str:
+        """`KEY=value (from source)` for messages, with secrets redacted."""
+        v = self.values.get(key)
+        if v is None:
+            return f"{key} (unset)"
+        return f"{key}={v.shown} (from {v.source})"
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self.get("NODES", []))
+
+    @property
+    def head(self) -> str:
+        return self.nodes[0]
+
+    @property
+    def model(self) -> Path:
+        return Path(self.get("MODEL"))
+
+    @property
+    def cluster_name(self) -> str:
+        return str(self.get("CLUSTER_NAME", "sparkctl"))
+
+    def getint(self, key: str) -> int:
+        return int(self.get(key))
+
+    def secrets(self) -> dict[str, str]:
+        return {k: str(v.value) for k, v in self.values.items() if is_secret(k) and v.value not in (None, "")}
+
+    def passthrough_env(self) -> dict[str, str]:
+        return {k: str(v.value) for k, v in self.values.items() if PASSTHROUGH_RE.match(k) and k.startswith("STANDIN_")}
+
+    def rank_pins(self, rank: int) -> RankPins:
+        gid = self.get(f"RANK{rank}_GID_INDEX")
+        return RankPins(
+            fabric_ip=self.get(f"RANK{rank}_FABRIC_IP"),
+            netdev=self.get(f"RANK{rank}_CX7_IF"),
+            rdma_dev=self.get(f"RANK{rank}_CX7_IB"),
+            gid_index=None if gid is None else int(gid),
+        )
+
+    def as_dict(self, *, redact: bool = True) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for key in sorted(self.values, key=_sort_key):
+            v = self.values[key]
+            shown: Any = v.shown if (redact and is_secret(key)) else v.value
+            out[key] = {"value": shown, "source": v.source}
+        return out
+
+
+def _sort_key(key: str) -> tuple[int, str]:
+    order = list(KNOBS)
+    if key in KNOBS:
+        return (order.index(key), key)
+    m = RANK_KEY_RE.match(key)
+    if m:
+        return (len(order) + int(m.group(1)), key)
+    return (10_000, key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _env_file_path(env_file: str | None, environ: Mapping[str, str]) -> tuple[Path | None, bool]:
+    """The env file to read, and whether the user named it explicitly (then it must exist)."""
+    if env_file:
+        return Path(env_file), True
+    if environ.get("SPARKCTL_ENV_FILE"):
+        return Path(environ["SPARKCTL_ENV_FILE"]), True
+    if DEFAULT_ENV_FILE.is_file():
+        return DEFAULT_ENV_FILE, False
+    return None, False
+
+
+def _known_key(key: str) -> bool:
+    return key in KNOBS or bool(RANK_KEY_RE.match(key)) or bool(PASSTHROUGH_RE.match(key))
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        raise UsageError(f"env file {path} not found", fix="check the path given by --env-file or SPARKCTL_ENV_FILE")
+    try:
+        raw = dotenv_values(path, interpolate=False)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"env file {path}: cannot be read ({exc})") from None
+    return {k: ("" if v is None else v) for k, v in raw.items()}
+
+
+def _convert(key: str, raw: str, source: str) -> Any:
+    knob = KNOBS.get(key)
+    m = RANK_KEY_RE.match(key)
+    kind = knob.kind if knob else ("int" if m and m.group(2) == "GID_INDEX" else "str")
+    text = raw.strip()
+    if kind == "list":
+        return text.split()
+    if text == "" and kind != "str":
+        return None
+    if kind == "int":
+        try:
+            return int(text, 10)
+        except ValueError:
+            raise UsageError(f"{key}={raw!r} (from {source}) must be a whole number") from None
+    if kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise UsageError(f"{key}={raw!r} (from {source}) must be a number") from None
+    return text
+
+
+def load_settings(
+    *,
+    env_file: str | None = None,
+    cli: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    validate: bool = True,
+) -> Settings:
+    """Resolve every knob from the four sources and validate the result."""
+    environ = os.environ if environ is None else environ
+    cli = cli or {}
+    path, explicit = _env_file_path(env_file, environ)
+    file_values: dict[str, str] = {}
+    warnings: list[str] = []
+    if path is not None:
+        if explicit or path.exists():
+            file_values = _read_env_file(path)
+        for key in file_values:
+            if not _known_key(key):
+                close = difflib.get_close_matches(key, list(KNOBS), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                warnings.append(f"unknown key {key} in env file {path}{hint}; it is ignored")
+
+    # The recipe decides the defaults, so find it first, by the same precedence.
+    recipe_raw, recipe_src = DEFAULT_RECIPE, "default"
+    for src_name, src in ((f"env file {path}", file_values), ("environment", environ), ("command line", cli)):
+        if src.get("RECIPE"):
+            recipe_raw, recipe_src = src["RECIPE"], src_name
+    try:
+        recipe = load_recipe(recipe_raw)
+    except UsageError as exc:
+        raise UsageError(f"{exc.message} (RECIPE from {recipe_src})", fix=exc.fix) from None
+
+    values: dict[str, Value] = {}
+    layers: list[tuple[str, Mapping[str, Any]]] = [
+        (f"recipe {recipe.name}", {k: str(v) for k, v in recipe.defaults.items()}),
+        (f"env file {path}", file_values),
+        ("environment", {k: v for k, v in environ.items() if _known_key(k)}),
+        ("command line", cli),
+    ]
+    for source, mapping in layers:
+        for key, raw in mapping.items():
+            if not _known_key(key):
+                if source.startswith("recipe"):
+                    raise UsageError(f"{recipe.path}/defaults/{key}: unknown knob")
+                continue
+            values[key] = Value(key, _convert(key, str(raw), source), str(raw), source)
+    values["RECIPE"] = Value("RECIPE", recipe.name, recipe_raw, recipe_src)
+    # The seed launcher's LOCAL_MODEL_DIR stands in for MODEL when MODEL is not given.
+    if "MODEL" not in values and "LOCAL_MODEL_DIR" in values:
+        lmd = values["LOCAL_MODEL_DIR"]
+        values["MODEL"] = Value("MODEL", lmd.value, lmd.raw, f"{lmd.source} (LOCAL_MODEL_DIR)")
+
+    settings = Settings(values=values, recipe=recipe, env_file=path if file_values or explicit else None,
+                        warnings=warnings)
+    if validate:
+        try:
+            validate_settings(settings)
+        except UsageError as exc:  # a misspelt key is often the reason a value looks wrong
+            raise UsageError("\n".join([exc.message, *(f"also: {w}" for w in warnings)]), fix=exc.fix) from None
+    return settings
+
+
+def validate_settings(s: Settings) -> None:
+    """Raise UsageError with one line per broken rule, each naming the key, value, source and rule."""
+    problems: list[str] = []
+    for key, knob in KNOBS.items():
+        v = s.values.get(key)
+        empty = v is None or v.value in (None, "", [])
+        if empty:
+            if knob.required:
+                problems.append(f"{key} is not set: {knob.doc} Set it in the env file, the environment or "
+                                f"with --{key.lower()}")
+            continue
+        assert v is not None
+        value = v.value
+        if knob.choices and value not in knob.choices:
+            problems.append(f"{s.describe(key)} must be one of: {', '.join(knob.choices)}")
+        if knob.minimum is not None and value < knob.minimum:
+            problems.append(f"{s.describe(key)} must be at least {knob.minimum:g}")
+        if knob.maximum is not None and value > knob.maximum:
+            problems.append(f"{s.describe(key)} must be at most {knob.maximum:g}")
+        if knob.check:
+            rule = knob.check(value)
+            if rule:
+                problems.append(f"{s.describe(key)} {rule}")
+    for key, v in s.values.items():
+        if isinstance(v.value, str) and _CONTROL_RE.search(v.value) and not is_secret(key):
+            problems.append(f"{key} (from {v.source}) must not contain control characters")
+    if problems:
+        raise UsageError("\n".join(dict.fromkeys(problems)))
+
+    # Rules across knobs.
+    tp, dcp = s.getint("TP"), s.getint("DCP")
+    if tp % dcp:
+        problems.append(f"TP={tp} must be divisible by DCP={dcp} ({_src(s, 'TP', 'DCP')})")
+    nodes = s.nodes
+    gpn = int(s.get("GPUS_PER_NODE", 1))
+    if tp != len(nodes) * gpn:
+        problems.append(
+            f"TP={tp} must equal the number of nodes ({len(nodes)}) × GPUS_PER_NODE ({gpn}) "
+            f"({_src(s, 'TP', 'NODES')})"
+        )
+    if s.get("PORT") == s.get("MASTER_PORT"):
+        problems.append(f"PORT and MASTER_PORT must differ, both are {s.get('PORT')} ({_src(s, 'PORT', 'MASTER_PORT')})")
+    method = s.get("SPEC_METHOD")
+    if method == "dspark" and not s.get("DSPARK"):
+        problems.append(f"SPEC_METHOD=dspark needs DSPARK=<drafter folder> ({_src(s, 'SPEC_METHOD')})")
+    if s.get("DSPARK") and method != "dspark":
+        problems.append(f"DSPARK is set but SPEC_METHOD={method}: set SPEC_METHOD=dspark to use the drafter "
+                        f"({_src(s, 'DSPARK', 'SPEC_METHOD')})")
+    if method == "dspark" and not s.recipe.dspark_speculative_config:
+        problems.append(f"recipe {s.recipe.name} has no DSpark drafter configuration (SPEC_METHOD=dspark)")
+    for key in s.values:
+        m = RANK_KEY_RE.match(key)
+        if not m:
+            continue
+        rank, what = int(m.group(1)), m.group(2)
+        value = s.values[key].value
+        if rank >= len(nodes):
+            problems.append(f"{s.describe(key)}: there is no rank {rank} with {len(nodes)} nodes")
+        elif value in (None, ""):
+            continue
+        elif what == "FABRIC_IP" and _ipv4(value):
+            problems.append(f"{s.describe(key)} must be an IPv4 address")
+        elif what in ("CX7_IF", "CX7_IB") and not _NETDEV_RE.match(str(value)):
+            problems.append(f"{s.describe(key)} must be a device name (letters, digits, '_.:-', ≤ 15)")
+        elif what == "GID_INDEX" and int(value) < 0:
+            problems.append(f"{s.describe(key)} must be 0 or more")
+    if problems:
+        raise UsageError("\n".join(problems))
+
+
+def _src(s: Settings, *keys: str) -> str:
+    """'TP from recipe x, DCP from env file y' — or one source when all agree."""
+    sources = {k: s.source(k) for k in keys}
+    if len(set(sources.values())) == 1:
+        return f"from {next(iter(sources.values()))}"
+    return ", ".join(f"{k} from {src}" for k, src in sources.items())
