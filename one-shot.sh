@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# one-shot.sh — the whole day in one script.
+#
+#   ./one-shot.sh check | build | up | wait | status | logs | down | bench   run sparkctl on your cluster
+#   ./one-shot.sh demo    bring up the built-in lab (root) and walk the user's path on it
+#   ./one-shot.sh test    lint, type-check, unit tests, then the lab tests (root), as CI does
+#   ./one-shot.sh <any sparkctl command> [args]
+#
+# It bootstraps .venv on first use (and again whenever pyproject.toml changes), so the only thing a
+# machine needs is python3 (>= 3.11) with venv. demo and test, run as root on a fresh Debian/Ubuntu
+# machine, also install what the lab needs (docker.io, openssh-server, iproute2, iptables, debootstrap).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+venv="$here/.venv"
+py="${PYTHON:-python3}"
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+die() { printf 'one-shot.sh: %s\n' "$*" >&2; exit 2; }
+
+bootstrap() {
+  command -v "$py" >/dev/null || die "python3 not found: install Python 3.11 or newer"
+  "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python 3.11 or newer is needed ($("$py" -V))"
+  local stamp="$venv/.sparkctl-stamp" want
+  want="$(cat "$here/pyproject.toml" | sha256sum | cut -c1-16)"
+  if [[ -x "$venv/bin/sparkctl" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    return
+  fi
+  say "preparing $venv (first run, or pyproject.toml changed)"
+  if [[ ! -x "$venv/bin/python" ]]; then
+    "$py" -m venv "$venv" 2>/dev/null || {
+      as_root_install python3-venv
+      "$py" -m venv "$venv"
+    }
+  fi
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q -e "$here[test]" >&2
+  echo "$want" > "$stamp"
+}
+
+as_root_install() {
+  # Install Debian packages that are missing (only as root; otherwise say what to install).
+  local missing=()
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  ((${#missing[@]})) || return 0
+  if [[ $(id -u) -ne 0 ]]; then
+    die "missing packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})"
+  fi
+  command -v apt-get >/dev/null || die "missing packages ${missing[*]} and no apt-get to install them"
+  say "installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+}
+
+lab_packages() {
+  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates
+}
+
+sparkctl() { "$venv/bin/sparkctl" "$@"; }
+
+# Lines "SPARKCTL_SSH_CONFIG=..." and "SPARKCTL_ENV_FILE=..." from `lab up`/`lab status` into the env.
+export_lab_env() {
+  local line
+  while IFS= read -r line; do
+    case "$line" in
+      SPARKCTL_SSH_CONFIG=*|SPARKCTL_ENV_FILE=*) export "${line?}" ;;
+    esac
+  done
+}
+
+built() {  # is `sparkctl CMD` built in this version?
+  ! sparkctl "$1" --help 2>/dev/null | grep -q "(not built yet)"
+}
+
+step() {  # run a step of the demo, or say that it arrives later
+  local cmd="$1"
+  if built "$cmd"; then
+    say "sparkctl $*"
+    sparkctl "$@"
+  else
+    say "skipping \`sparkctl $cmd\`: not built yet in this version"
+  fi
+}
+
+demo() {
+  [[ $(id -u) -eq 0 ]] || die "demo builds the lab (network namespaces, sshd, dockerd per host): run it as root"
+  lab_packages
+  bootstrap
+  say "bringing up the lab (4 hosts, each with its own sshd and Docker engine)"
+  export_lab_env < <(sparkctl lab up --nodes "${LAB_NODES:-4}")
+  [[ -n "${SPARKCTL_ENV_FILE:-}" ]] || die "lab up did not say where its env file is"
+  say "the lab's cluster input: $SPARKCTL_ENV_FILE (ssh config $SPARKCTL_SSH_CONFIG)"
+  step config
+  step plan
+  step verify-model
+  step check
+  step build
+  step up
+  step wait
+  step status
+  step logs --tail 5
+  step down
+  say "demo done: the lab is still up for you to explore (\`./one-shot.sh lab down\` removes it)"
+}
+
+run_tests() {
+  bootstrap
+  say "ruff"
+  "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench"
+  say "mypy"
+  (cd "$here" && "$venv/bin/mypy")
+  say "unit tests"
+  (cd "$here" && "$venv/bin/pytest" -q -m "not lab" tests "$@")
+  if [[ $(id -u) -ne 0 ]]; then
+    say "lab tests skipped: they need root (network namespaces, sshd and dockerd per host)"
+    return 0
+  fi
+  lab_packages
+  local started=0
+  if ! sparkctl lab status >/dev/null 2>&1; then
+    say "bringing up the lab for the lab tests"
+    sparkctl lab up --nodes 4 >/dev/null
+    started=1
+  fi
+  local rc=0
+  say "lab tests"
+  (cd "$here" && "$venv/bin/pytest" -q -m lab tests "$@") || rc=$?
+  if ((started)) && [[ -z "${KEEP_LAB:-}" ]]; then
+    say "taking the lab down"
+    sparkctl lab down >/dev/null || rc=1
+  fi
+  # pytest exits 5 when a marker selects nothing: no lab tests is not a failure of the suite.
+  ((rc == 5)) && rc=0
+  return "$rc"
+}
+
+main() {
+  local cmd="${1:-}"
+  [[ -n "$cmd" ]] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+  shift
+  case "$cmd" in
+    -h|--help|help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' ;;
+    demo) demo ;;
+    test) run_tests "$@" ;;
+    *) bootstrap; exec "$venv/bin/sparkctl" "$cmd" "$@" ;;
+  esac
+}
+
+main "$@"
