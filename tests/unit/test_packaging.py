@@ -1,0 +1,61 @@
+"""The installed wheel carries its templates, images and recipes, and works from any directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=120,
+    )
+    (whl,) = out.glob("sparkctl_launcher-*.whl")
+    return whl
+
+
+def test_wheel_contains_data(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "sparkctl/_data/templates/env.tp4.j2" in names
+    assert "sparkctl/recipes/glm53-exl3-tp4.toml" in names
+    assert "sparkctl/recipes/lab.toml" in names
+    assert any(n.startswith("sparkctl/_data/images/") for n in names)
+
+
+def test_installed_wheel_renders_from_another_directory(wheel: Path, tmp_path: Path, model_308: Path) -> None:
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=120)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(target),  # the wheel first; dependencies come from this interpreter's site-packages
+        "NODES": "spark1 spark2 spark3 spark4",
+        "MODEL": str(model_308),
+        **{f"RANK{r}_{k}": v for r in range(4) for k, v in
+           {"FABRIC_IP": f"192.168.100.{r + 1}", "CX7_IF": "enp1s0f0np0", "CX7_IB": "rocep1s0f0",
+            "GID_INDEX": "3"}.items()},
+    }
+    code = "import sys; from sparkctl.cli import main; main(sys.argv[1:])"
+    for args in (["plan"], ["config"], ["render", "--out", "out/env.tp4"]):
+        r = subprocess.run([sys.executable, "-c", code, *args], cwd=elsewhere, env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+    import sparkctl.resources as res
+
+    r = subprocess.run([sys.executable, "-c", "import sparkctl.resources as r; print(r.data_dir('templates'))"],
+                       cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip().startswith(str(target)), r.stdout
+    assert res.data_dir("templates").is_dir()
+    assert (elsewhere / "out" / "env.tp4").stat().st_mode & 0o777 == 0o600
