@@ -66,6 +66,65 @@ def _read_json(path: Path, what: str) -> Any:
         raise UsageError(f"{path}: not valid JSON ({exc})") from None
 
 
+# Run on a node (`python3 - MODEL < script`) when the checkpoint is not on this machine: config.json,
+# the index and the shard sizes, as one JSON document. Standard library only.
+REMOTE_READER = b"""
+import json, os, sys
+d = sys.argv[1]
+out = {"is_dir": os.path.isdir(d), "files": {}}
+for name in ("config.json", "model.safetensors.index.json"):
+    p = os.path.join(d, name)
+    try:
+        if os.path.getsize(p) <= %d:
+            with open(p, "rb") as fh:
+                out["files"][name] = fh.read().decode("utf-8", "replace")
+    except OSError:
+        pass
+sizes = {}
+if out["is_dir"]:
+    for entry in os.scandir(d):
+        if entry.name.endswith(".safetensors") and entry.is_file():
+            sizes[entry.name] = entry.stat().st_size
+out["sizes"] = sizes
+json.dump(out, sys.stdout)
+""" % MAX_JSON_BYTES
+
+
+def checkpoint_from_listing(model: Path, listing: dict[str, Any], where: str) -> CheckpointInfo:
+    """The same CheckpointInfo as read_checkpoint, from REMOTE_READER's output on a node."""
+    if not listing.get("is_dir"):
+        raise UsageError(f"MODEL={model} is not a folder on {where}",
+                         fix="point MODEL at the checkpoint folder, at the same path on every node")
+    files = listing.get("files") or {}
+    sizes = {str(k): int(v) for k, v in (listing.get("sizes") or {}).items()}
+    if "config.json" not in files:
+        raise UsageError(f"config.json not found in {model} on {where}",
+                         fix="MODEL must be the checkpoint folder itself")
+    config = _parse_json_text(files["config.json"], f"{where}:{model / 'config.json'}")
+    if not isinstance(config, dict):
+        raise UsageError(f"{where}:{model / 'config.json'}: expected a JSON object")
+    total = None
+    if INDEX_NAME in files:
+        index = _parse_json_text(files[INDEX_NAME], f"{where}:{model / INDEX_NAME}")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise UsageError(f"{where}:{model / INDEX_NAME}: has no weight_map object")
+        names = sorted({str(v) for v in weight_map.values()})
+        meta = index.get("metadata")
+        if isinstance(meta, dict) and isinstance(meta.get("total_size"), int):
+            total = meta["total_size"]
+    else:
+        names = sorted(sizes)
+    return CheckpointInfo(model, config, tuple(Shard(n, sizes.get(n)) for n in names), total)
+
+
+def _parse_json_text(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where}: not valid JSON ({exc})") from None
+
+
 def read_checkpoint(model: Path) -> CheckpointInfo:
     """config.json + the shard list (from the index, else *.safetensors) with their sizes on disk."""
     if not model.is_dir():

@@ -22,3 +22,8 @@ def data_dir(name: str) -> Path:
 
 def recipes_dir() -> Path:
     return _PKG / "recipes"
+
+
+def probe_script(name: str) -> bytes:
+    """A script from sparkctl/probes/ that is shipped to nodes on stdin (nodes don't have sparkctl)."""
+    return (_PKG / "probes" / name).read_bytes()

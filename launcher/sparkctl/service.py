@@ -1,0 +1,605 @@
+"""The service lifecycle on the nodes: up, wait, status, logs, down.
+
+Everything here runs over one `Cluster` (one SSH connection per node for the whole command). Only
+containers labelled `sparkctl.cluster=<CLUSTER_NAME>` are ever inspected, replaced or removed.
+
+`up` is all-or-nothing: it starts workers, then the head, and if anything fails — a node, a
+container, a Ctrl-C — it removes every container of this cluster it can reach before exiting 1.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+import shlex
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import requests
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
+
+from .builders import (
+    LABEL_CLUSTER,
+    LABEL_CONFIG_HASH,
+    LABEL_RANK,
+    RankSpec,
+    container_name,
+    docker_run_argv,
+    env_file_text,
+    remote_env_file,
+)
+from .cluster import Cluster, Node, NodeError
+from .errors import CheckFailed
+from .lock import audit_append_argv, audit_line, state_dir
+from .settings import Settings
+
+T = TypeVar("T")
+
+# All containers of a cluster on a node, inspected in one round trip. $ids is split on purpose:
+# `docker ps -q` prints only hex container IDs.
+_INSPECT = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1") || exit $?
+if [ -z "$ids" ]; then echo '[]'; else docker inspect $ids; fi'''
+_REMOVE = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1") || exit $?
+[ -z "$ids" ] || docker rm -f $ids >/dev/null || exit $?
+rm -f -- "$2"/rank*.env'''
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    """One sparkctl container as `docker inspect` sees it."""
+
+    id: str
+    name: str
+    rank: int | None
+    config_hash: str | None
+    image_id: str
+    status: str  # created | running | exited | dead | ...
+    running: bool
+    exit_code: int
+    started_at: str
+    restarts: int
+    error: str
+
+    @classmethod
+    def from_inspect(cls, doc: dict[str, Any]) -> ContainerState:
+        cfg = doc.get("Config") or {}
+        labels = cfg.get("Labels") or {}
+        state = doc.get("State") or {}
+        rank_text = str(labels.get(LABEL_RANK, ""))
+        return cls(
+            id=str(doc.get("Id", ""))[:64],
+            name=str(doc.get("Name", "")).lstrip("/"),
+            rank=int(rank_text) if rank_text.isdigit() else None,
+            config_hash=labels.get(LABEL_CONFIG_HASH),
+            image_id=str(doc.get("Image", "")),
+            status=str(state.get("Status", "unknown")),
+            running=bool(state.get("Running")),
+            exit_code=int(state.get("ExitCode") or 0),
+            started_at=str(state.get("StartedAt", "")),
+            restarts=int(doc.get("RestartCount") or 0),
+            error=str(state.get("Error") or ""),
+        )
+
+    def uptime_s(self, now: _dt.datetime | None = None) -> float | None:
+        # Docker prints nanoseconds ("2026-11-29T11:30:00.123456789Z"); seconds are enough here.
+        m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", self.started_at)
+        if not self.running or not m:
+            return None
+        started = _dt.datetime.fromisoformat(m.group(1)).replace(tzinfo=_dt.UTC)
+        return ((now or _dt.datetime.now(_dt.UTC)) - started).total_seconds()
+
+
+def inspect_cluster(node: Node, cluster: str) -> list[ContainerState]:
+    r = node.run(["sh", "-c", _INSPECT, "sparkctl-inspect", f"{LABEL_CLUSTER}={cluster}"], timeout=30)
+    if not r.ok:
+        first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
+        raise NodeError(node.name, "docker", f"cannot list containers: {first[:300]}",
+                        f"check the Docker engine on {node.name} (`docker version` there)")
+    try:
+        docs = json.loads(r.stdout or "[]")
+    except json.JSONDecodeError as exc:
+        raise NodeError(node.name, "output", f"docker inspect printed something that is not JSON ({exc.msg})") from None
+    if not isinstance(docs, list):
+        raise NodeError(node.name, "output", "docker inspect did not print a list")
+    return [ContainerState.from_inspect(d) for d in docs if isinstance(d, dict)]
+
+
+def image_id(node: Node, ref: str) -> str | None:
+    r = node.docker(["image", "inspect", "--format", "{{.Id}}", ref], timeout=30)
+    return r.stdout.strip() if r.ok and r.stdout.strip() else None
+
+
+def remove_cluster(node: Node, cluster: str) -> None:
+    r = node.run(["sh", "-c", _REMOVE, "sparkctl-remove", f"{LABEL_CLUSTER}={cluster}", state_dir(cluster)],
+                 timeout=60)
+    if not r.ok:
+        first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
+        raise NodeError(node.name, "docker", f"cannot remove containers: {first[:300]}")
+
+
+def audit(cluster: Cluster, names: Sequence[str], cluster_name: str, lines: dict[str, list[str]]) -> None:
+    """Append audit lines on each node; an audit failure never hides the action's own result."""
+    def one(node: Node) -> None:
+        if lines.get(node.name):
+            node.run(audit_append_argv(cluster_name, lines[node.name]), timeout=20)
+
+    cluster.run_all(one, nodes=[n for n in names if n in cluster.connected])
+
+
+# ------------------------------------------------------------------------------------------- up
+
+
+@dataclass
+class UpOutcome:
+    changed: bool
+    reasons: list[str] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)  # "rank N on NODE"
+    config_hash: str = ""
+
+
+def _failures(results: dict[str, Any]) -> dict[str, NodeError]:
+    return {n: r for n, r in results.items() if isinstance(r, NodeError)}
+
+
+def _raise_nodes(what: str, failed: dict[str, NodeError]) -> None:
+    lines = [f"{n}: {e.message}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()]
+    raise CheckFailed(f"{what} on {len(failed)} node(s):\n  " + "\n  ".join(lines))
+
+
+def diff_running(
+    specs: Sequence[RankSpec], cfg_hash: str, states: dict[str, list[ContainerState]], images: dict[str, str | None]
+) -> list[str]:
+    """Why the running service is not the wanted one (empty: it is exactly the wanted one)."""
+    reasons = []
+    for spec in specs:
+        mine = [c for c in states.get(spec.node, []) if c.rank == spec.rank]
+        others = [c for c in states.get(spec.node, []) if c.rank != spec.rank]
+        for c in others:
+            reasons.append(f"{spec.node}: container {c.name} (rank {c.rank}) does not belong to rank {spec.rank}")
+        if not mine:
+            reasons.append(f"rank {spec.rank} ({spec.node}): not running")
+            continue
+        c = mine[0]
+        if len(mine) > 1:
+            reasons.append(f"rank {spec.rank} ({spec.node}): {len(mine)} containers")
+        if not c.running:
+            reasons.append(f"rank {spec.rank} ({spec.node}): container {c.status} (exit {c.exit_code})")
+        if c.config_hash != cfg_hash:
+            reasons.append(f"rank {spec.rank} ({spec.node}): config changed ({c.config_hash} → {cfg_hash})")
+        if images.get(spec.node) and c.image_id != images[spec.node]:
+            reasons.append(f"rank {spec.rank} ({spec.node}): image changed ({c.image_id[:19]} → "
+                           f"{str(images[spec.node])[:19]})")
+    return reasons
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM gets the same rollback as Ctrl-C while `up` is starting containers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def up(
+    cluster: Cluster,
+    settings: Settings,
+    specs: list[RankSpec],
+    cfg_hash: str,
+    *,
+    recreate: bool = False,
+    say: Callable[[str], None] = lambda s: None,
+    settle_s: float = 0.5,
+) -> UpOutcome:
+    """Start the service (workers, then the head) or leave an identical one alone."""
+    name = settings.cluster_name
+    nodes = settings.nodes
+    image = str(settings.get("IMAGE"))
+
+    states = cluster.run_all(lambda n: inspect_cluster(n, name), nodes=nodes)
+    images = cluster.run_all(lambda n: image_id(n, image), nodes=nodes)
+    failed = _failures(states) | _failures(images)
+    if failed:
+        _raise_nodes("cannot start: nodes not ready", failed)
+    missing = [n for n in nodes if images[n] is None]
+    if missing:
+        raise CheckFailed(f"image {image} is not on {', '.join(missing)}",
+                          fix="run `sparkctl build` (or `sparkctl check` to see every node's images)")
+    ok_states = {n: s for n, s in states.items() if not isinstance(s, NodeError)}
+    ok_images = {n: i for n, i in images.items() if not isinstance(i, NodeError)}
+    reasons = diff_running(specs, cfg_hash, ok_states, ok_images)
+    if not reasons and not recreate:
+        return UpOutcome(changed=False, config_hash=cfg_hash)
+    if recreate and not reasons:
+        reasons = ["--recreate"]
+    outcome = UpOutcome(changed=True, reasons=reasons, config_hash=cfg_hash)
+    started: list[str] = []
+    try:
+        with _sigterm_as_interrupt():
+            if any(ok_states.values()):
+                say("replacing the running service: " + "; ".join(reasons))
+                _down_all(cluster, settings, say)
+            _write_env_files(cluster, settings, specs)
+            by_rank = {s.rank: s for s in specs}
+            workers = [s for s in specs if s.rank > 0]
+            _start(cluster, settings, workers, cfg_hash, started, say)
+            _start(cluster, settings, [by_rank[0]], cfg_hash, started, say)
+            _confirm_running(cluster, settings, specs, settle_s)
+    except BaseException as exc:
+        say(f"rolling back: removing this cluster's containers ({type(exc).__name__})")
+        problems = _rollback(cluster, settings)
+        if isinstance(exc, KeyboardInterrupt):
+            raise CheckFailed("interrupted: every container `up` started was removed" +
+                              (f"; but {'; '.join(problems)}" if problems else "")) from None
+        raise
+    outcome.started = started
+    audit(cluster, nodes, name, {
+        s.node: [audit_line(action="up", rank=s.rank, config_hash=cfg_hash,
+                            detail=f"started {container_name(name, s.rank)} ({image})")] for s in specs
+    })
+    return outcome
+
+
+def _settled(call: Callable[[], T]) -> T:
+    """Run a fan-out to its end even if Ctrl-C arrives meanwhile, then re-raise the interrupt.
+
+    Otherwise a `docker run` still in flight on a pool thread could create a container after the
+    rollback has already swept that node: an orphan. Every remote call has its own timeout, so this
+    waits a bounded time.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = call()
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    interrupted = False
+    while t.is_alive():
+        try:
+            t.join(0.1)
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    if "error" in box:
+        raise box["error"]
+    result: T = box["result"]
+    return result
+
+
+def _write_env_files(cluster: Cluster, settings: Settings, specs: list[RankSpec]) -> None:
+    name = settings.cluster_name
+
+    def one(spec: RankSpec) -> Callable[[Node], None]:
+        def write(node: Node) -> None:
+            r = node.run(["mkdir", "-p", "-m", "700", state_dir(name)], timeout=20)
+            if not r.ok:
+                raise NodeError(node.name, "state", f"cannot create {state_dir(name)}: {r.stderr.strip()[:200]}")
+            node.put_bytes(remote_env_file(name, spec.rank), env_file_text(spec.env).encode(), mode=0o600)
+        return write
+
+    by_node = {s.node: one(s) for s in specs}
+    results = _settled(lambda: cluster.run_all(lambda n: by_node[n.name](n), nodes=list(by_node)))
+    failed = _failures(results)
+    if failed:
+        _raise_nodes("cannot write the rank env files", failed)
+
+
+def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash: str, started: list[str],
+           say: Callable[[str], None]) -> None:
+    argv = {s.node: docker_run_argv(settings, s, cfg_hash) for s in specs}
+    rank = {s.node: s.rank for s in specs}
+
+    def one(node: Node) -> str:
+        r = node.run(argv[node.name], timeout=120)
+        if not r.ok:
+            first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
+            raise NodeError(node.name, "docker-run", f"rank {rank[node.name]}'s container did not start: {first[:400]}",
+                            "see the error above; `sparkctl render` prints the exact command line")
+        return r.stdout.strip()
+
+    results = _settled(lambda: cluster.run_all(one, nodes=list(argv)))
+    for node, res in results.items():
+        if not isinstance(res, NodeError):
+            started.append(f"rank {rank[node]} on {node}")
+            say(f"started rank {rank[node]} on {node}")
+    failed = _failures(results)
+    if failed:
+        _raise_nodes("start failed", failed)
+
+
+def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec], settle_s: float) -> None:
+    """A container that exits at once (a bad flag, a missing interface) fails `up`, not `wait`."""
+    if settle_s > 0:
+        time.sleep(settle_s)
+    states = cluster.run_all(lambda n: inspect_cluster(n, settings.cluster_name), nodes=settings.nodes)
+    failed = _failures(states)
+    if failed:
+        _raise_nodes("lost nodes while starting", failed)
+    dead = []
+    for spec in specs:
+        node_states = states[spec.node]
+        assert not isinstance(node_states, NodeError)
+        mine = [c for c in node_states if c.rank == spec.rank]
+        if not mine or not mine[0].running:
+            tail = _log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 5)
+            status = f"{mine[0].status}, exit {mine[0].exit_code}" if mine else "gone"
+            dead.append(f"rank {spec.rank} ({spec.node}) {status}" + (f": {tail[-1]}" if tail else ""))
+    if dead:
+        raise CheckFailed("containers died right after start:\n  " + "\n  ".join(dead))
+
+
+def _rollback(cluster: Cluster, settings: Settings) -> list[str]:
+    results = cluster.run_all(lambda n: remove_cluster(n, settings.cluster_name), nodes=settings.nodes)
+    return [f"{n}: {r.message}" for n, r in results.items() if isinstance(r, NodeError)]
+
+
+def _down_all(cluster: Cluster, settings: Settings, say: Callable[[str], None]) -> dict[str, NodeError]:
+    """Head first (it serves the API and holds the rendezvous), then the workers in parallel."""
+    name = settings.cluster_name
+    head, workers = settings.nodes[0], settings.nodes[1:]
+    failed: dict[str, NodeError] = {}
+    def remove(node: Node) -> None:
+        remove_cluster(node, name)
+
+    for group in ([head], workers):
+        results = _settled(lambda g=group: cluster.run_all(remove, nodes=g))  # type: ignore[misc]
+        failed |= _failures(results)
+    return failed
+
+
+# ------------------------------------------------------------------------------------------ down
+
+
+def down(cluster: Cluster, settings: Settings, say: Callable[[str], None] = lambda s: None) -> dict[str, NodeError]:
+    """Remove this cluster's containers everywhere; unreachable nodes are returned, the rest torn down."""
+    failed = {n: e for n, e in cluster.errors.items() if n in settings.nodes}
+    reachable = [n for n in settings.nodes if n in cluster.connected]
+    before = cluster.run_all(lambda n: inspect_cluster(n, settings.cluster_name), nodes=reachable)
+    failed |= _down_all(cluster, settings, say)
+    lines = {}
+    for n, states in before.items():
+        if isinstance(states, NodeError) or n in failed:
+            continue
+        lines[n] = [audit_line(action="down", rank=c.rank, config_hash=c.config_hash,
+                               detail=f"removed {c.name}") for c in states] or [audit_line(action="down",
+                                                                                          detail="nothing running")]
+    audit(cluster, reachable, settings.cluster_name, lines)
+    return failed
+
+
+# ------------------------------------------------------------------------------------ logs, wait
+
+PHASES: list[tuple[str, re.Pattern[str]]] = [
+    ("rendezvous", re.compile(r"rendezvous|init_process_group|world_size=|Initializing a V1 LLM engine", re.I)),
+    ("loading weights", re.compile(r"Loading (model )?weights|Starting to load model|Loading safetensors", re.I)),
+    ("graph capture", re.compile(r"Capturing CUDA graph|Graph capturing|capturing cudagraph", re.I)),
+    ("ready", re.compile(r"Application startup complete", re.I)),
+]
+
+
+def phase_of(lines: Sequence[str]) -> str:
+    """The furthest phase these log lines have reached ("starting" before any)."""
+    best = -1
+    for line in lines:
+        for i, (_, rx) in enumerate(PHASES):
+            if i > best and rx.search(line):
+                best = i
+    return PHASES[best][0] if best >= 0 else "starting"
+
+
+def _log_tail(node: Node, container: str, n: int) -> list[str]:
+    try:
+        r = node.run(["docker", "logs", "--tail", str(int(n)), container], timeout=20)
+    except NodeError:
+        return []
+    return (r.stdout + r.stderr).splitlines()[-n:]
+
+
+def log_argv(container: str, *, tail: int | None, follow: bool, since: str | None = None) -> list[str]:
+    argv = ["docker", "logs"]
+    if tail is not None:
+        argv += ["--tail", str(int(tail))]
+    if since:
+        argv += ["--since", since]
+    if follow:
+        argv.append("--follow")
+    return argv + [container]
+
+
+@dataclass
+class HeadApi:
+    base_url: str
+    api_key: str | None = None
+    timeout: float = 5.0
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def health(self) -> int | None:
+        try:
+            return requests.get(f"{self.base_url}/health", timeout=self.timeout, headers=self._headers()).status_code
+        except requests.RequestException:
+            return None
+
+    def models(self) -> list[str]:
+        r = requests.get(f"{self.base_url}/v1/models", timeout=self.timeout, headers=self._headers())
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        return [str(m.get("id")) for m in data if isinstance(m, dict)]
+
+    def chat(self, model: str, prompt: str, max_tokens: int = 32, timeout: float = 120.0) -> tuple[str, float]:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}}
+        start = time.monotonic()
+        r = requests.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=timeout, headers=self._headers())
+        latency = time.monotonic() - start
+        r.raise_for_status()
+        choice = (r.json().get("choices") or [{}])[0]
+        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        return str(text), latency
+
+    def metrics(self) -> str | None:
+        try:
+            r = requests.get(f"{self.base_url}/metrics", timeout=self.timeout, headers=self._headers())
+        except requests.RequestException:
+            return None
+        return r.text if r.ok else None
+
+
+@dataclass
+class RankWatch:
+    rank: int
+    node: str
+    phase: str = "starting"
+    phase_since: float = field(default_factory=time.monotonic)
+    history: list[tuple[str, float]] = field(default_factory=list)
+
+
+class RankDied(CheckFailed):
+    pass
+
+
+def wait_ready(
+    cluster: Cluster,
+    settings: Settings,
+    api: HeadApi,
+    *,
+    timeout: float,
+    on_phase: Callable[[RankWatch], None] = lambda w: None,
+    poll_s: float = 0.5,
+    prompt: str = "Say hello in five words.",
+) -> dict[str, Any]:
+    """Until /health is 200, /v1/models lists the served name and a real chat completion answers.
+
+    Every poll also inspects every rank's container: a rank that died fails the wait at once, with
+    its last log lines. Polls back off from 0.2 s to `poll_s`; nothing busy-waits.
+    """
+    name = settings.cluster_name
+    served = str(settings.get("SERVED_MODEL_NAME"))
+    watches = {r: RankWatch(r, n) for r, n in enumerate(settings.nodes)}
+    start = time.monotonic()
+
+    def poll_rank(node: Node) -> tuple[list[ContainerState], list[str]]:
+        rank = settings.nodes.index(node.name)
+        states = inspect_cluster(node, name)
+        lines = _log_tail(node, container_name(name, rank), 200)
+        return states, lines
+
+    def once() -> dict[str, Any] | None:
+        results = cluster.run_all(poll_rank, nodes=settings.nodes)
+        failed = _failures(results)
+        if failed:
+            _raise_nodes("lost contact while waiting", failed)
+        for rank, w in watches.items():
+            res = results[w.node]
+            assert not isinstance(res, NodeError)
+            states, lines = res
+            mine = [c for c in states if c.rank == rank]
+            if not mine or not mine[0].running:
+                status = f"{mine[0].status}, exit code {mine[0].exit_code}" if mine else "no container"
+                tail = "\n    ".join(lines[-15:]) or "(no log output)"
+                raise RankDied(f"rank {rank} on {w.node} died ({status}) after {time.monotonic() - start:.1f}s; "
+                               f"its last log lines:\n    {tail}",
+                               fix=f"read `sparkctl logs --rank {rank}`; then `sparkctl down` and fix the cause")
+            phase = phase_of(lines)
+            if phase != w.phase:
+                now = time.monotonic()
+                w.history.append((w.phase, now - w.phase_since))
+                w.phase, w.phase_since = phase, now
+                on_phase(w)
+        if api.health() != 200:
+            return None
+        models = api.models()
+        if served not in models:
+            return None
+        text, latency = api.chat(served, prompt)
+        return {"models": models, "completion": text, "latency_s": latency,
+                "elapsed_s": time.monotonic() - start,
+                "phases": {w.rank: [*w.history, (w.phase, time.monotonic() - w.phase_since)]
+                           for w in watches.values()}}
+
+    retry = Retrying(
+        stop=stop_after_delay(timeout),
+        wait=wait_exponential(multiplier=0.1, min=0.2, max=poll_s),
+        retry=retry_if_result(lambda r: r is None),
+        retry_error_callback=lambda state: None,
+        reraise=True,
+    )
+    result = retry(_guard_http(once))
+    if result is None:
+        phases = ", ".join(f"rank {w.rank}: {w.phase}" for w in watches.values())
+        raise CheckFailed(f"the service was not ready within {timeout:g}s ({phases})",
+                          fix="`sparkctl logs` shows what each rank is doing; raise --timeout for a slow load")
+    return result
+
+
+def _guard_http(fn: Callable[[], dict[str, Any] | None]) -> Callable[[], dict[str, Any] | None]:
+    """A refused/timed-out HTTP call while the head loads is 'not ready yet', not a failure."""
+    def wrapped() -> dict[str, Any] | None:
+        try:
+            return fn()
+        except (requests.ConnectionError, requests.Timeout):
+            return None
+        except requests.HTTPError as exc:
+            status = exc.response.status_code if exc.response is not None else 0
+            if status in (502, 503, 504):
+                return None
+            raise CheckFailed(f"the head answered HTTP {status}: {str(exc)[:200]}") from None
+    return wrapped
+
+
+def stream_logs(cluster: Cluster, settings: Settings, ranks: Sequence[int], *, tail: int | None, follow: bool,
+                emit: Callable[[int, str, str], None], stop: threading.Event) -> dict[str, NodeError]:
+    """Every selected rank's log lines to emit(rank, node, line), all ranks at once."""
+    name = settings.cluster_name
+    errors: dict[str, NodeError] = {}
+
+    def one(rank: int) -> None:
+        node_name = settings.nodes[rank]
+        try:
+            node = cluster.node(node_name)
+            for line in node.stream(log_argv(container_name(name, rank), tail=tail, follow=follow), stop=stop):
+                emit(rank, node_name, line)
+        except NodeError as exc:
+            errors[node_name] = exc
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except KeyboardInterrupt:
+        stop.set()
+    return errors
+
+
+def head_base_url(cluster: Cluster, settings: Settings) -> str:
+    host = cluster.target(settings.head).hostname
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    return f"http://{host}:{settings.getint('PORT')}"
+
+
+def shell_line(argv: Sequence[str]) -> str:
+    return shlex.join(list(argv))
