@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import ipaddress
+from types import SimpleNamespace
 
+from sparkctl.check import FAIL, Needs, discover_fabric
 from sparkctl.facts import Gid, Hca, IbPort, NetDev, NodeFacts
-from sparkctl.pins import CX7_NAME, discover
+from sparkctl.settings import RankPins
 
 UP = ("BROADCAST", "MULTICAST", "UP", "LOWER_UP")
 DOWN = ("BROADCAST", "MULTICAST")
@@ -25,11 +27,14 @@ def facts(devs: list[NetDev], hcas: list[Hca]) -> NodeFacts:
     return NodeFacts(netdevs=[dev("lo", "127.0.0.1/8"), dev("eth0", "10.0.0.5/24"), *devs], hcas=hcas)
 
 
-def test_cx7_names():
-    for name in ["enp1s0f0np0", "enp1s0f1np1", "enP2p1s0f0np0", "enP2p1s0f1np1"]:
-        assert CX7_NAME.match(name), name
-    for name in ["eth0", "lo", "docker0", "wlp2s0", "enp1s0"]:
-        assert not CX7_NAME.match(name), name
+def discover(f: NodeFacts, subnet: str | None = None, netdev: str | None = None):
+    """check.discover_fabric as `up` and `check` both use it, for rank 0 of a one-node cluster."""
+    needs = Needs(nofile=1024, memlock_bytes=-1, gpus_per_node=1, port=8888, master_port=29501,
+                  fabric_subnet=ipaddress.IPv4Network(subnet) if subnet else None, image="i", cluster="c",
+                  model="/m", given_pins=(RankPins(netdev=netdev),))
+    finding, pins = discover_fabric("n1", 0, f, needs)
+    return SimpleNamespace(
+        pins=pins, problem=None if pins else finding.text, fix=finding.fix, failed=finding.status == FAIL)
 
 
 def test_first_port_node():
@@ -54,14 +59,16 @@ def test_interface_down_is_a_problem_naming_it():
     f = facts([dev("enp1s0f0np0", "192.168.100.1/24", up=False)], [hca("rocep1s0f0", "enp1s0f0np0",
                                                                         "192.168.100.1", 3)])
     found = discover(f, "192.168.100.0/24")
-    assert found.pins is None and "enp1s0f0np0 down" in (found.problem or "") and found.fix
+    assert found.pins is None and "enp1s0f0np0" in (found.problem or "") and "DOWN" in (found.problem or "")
+    assert "ip link set enp1s0f0np0 up" in found.fix
 
 
 def test_two_candidates_need_a_subnet():
     f = facts([dev("enp1s0f0np0", "192.168.100.1/24"), dev("enp1s0f1np1", "192.168.200.1/24")],
               [hca("rocep1s0f0", "enp1s0f0np0", "192.168.100.1", 3), hca("rocep1s0f1", "enp1s0f1np1",
                                                                            "192.168.200.1", 3)])
-    assert discover(f).pins is None and "several" in (discover(f).problem or "")
+    first = discover(f)  # both qualify: the first is taken, with a warning naming the other
+    assert first.pins is not None and first.pins.netdev == "enp1s0f0np0" and not first.failed
     found = discover(f, "192.168.200.0/24")
     assert found.pins is not None and found.pins.netdev == "enp1s0f1np1"
 
@@ -72,7 +79,7 @@ def test_pinned_netdev_is_used_and_must_exist():
                                                                            "192.168.200.1", 4)])
     found = discover(f, None, "enp1s0f1np1")
     assert found.pins is not None and found.pins.gid_index == 4
-    assert "does not exist" in (discover(f, None, "enp9s0f0np0").problem or "")
+    assert "RANK0_CX7_IF=enp9s0f0np0" in (discover(f, None, "enp9s0f0np0").problem or "")
 
 
 def test_gid_without_roce_v2_type_is_not_taken_as_zero():

@@ -1,0 +1,903 @@
+"""`sparkctl check`: rules that turn node facts into findings, and the one place that gathers them.
+
+The rules (top half) are pure functions: facts in, `Finding`s out, each with a status (✓ ok, ✗ fail,
+! warn), a short cell text for the table, a full reason and a one-line fix. The orchestration
+(bottom half, `run_check`) opens one SSH connection per node and does two parallel round trips:
+
+  1. every node runs probes/node_facts.sh (all read-only facts at once); the head also runs
+     probes/ckpt_scan.py on a second channel of the same connection (header-level verification);
+  2. every node tries to reach every other rank's discovered fabric address (probes/reach.sh).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ipaddress
+import json
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import facts as F
+from .cluster import Cluster, Node, NodeError, RunResult
+from .plan import GB, INDEX_NAME, CheckpointInfo, Plan, Shard, gb, make_plan
+from .settings import RankPins, Settings
+
+OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
+SYMBOL = {OK: "✓", FAIL: "✗", WARN: "!", SKIP: "·"}
+CLUSTER_ROW = "(cluster)"
+
+# Column order of the table; every node gets one finding per column.
+CHECKS = (
+    "ssh",
+    "docker",
+    "gpu",
+    "memory",
+    "limits",
+    "fabric",
+    "reach",
+    "ports",
+    "disk",
+    "model",
+    "image",
+    "containers",
+    "plan",
+)
+
+DISK_FAIL_BYTES = 10 * GB  # below this the image chain cannot even be unpacked
+DISK_WARN_BYTES = 50 * GB  # a production chain (vLLM + CUDA) is tens of GB per rank
+DF_PATHS = ("/var/lib/docker",)
+PROBES = Path(__file__).resolve().parent / "probes"
+
+
+@dataclass(frozen=True)
+class Finding:
+    node: str  # a node alias, or CLUSTER_ROW for what concerns the whole cluster
+    check: str
+    status: str  # ok | fail | warn | skip
+    short: str  # the table cell
+    reason: str = ""  # the whole story (defaults to short)
+    fix: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.reason or self.short
+
+    def to_dict(self) -> dict[str, str]:
+        d = asdict(self)
+        d["reason"] = self.text
+        return d
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the settings and recipe ask of every node, distilled so the rules need no Settings."""
+
+    nofile: int
+    memlock_bytes: int  # -1: unlimited
+    gpus_per_node: int
+    port: int
+    master_port: int
+    fabric_subnet: ipaddress.IPv4Network | None
+    image: str
+    cluster: str
+    model: str
+    given_pins: tuple[RankPins, ...] = ()
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Needs:
+        subnet = s.get("FABRIC_SUBNET")
+        return cls(
+            nofile=s.getint("ULIMIT_NOFILE"),
+            memlock_bytes=s.getint("ULIMIT_MEMLOCK"),
+            gpus_per_node=int(s.get("GPUS_PER_NODE", 1)),
+            port=s.getint("PORT"),
+            master_port=s.getint("MASTER_PORT"),
+            fabric_subnet=ipaddress.IPv4Network(subnet, strict=False) if subnet else None,
+            image=str(s.get("IMAGE")),
+            cluster=s.cluster_name,
+            model=str(s.model),
+            given_pins=tuple(s.rank_pins(r) for r in range(len(s.nodes))),
+        )
+
+
+def _f(node: str, check: str, status: str, short: str, reason: str = "", fix: str = "") -> Finding:
+    return Finding(node, check, status, short, reason, fix)
+
+
+def _unknown(node: str, check: str, facts: F.NodeFacts, section: str) -> Finding:
+    why = facts.problems.get(section, "not reported")
+    return _f(
+        node,
+        check,
+        FAIL,
+        "unreadable",
+        f"{node}: could not read {section}: {why}",
+        f"run the probe by hand on {node} to see why: sh -s < probes/node_facts.sh",
+    )
+
+
+# -------------------------------------------------------------------------------- per-node rules
+
+
+def rule_ssh(node: str, error: NodeError | None) -> Finding:
+    if error is None:
+        return _f(node, "ssh", OK, "ok")
+    short = {
+        "hostkey-unknown": "unknown host key",
+        "hostkey-changed": "HOST KEY CHANGED",
+        "hostkey-revoked": "revoked host key",
+        "refused": "refused",
+        "timeout": "timeout",
+        "auth": "auth failed",
+        "dns": "no such host",
+    }.get(error.kind, error.kind)
+    return _f(node, "ssh", FAIL, short, error.message, error.fix or "")
+
+
+def rule_docker(node: str, facts: F.NodeFacts) -> Finding:
+    v = facts.docker
+    if v is None or v.server_version is None:
+        why = facts.problems.get("docker-version", "no answer")
+        return _f(
+            node,
+            "docker",
+            FAIL,
+            "engine down",
+            f"{node}: the Docker engine is not reachable: {why}",
+            f"start the Docker engine on {node} (`systemctl start docker`) and check DOCKER_HOST there",
+        )
+    if v.api_version and _version_tuple(v.api_version) < (1, 40):
+        return _f(
+            node,
+            "docker",
+            FAIL,
+            f"API {v.api_version}",
+            f"{node}: Docker API {v.api_version} is too old for --gpus (needs 1.40, engine 19.03+)",
+            f"upgrade Docker on {node}",
+        )
+    return _f(node, "docker", OK, v.server_version)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(".")[:3])
+    except ValueError:
+        return (0,)
+
+
+def rule_gpu(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
+    if not facts.gpus:
+        why = facts.problems.get("gpu", "nvidia-smi listed no GPU")
+        return _f(
+            node,
+            "gpu",
+            FAIL,
+            "no GPU",
+            f"{node}: no GPU found: {why}",
+            f"install the NVIDIA driver on {node} and check that `nvidia-smi` works there",
+        )
+    gpu = facts.gpus[0]
+    cuda = facts.gpu_banner.cuda_version if facts.gpu_banner else None
+    desc = f"{gpu.name} ×{len(facts.gpus)}, driver {gpu.driver_version}" + (f", CUDA {cuda}" if cuda else "")
+    if len(facts.gpus) < needs.gpus_per_node:
+        return _f(
+            node,
+            "gpu",
+            FAIL,
+            f"{len(facts.gpus)} GPU(s)",
+            f"{node}: {desc}; GPUS_PER_NODE is {needs.gpus_per_node}",
+            f"check {node}'s GPUs with nvidia-smi, or lower GPUS_PER_NODE",
+        )
+    return _f(node, "gpu", OK, (gpu.name or "GPU").replace("NVIDIA ", ""), f"{node}: {desc}")
+
+
+def rule_memory(node: str, facts: F.NodeFacts) -> Finding:
+    m = facts.meminfo
+    if m is None:
+        return _unknown(node, "memory", facts, "meminfo")
+    avail = f", {gb(m.available_bytes)} available" if m.available_bytes is not None else ""
+    return _f(node, "memory", OK, gb(m.total_bytes), f"{node}: MemTotal {gb(m.total_bytes)}{avail}")
+
+
+def rule_limits(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
+    if facts.nofile_hard is None or facts.memlock_hard_kib is None:
+        return _unknown(node, "limits", facts, "nofile" if facts.nofile_hard is None else "memlock")
+    problems = []
+    if facts.nofile_hard < needs.nofile:
+        problems.append(
+            f"hard nofile limit {F.format_limit(facts.nofile_hard)} < ULIMIT_NOFILE={needs.nofile} "
+            '(NCCL fails at 4 ranks with "Too many open files"; docker refuses --ulimit above it)'
+        )
+    have_memlock = F.UNLIMITED if facts.memlock_hard_kib >= F.UNLIMITED else facts.memlock_hard_kib * 1024
+    want_memlock = F.UNLIMITED if needs.memlock_bytes < 0 else needs.memlock_bytes
+    if have_memlock < want_memlock:
+        want = "unlimited" if needs.memlock_bytes < 0 else f"{needs.memlock_bytes} B"
+        problems.append(
+            f"hard memlock limit {F.format_limit(facts.memlock_hard_kib)} KiB < ULIMIT_MEMLOCK ({want}) "
+            "(RDMA needs locked memory)"
+        )
+    short = f"nofile {F.format_limit(facts.nofile_hard)}, memlock {F.format_limit(facts.memlock_hard_kib)}"
+    if problems:
+        return _f(
+            node,
+            "limits",
+            FAIL,
+            "too low",
+            f"{node}: " + "; ".join(problems),
+            f"raise the hard limits on {node} (limits.conf and LimitNOFILE=/LimitMEMLOCK=infinity in "
+            "docker.service), or lower ULIMIT_NOFILE/ULIMIT_MEMLOCK in the env file",
+        )
+    return _f(node, "limits", OK, short)
+
+
+def discover_fabric(
+    node: str, rank: int, facts: F.NodeFacts, needs: Needs
+) -> tuple[Finding, RankPins | None]:
+    """Find this rank's fabric pins: the RDMA-backed netdev that is up with an IPv4 address (in
+    FABRIC_SUBNET when set; the one RANKn_CX7_IF / RANKn_FABRIC_IP names when pinned), its RDMA device,
+    and the RoCE v2 GID index of that address. Names differ across nodes: nothing is assumed."""
+    if facts.netdevs is None:
+        return _unknown(node, "fabric", facts, "ip-addr"), None
+    if facts.hcas is None or not facts.hcas:
+        why = facts.problems.get("infiniband", "no RDMA devices")
+        return _f(
+            node,
+            "fabric",
+            FAIL,
+            "no RDMA device",
+            f"{node}: no RDMA devices: {why}",
+            f"install the CX7 driver (mlx5) on {node}; /sys/class/infiniband must list its ports",
+        ), None
+    given = needs.given_pins[rank] if rank < len(needs.given_pins) else RankPins()
+    rdma_backed = {nd for h in facts.hcas for nd in h.netdevs}
+    candidates = []  # (netdev, address)
+    for dev in facts.netdevs:
+        if dev.name not in rdma_backed or (given.netdev and dev.name != given.netdev):
+            continue
+        for addr in dev.ipv4:
+            if needs.fabric_subnet and addr.ip not in needs.fabric_subnet:
+                continue
+            if given.fabric_ip and str(addr.ip) != given.fabric_ip:
+                continue
+            candidates.append((dev, addr))
+    where = f" in FABRIC_SUBNET={needs.fabric_subnet}" if needs.fabric_subnet else ""
+    pinned = [
+        f"RANK{rank}_{k}={v}" for k, v in (("CX7_IF", given.netdev), ("FABRIC_IP", given.fabric_ip)) if v
+    ]
+    if pinned:
+        where += f" matching the pinned {' '.join(pinned)}"
+    up = [(d, a) for d, a in candidates if d.is_up]
+    if not up:
+        if candidates:
+            dev, addr = candidates[0]
+            return _f(
+                node,
+                "fabric",
+                FAIL,
+                f"{dev.name} down",
+                f"{node}: fabric netdev {dev.name} ({addr}) is {dev.operstate}",
+                f"bring it up on {node} (`ip link set {dev.name} up`) and check its cable/QSFP link",
+            ), None
+        have = (
+            ", ".join(
+                f"{d.name} {'/'.join(str(a) for a in d.ipv4) or 'no IPv4'}"
+                for d in facts.netdevs
+                if d.name in rdma_backed
+            )
+            or "none"
+        )
+        return _f(
+            node,
+            "fabric",
+            FAIL,
+            "no fabric IP",
+            f"{node}: no RDMA-backed netdev is up with an IPv4 address{where} (CX7 netdevs: {have})",
+            f"give {node}'s CX7 port its fabric address (e.g. `ip addr add ADDR/24 dev IFACE`), or fix "
+            "FABRIC_SUBNET",
+        ), None
+    dev, addr = up[0]
+    hca = F.hca_for_netdev(facts.hcas, dev.name)
+    assert hca is not None  # candidates are RDMA-backed
+    gids = hca.roce_v2_gid_candidates(addr.ip)
+    if not gids:
+        return _f(
+            node,
+            "fabric",
+            FAIL,
+            "no RoCE v2 GID",
+            f"{node}: {hca.name} has no RoCE v2 GID for {addr.ip} "
+            f"({dev.name}); an empty NCCL_IB_GID_INDEX would silently mean index 0",
+            f"check {node}'s RoCE configuration (`show_gids`); the address must be on {dev.name} itself",
+        ), None
+    _, gid = gids[0]
+    pins = RankPins(fabric_ip=str(addr.ip), netdev=dev.name, rdma_dev=hca.name, gid_index=gid)
+    desc = f"{dev.name} {addr} {hca.name} GID {gid}"
+    notes = []
+    if len(up) > 1:
+        notes.append(
+            f"also up with a fabric address: {', '.join(d.name for d, _ in up[1:])} (using {dev.name})"
+        )
+    if given.gid_index is not None and given.gid_index != gid:
+        notes.append(
+            f"RANK{rank}_GID_INDEX={given.gid_index} is set but the GID is now {gid} (it drifts); "
+            f"env.tp4 gets {gid}"
+        )
+    if given.rdma_dev and given.rdma_dev != hca.name:
+        notes.append(f"RANK{rank}_CX7_IB={given.rdma_dev} is set but {dev.name} belongs to {hca.name}")
+    if notes:
+        return _f(
+            node,
+            "fabric",
+            WARN,
+            dev.name,
+            f"{node}: {desc}; " + "; ".join(notes),
+            "remove stale RANK<n>_* pins from the env file; check writes the discovered ones",
+        ), pins
+    return _f(node, "fabric", OK, dev.name, f"{node}: {desc}"), pins
+
+
+def rule_reach(node: str, outcome: Mapping[str, str] | NodeError | None, peers: Mapping[str, str]) -> Finding:
+    """outcome: peer IP -> "ok" or the failure; peers: peer IP -> peer node name."""
+    if outcome is None:
+        return _f(node, "reach", SKIP, "-", f"{node}: not tested (its own fabric address is unknown)")
+    if isinstance(outcome, NodeError):
+        return _f(node, "reach", FAIL, "probe failed", outcome.message, outcome.fix or "")
+    bad = {ip: why for ip, why in outcome.items() if why != "ok"}
+    untested = [ip for ip in peers if ip not in outcome]
+    if bad:
+        names = ", ".join(f"{peers.get(ip, ip)} ({ip}: {why})" for ip, why in bad.items())
+        return _f(
+            node,
+            "reach",
+            FAIL,
+            f"{len(bad)} unreachable",
+            f"{node} cannot reach {names} over the fabric",
+            "check the fabric links, addresses and netmasks of both ends (and any firewall on them)",
+        )
+    if untested:
+        return _f(
+            node, "reach", WARN, "not tested", f"{node}: no reachability result for {', '.join(untested)}"
+        )
+    return _f(node, "reach", OK, f"{len(outcome)} peers" if outcome else "no peers")
+
+
+def rule_ports(node: str, facts: F.NodeFacts, needs: Needs, *, is_head: bool) -> Finding:
+    if facts.listeners is None:
+        return _unknown(node, "ports", facts, "listening")
+    wanted = {needs.port: "PORT (the API)", needs.master_port: "MASTER_PORT (rendezvous)"} if is_head else {}
+    taken = F.ports_in_use(facts.listeners, wanted)
+    if taken:
+        what = ", ".join(f"{p} {wanted[p]}" for p in taken)
+        return _f(
+            node,
+            "ports",
+            FAIL,
+            f"{', '.join(map(str, taken))} taken",
+            f"{node}: something already listens on {what}",
+            f"find it with `ss -ltnp 'sport = :{taken[0]}'` on {node} and stop it (a previous "
+            "sparkctl service: `sparkctl down`), or choose another PORT/MASTER_PORT",
+        )
+    return _f(node, "ports", OK, "free" if is_head else "-")
+
+
+def rule_disk(node: str, facts: F.NodeFacts) -> Finding:
+    if not facts.disks:
+        return _unknown(node, "disk", facts, "df")
+    d = min(facts.disks, key=lambda x: x.available_bytes)
+    desc = f"{gb(d.available_bytes)} free on {d.mountpoint}"
+    if d.available_bytes < DISK_FAIL_BYTES:
+        return _f(
+            node,
+            "disk",
+            FAIL,
+            gb(d.available_bytes),
+            f"{node}: only {desc} for images",
+            f"free space on {node} (`docker system prune`) — the chain needs tens of GB",
+        )
+    if d.available_bytes < DISK_WARN_BYTES:
+        return _f(
+            node,
+            "disk",
+            WARN,
+            gb(d.available_bytes),
+            f"{node}: {desc}; a production image chain needs ~{DISK_WARN_BYTES // GB} GB",
+            f"free space on {node} before `sparkctl build`",
+        )
+    return _f(node, "disk", OK, gb(d.available_bytes), f"{node}: {desc}")
+
+
+def rule_containers(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
+    if facts.containers is None:
+        return _unknown(node, "containers", facts, "docker-ps")
+    if not facts.containers:
+        return _f(node, "containers", OK, "none")
+    running = [c for c in facts.containers if c.state == "running"]
+    names = ", ".join(f"{c.names} ({c.state})" for c in facts.containers)
+    if running:
+        return _f(
+            node,
+            "containers",
+            FAIL,
+            f"{len(running)} running",
+            f"{node}: sparkctl containers of cluster {needs.cluster!r} are running: {names}",
+            "`sparkctl down` stops them before a new `up`",
+        )
+    return _f(
+        node,
+        "containers",
+        WARN,
+        f"{len(facts.containers)} stale",
+        f"{node}: stale sparkctl containers: {names}",
+        "`sparkctl down` removes them",
+    )
+
+
+def rule_plan(node: str, facts: F.NodeFacts, plan: Plan | None, why_no_plan: str = "") -> Finding:
+    if plan is None:
+        return _f(node, "plan", WARN, "not planned", f"{node}: memory plan not made: {why_no_plan}")
+    short = f"{gb(plan.per_rank_total)}/{gb(plan.available)}"
+    if plan.headroom < 0:
+        return _f(
+            node,
+            "plan",
+            FAIL,
+            "does not fit",
+            f"{node}: {plan.problems()[0]}",
+            "lower MAX_MODEL_LEN or MAX_FULL_SEQS, or use a smaller pack",
+        )
+    return _f(node, "plan", OK, short, f"{node}: {short} per rank ({gb(plan.headroom)} headroom)")
+
+
+# -------------------------------------------------------------------------------- cross-node rules
+
+
+def rule_model(
+    listings: Mapping[str, F.ModelListing | None], head: str, model: str, problems: Mapping[str, str]
+) -> dict[str, Finding]:
+    """The model folder exists on every node with the same shard set and sizes (reference: what most
+    nodes hold; the head's on a tie). A node that differs usually mounts a different folder (the NFS
+    server not bind-mounting its own export at the shared path)."""
+    out: dict[str, Finding] = {}
+    present = {n: lst for n, lst in listings.items() if lst is not None and lst.exists}
+    for n, lst in listings.items():
+        if lst is None:
+            out[n] = _f(n, "model", FAIL, "unreadable", f"{n}: could not list MODEL: {problems.get(n, '?')}")
+        elif not lst.exists:
+            out[n] = _f(
+                n,
+                "model",
+                FAIL,
+                "missing",
+                f"{n}: MODEL={model} does not exist there",
+                f"mount the shared checkpoint at {model} on {n} (the NFS server itself must bind-mount its "
+                "export at that path)",
+            )
+        elif not lst.shards:
+            out[n] = _f(
+                n,
+                "model",
+                FAIL,
+                "no shards",
+                f"{n}: {model} holds no *.safetensors",
+                f"point MODEL at the checkpoint folder; check the mount on {n}",
+            )
+    keyed = {n: tuple(sorted(lst.shards.items())) for n, lst in present.items() if lst.shards}
+    if not keyed:
+        return out
+    counts = Counter(keyed.values())
+    top = max(counts.values())
+    best = [k for k, c in counts.items() if c == top]
+    ref = keyed[head] if head in keyed and keyed[head] in best else best[0]
+    ref_map = dict(ref)
+    for n, key in keyed.items():
+        mine = dict(key)
+        if key == ref:
+            total = sum(mine.values())
+            out[n] = _f(n, "model", OK, f"{len(mine)} shards", f"{n}: {len(mine)} shards, {gb(total)}")
+            continue
+        missing = sorted(set(ref_map) - set(mine))
+        extra = sorted(set(mine) - set(ref_map))
+        sized = sorted(k for k in set(mine) & set(ref_map) if mine[k] != ref_map[k])
+        parts = []
+        for label, names in (("missing", missing), ("extra", extra), ("different size", sized)):
+            if names:
+                parts.append(f"{label}: {', '.join(names[:4])}{' …' if len(names) > 4 else ''}")
+        out[n] = _f(
+            n,
+            "model",
+            FAIL,
+            "differs",
+            f"{n}: {model} differs from the other nodes' ({'; '.join(parts)})",
+            f"re-sync {n}'s copy, or fix its mount so it sees the shared folder",
+        )
+    return out
+
+
+def rule_image(
+    images: Mapping[str, list[F.Image] | None], head: str, ref: str, problems: Mapping[str, str]
+) -> dict[str, Finding]:
+    """The image every rank runs (the chain's top layer, IMAGE) is on every node with the same ID.
+    A missing image is a warning (`sparkctl build` makes it); a different one is a failure."""
+    out: dict[str, Finding] = {}
+    ids: dict[str, F.Image] = {}
+    for n, imgs in images.items():
+        img = F.find_image(imgs or [], ref) if imgs is not None else None
+        if imgs is None:
+            out[n] = _f(
+                n, "image", FAIL, "unreadable", f"{n}: could not inspect images: {problems.get(n, '?')}"
+            )
+        elif img is None:
+            out[n] = _f(n, "image", WARN, "missing", f"{n}: image {ref} is not there", "run `sparkctl build`")
+        else:
+            ids[n] = img
+    if not ids:
+        return out
+    counts = Counter(i.id for i in ids.values())
+    top = max(counts.values())
+    best = [i for i, c in counts.items() if c == top]
+    ref_id = ids[head].id if head in ids and ids[head].id in best else best[0]
+    for n, img in ids.items():
+        short_id = img.id.removeprefix("sha256:")[:12]
+        if img.id == ref_id:
+            out[n] = _f(n, "image", OK, short_id, f"{n}: {ref} = {short_id}")
+        else:
+            same_layers = img.layers == next(i.layers for i in ids.values() if i.id == ref_id)
+            detail = "same layers, different image config" if same_layers else "different layers"
+            out[n] = _f(
+                n,
+                "image",
+                FAIL,
+                "differs",
+                f"{n}: {ref} is {short_id}, the other ranks have "
+                f"{ref_id.removeprefix('sha256:')[:12]} ({detail})",
+                "run `sparkctl build` so every rank runs the same image",
+            )
+    return out
+
+
+def rule_checkpoint(report: Any, error: str | None) -> list[Finding]:
+    """Header-level verification of the checkpoint on the head (sparkctl.verify over ckpt_scan)."""
+    if error:
+        return [
+            _f(
+                CLUSTER_ROW,
+                "checkpoint",
+                WARN,
+                "not verified",
+                f"checkpoint headers not verified: {error}",
+                "run `sparkctl verify-model` for the details",
+            )
+        ]
+    if report is None:
+        return []
+    errors = [f for f in report.findings if f.severity == "error"]
+    warns = [f for f in report.findings if f.severity == "warn"]
+    out = [_f(CLUSTER_ROW, "checkpoint", FAIL, "invalid", e.message, e.fix) for e in errors]
+    out += [_f(CLUSTER_ROW, "checkpoint", WARN, "warning", w.message, w.fix) for w in warns]
+    if not out:
+        s = report.summary
+        out.append(
+            _f(
+                CLUSTER_ROW,
+                "checkpoint",
+                OK,
+                f"{s.shards} shards ok",
+                f"checkpoint headers verified: {s.shards} shards, {s.tensors} tensors, {s.quantized_line()}",
+            )
+        )
+    return out
+
+
+def rule_gpu_memory_utilization(plan: Plan | None) -> Finding | None:
+    if plan is None:
+        return None
+    if plan.gpu_memory_utilization > plan.gpu_memory_utilization_cap:
+        return _f(
+            CLUSTER_ROW,
+            "plan",
+            FAIL,
+            "gpu util > cap",
+            next(p for p in plan.problems() if "GPU_MEMORY" in p),
+            f"set GPU_MEMORY_UTILIZATION ≤ {plan.gpu_memory_utilization_cap:g}",
+        )
+    return _f(
+        CLUSTER_ROW,
+        "plan",
+        OK,
+        f"util {plan.gpu_memory_utilization:g}",
+        f"GPU_MEMORY_UTILIZATION={plan.gpu_memory_utilization:g} ≤ cap {plan.gpu_memory_utilization_cap:g}; "
+        f"KV cache {plan.kv_cache_memory_bytes} B per rank",
+    )
+
+
+def checkpoint_from_scan(scan: Mapping[str, Any], model: str) -> CheckpointInfo:
+    """What the planner needs (config.json, shard names and sizes) from the head's ckpt_scan,
+    so `check` can plan without the checkpoint on this machine. Raises ValueError when it can't."""
+    from .probes.ckpt_scan import decode_blob
+
+    if scan.get("error"):
+        raise ValueError(str(scan["error"].get("message")))
+    blobs = scan.get("json") or {}
+
+    def load(name: str) -> Any:
+        entry = blobs.get(name) or {}
+        raw = decode_blob(entry.get("data")) if not entry.get("missing") else None
+        return json.loads(raw) if raw else None
+
+    config = load("config.json")
+    if not isinstance(config, dict):
+        raise ValueError("config.json is missing or not a JSON object")
+    files = scan.get("files") or {}
+    index = load(INDEX_NAME)
+    total = None
+    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
+        names = sorted({str(v) for v in index["weight_map"].values()})
+        meta = index.get("metadata")
+        total = (
+            meta.get("total_size")
+            if isinstance(meta, dict) and isinstance(meta.get("total_size"), int)
+            else None
+        )
+    else:
+        names = sorted(n for n in files if "/" not in n and n.endswith(".safetensors"))
+    shards = tuple(Shard(n, (files.get(n) or {}).get("size")) for n in names)
+    return CheckpointInfo(Path(model), config, shards, total)
+
+
+# ---------------------------------------------------------------------------------- orchestration
+
+
+@dataclass
+class CheckReport:
+    nodes: list[str]
+    findings: list[Finding]
+    pins: dict[int, RankPins]
+    plan: Plan | None
+    facts: dict[str, F.NodeFacts] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == FAIL]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == WARN]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def cell(self, node: str, check: str) -> Finding | None:
+        worst = None
+        rank = {FAIL: 3, WARN: 2, OK: 1, SKIP: 0}
+        for f in self.findings:
+            if f.node == node and f.check == check and (worst is None or rank[f.status] > rank[worst.status]):
+                worst = f
+        return worst
+
+
+def _script(name: str) -> bytes:
+    return (PROBES / name).read_bytes()
+
+
+def _parse_reach(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        status, _, rest = line.partition(" ")
+        ip, _, why = rest.partition(" ")
+        if status in ("ok", "fail") and ip:
+            out[ip] = "ok" if status == "ok" else (why.strip() or "failed")[:200]
+    return out
+
+
+def gather(
+    cluster: Cluster, needs: Needs, *, head: str, layout: bool = True, timeout: float = 60.0
+) -> dict[str, tuple[F.NodeFacts | NodeError, Any]]:
+    """Round 1: node_facts.sh on every node; on the head, ckpt_scan.py at the same time on a second
+    channel. Returns node -> (facts or NodeError, head scan dict / error string / None)."""
+    facts_script, scan_script = _script("node_facts.sh"), _script("ckpt_scan.py") if layout else b""
+    nonce = secrets.token_hex(8)
+    args = F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image], df_paths=DF_PATHS)
+
+    def probe(node: Node) -> tuple[F.NodeFacts | NodeError, Any]:
+        scan_future = None
+        if node.name == head and layout:
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            scan_future = pool.submit(
+                node.run,
+                ["python3", "-", needs.model, "--headers", "zlib"],
+                stdin=scan_script,
+                timeout=timeout,
+            )
+            pool.shutdown(wait=False)
+        res = node.run_script(facts_script, [nonce, *args], timeout=timeout)
+        facts = F.node_facts_from_probe(res.stdout, nonce)
+        scan: Any = None
+        if scan_future is not None:
+            try:
+                r: RunResult = scan_future.result()
+                if r.exit_code == 127:
+                    scan = "python3 is not installed on the head"
+                elif not r.ok:
+                    scan = f"ckpt_scan failed on {node.name}: {r.stderr.strip().splitlines()[-1:] or r.exit_code}"
+                else:
+                    scan = json.loads(r.stdout)
+            except NodeError as exc:
+                scan = exc.message
+            except json.JSONDecodeError as exc:
+                scan = f"ckpt_scan printed something that is not JSON ({exc.msg})"
+        return facts, scan
+
+    results = cluster.run_all(probe)
+    return {
+        n: (r if isinstance(r, NodeError) else r[0], None if isinstance(r, NodeError) else r[1])
+        for n, r in results.items()
+    }
+
+
+def reach(
+    cluster: Cluster, pins: Mapping[int, RankPins], nodes: Sequence[str], port: int, timeout: float = 30.0
+) -> dict[str, dict[str, str] | NodeError]:
+    """Round 2: every node with a fabric address tries every other rank's fabric address."""
+    ips = {nodes[r]: p.fabric_ip for r, p in pins.items() if p.fabric_ip}
+    script = _script("reach.sh")
+
+    def probe(node: Node) -> dict[str, str]:
+        peers = [ip for n, ip in ips.items() if n != node.name and ip]
+        if not peers:
+            return {}
+        res = node.run_script(script, [str(port), *peers], timeout=timeout)
+        return _parse_reach(res.stdout)
+
+    return cluster.run_all(probe, nodes=[n for n in nodes if n in ips])
+
+
+def evaluate(
+    nodes: Sequence[str],
+    needs: Needs,
+    gathered: Mapping[str, tuple[F.NodeFacts | NodeError, Any]],
+    connect_errors: Mapping[str, NodeError],
+    plan_for_node: Callable[[F.NodeFacts], tuple[Plan | None, str]],
+    verify_scan: Callable[[Mapping[str, Any]], Any] | None,
+) -> tuple[list[Finding], dict[int, RankPins]]:
+    """Every round-1 rule over every node (pure, given the gathered facts)."""
+    head = nodes[0]
+    findings: list[Finding] = []
+    pins: dict[int, RankPins] = {}
+    good: dict[str, F.NodeFacts] = {}
+    for rank, n in enumerate(nodes):
+        error = connect_errors.get(n)
+        got = gathered.get(n)
+        if error is None and got is not None and isinstance(got[0], NodeError):
+            error = got[0]
+        findings.append(rule_ssh(n, error))
+        if error is not None or got is None or not isinstance(got[0], F.NodeFacts):
+            findings += [_f(n, c, SKIP, "-", f"{n}: not checked (no SSH)") for c in CHECKS[1:]]
+            continue
+        facts = good[n] = got[0]
+        fabric, pin = discover_fabric(n, rank, facts, needs)
+        if pin is not None:
+            pins[rank] = pin
+        plan, why = plan_for_node(facts)
+        findings += [
+            rule_docker(n, facts),
+            rule_gpu(n, facts, needs),
+            rule_memory(n, facts),
+            rule_limits(n, facts, needs),
+            fabric,
+            rule_ports(n, facts, needs, is_head=n == head),
+            rule_disk(n, facts),
+            rule_containers(n, facts, needs),
+            rule_plan(n, facts, plan, why),
+        ]
+    findings += rule_model(
+        {n: f.model for n, f in good.items()},
+        head,
+        needs.model,
+        {n: f.problems.get("model", "") for n, f in good.items()},
+    ).values()
+    findings += rule_image(
+        {n: f.images for n, f in good.items()},
+        head,
+        needs.image,
+        {n: f.problems.get("docker-images", "") for n, f in good.items()},
+    ).values()
+    if verify_scan is not None and head in gathered and head in good:
+        scan = gathered[head][1]
+        if isinstance(scan, dict):
+            try:
+                findings += rule_checkpoint(verify_scan(scan), None)
+            except Exception as exc:  # the verifier is another module: its bug must not hide the table
+                findings += rule_checkpoint(None, f"{type(exc).__name__}: {exc}")
+        elif isinstance(scan, str):
+            findings += rule_checkpoint(None, scan)
+    return findings, pins
+
+
+def run_check(
+    settings: Settings,
+    ssh_config: str | Path | None,
+    *,
+    connect_timeout: float = 10.0,
+    command_timeout: float = 60.0,
+    verify: bool = True,
+) -> CheckReport:
+    """Check every node of `settings` (one SSH connection each) and return the findings."""
+    nodes = settings.nodes
+    needs = Needs.from_settings(settings)
+    timing: dict[str, float] = {}
+    start = time.monotonic()
+    layout: Mapping[str, Any] | None = None
+    verifier: Callable[[Mapping[str, Any]], Any] | None = None
+    if verify:
+        try:
+            from . import verify as V
+
+            layout = settings.recipe.checkpoint_layout
+
+            def verifier(scan: Mapping[str, Any]) -> Any:
+                return V.verify_scan(scan, layout)
+        except Exception:  # no verifier or no layout: the check says so instead of failing
+            verifier = None
+    with Cluster(
+        nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout
+    ) as cluster:
+        timing["connect"] = cluster.connect_seconds
+        t = time.monotonic()
+        gathered = gather(cluster, needs, head=nodes[0], layout=verifier is not None, timeout=command_timeout)
+        timing["probe"] = time.monotonic() - t
+        head_scan = gathered.get(nodes[0], (None, None))[1]
+        ckpt: CheckpointInfo | None = None
+        ckpt_why = "the head's checkpoint scan did not run"
+        if isinstance(head_scan, dict):
+            try:
+                ckpt = checkpoint_from_scan(head_scan, needs.model)
+            except ValueError as exc:
+                ckpt_why = f"cannot read the checkpoint on the head: {exc}"
+        elif isinstance(head_scan, str):
+            ckpt_why = head_scan
+
+        def plan_for_node(facts: F.NodeFacts) -> tuple[Plan | None, str]:
+            if ckpt is None:
+                return None, ckpt_why
+            if facts.meminfo is None:
+                return None, "node memory unknown"
+            try:
+                return make_plan(settings, ckpt, facts.meminfo.total_bytes), ""
+            except Exception as exc:  # a config.json the planner cannot use: say so, keep checking
+                return None, str(exc)
+
+        findings, pins = evaluate(nodes, needs, gathered, cluster.errors, plan_for_node, verifier)
+        t = time.monotonic()
+        reached = reach(cluster, pins, nodes, needs.master_port, timeout=command_timeout)
+        timing["reach"] = time.monotonic() - t
+    peers = {p.fabric_ip: nodes[r] for r, p in pins.items() if p.fabric_ip}
+    for n in nodes:
+        if any(f.node == n and f.check == "ssh" and f.status == FAIL for f in findings):
+            continue
+        rank = nodes.index(n)
+        findings.append(
+            rule_reach(n, reached.get(n), {ip: pn for ip, pn in peers.items() if pn != n})
+            if rank in pins
+            else rule_reach(n, None, {})
+        )
+    # The cluster plan: the smallest node decides (all ranks get the same KV bytes).
+    mems = [
+        f.meminfo.total_bytes for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts) and f.meminfo
+    ]
+    plan = make_plan(settings, ckpt, min(mems)) if ckpt is not None and mems else None
+    util = rule_gpu_memory_utilization(plan)
+    if util is not None:
+        findings.append(util)
+    facts = {n: f for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts)}
+    timing["total"] = time.monotonic() - start
+    order = {c: i for i, c in enumerate((*CHECKS, "checkpoint"))}
+    node_order = {n: i for i, n in enumerate([*nodes, CLUSTER_ROW])}
+    findings.sort(key=lambda f: (node_order.get(f.node, 999), order.get(f.check, 999)))
+    return CheckReport(list(nodes), findings, pins, plan, facts, timing)

@@ -1,0 +1,154 @@
+"""`sparkctl check`: preflight every node in parallel, then write env.tp4 with the discovered pins.
+
+Output: a table (nodes × checks, ✓/✗/! and a short reason), then every failure and warning with its
+fix. `--json`: the same findings as one JSON document. Exit 0 when nothing failed (warnings allowed),
+1 when something did, 2 on bad input. On success (or with --render) env/env.tp4 is written with each
+rank's discovered netdev, RDMA device, GID index and fabric IP, and the planned KV bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ..check import CHECKS, CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, CheckReport, Finding, run_check
+from ..cli import Globals
+from ..errors import CheckFailed, UsageError
+from ..output import console, emit_json, warn
+from ..render import render_all, resolve_pins, write_private
+
+DEFAULT_OUT = Path("env/env.tp4")
+STYLE = {OK: "green", FAIL: "bold red", WARN: "yellow"}
+NODES_PER_TABLE = 5
+
+
+@click.command("check")
+@click.option("--render", "force_render", is_flag=True, help="Write env.tp4 even when a check failed.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True,
+              help="Where to write env.tp4.")  # fmt: skip
+@click.option(
+    "--connect-timeout", type=float, default=10.0, show_default=True, help="Per-node SSH connect timeout, s."
+)
+@click.option("--timeout", "command_timeout", type=float, default=60.0, show_default=True,
+              help="Per-node timeout of each probe, s.")  # fmt: skip
+@click.option("--no-verify", is_flag=True, help="Skip the header-level checkpoint verification on the head.")
+@click.pass_obj
+def command(
+    g: Globals, force_render: bool, out: Path, connect_timeout: float, command_timeout: float, no_verify: bool
+) -> None:
+    """Check every node: SSH, Docker, GPU, memory, limits, fabric (found per node), reachability,
+    ports, disk, model folder, checkpoint headers, image, stale containers, memory plan."""
+    if connect_timeout <= 0 or command_timeout <= 0:
+        raise UsageError("timeouts must be positive")
+    s = g.settings()
+    warn(s.warnings)
+    report = run_check(
+        s,
+        g.ssh_config_path(),
+        connect_timeout=connect_timeout,
+        command_timeout=command_timeout,
+        verify=not no_verify,
+    )
+    env_path, render_error = None, None
+    if report.ok or force_render:
+        env_path, render_error = _write_env(s, report, out)
+    if g.json:
+        emit_json(_as_json(report, env_path, render_error))
+    else:
+        _print(report, env_path, render_error, g.verbosity)
+    if not report.ok:
+        nodes = sorted({f.node for f in report.failed}, key=lambda n: [*report.nodes, CLUSTER_ROW].index(n))
+        raise CheckFailed(f"check failed: {len(report.failed)} problem(s) on {', '.join(nodes)}")
+    if render_error:
+        raise CheckFailed(f"env.tp4 not written: {render_error}")
+
+
+def _write_env(s: Any, report: CheckReport, out: Path) -> tuple[Path | None, str | None]:
+    if report.plan is None:
+        return None, "no memory plan (the checkpoint could not be read on the head)"
+    try:
+        rendered = render_all(s, report.plan, resolve_pins(s, report.pins), source="sparkctl check")
+    except UsageError as exc:
+        return None, exc.message
+    write_private(out, rendered.env_tp4)
+    return out, None
+
+
+def _as_json(report: CheckReport, env_path: Path | None, render_error: str | None) -> dict[str, Any]:
+    return {
+        "ok": report.ok,
+        "nodes": report.nodes,
+        "findings": [f.to_dict() for f in report.findings],
+        "pins": {
+            str(rank): {
+                "node": report.nodes[rank],
+                "fabric_ip": p.fabric_ip,
+                "netdev": p.netdev,
+                "rdma_dev": p.rdma_dev,
+                "gid_index": p.gid_index,
+            }  # fmt: skip
+            for rank, p in sorted(report.pins.items())
+        },
+        "plan": report.plan.to_dict() if report.plan else None,
+        "env_tp4": str(env_path) if env_path else None,
+        "render_error": render_error,
+        "timing": {k: round(v, 3) for k, v in report.timing.items()},
+    }
+
+
+def _print(report: CheckReport, env_path: Path | None, render_error: str | None, verbosity: int) -> None:
+    c = console(False)
+    rows = [*report.nodes, *([CLUSTER_ROW] if any(f.node == CLUSTER_ROW for f in report.findings) else [])]
+    columns = [*CHECKS, *(["checkpoint"] if any(f.check == "checkpoint" for f in report.findings) else [])]
+    # Checks down, nodes across (a few per table, so it fits a terminal with 16 nodes too).
+    title = f"sparkctl check — {len(report.nodes)} node(s), {report.timing.get('total', 0):.1f}s"
+    for i in range(0, len(rows), NODES_PER_TABLE):
+        chunk = rows[i : i + NODES_PER_TABLE]
+        t = Table(title=title if i == 0 else None, title_justify="left")
+        t.add_column("check", style="bold")
+        for node in chunk:
+            t.add_column(_esc(node), overflow="fold")
+        for col in columns:
+            cells = [_cell(report.cell(node, col)) for node in chunk]
+            if any(cells):
+                t.add_row(col, *cells)
+        c.print(t)
+    for label, items in (("failed", report.failed), ("warnings", report.warnings)):
+        if not items:
+            continue
+        c.print(f"\n[bold]{label}:[/]")
+        for f in items:
+            c.print(f"  [{STYLE[f.status]}]{SYMBOL[f.status]}[/] {_esc(f.node)} {f.check}: {_esc(f.text)}")
+            if f.fix:
+                c.print(f"      fix: {_esc(f.fix)}")
+    if verbosity > 0:
+        c.print("\n[bold]details:[/]")
+        for f in report.findings:
+            if f.status == OK:
+                c.print(f"  {SYMBOL[OK]} {_esc(f.node)} {f.check}: {_esc(f.text)}")
+    if env_path:
+        pins = ", ".join(
+            f"{report.nodes[r]}={p.netdev}/{p.rdma_dev}/gid{p.gid_index}"
+            for r, p in sorted(report.pins.items())
+        )
+        c.print(
+            f"\nwrote {env_path} (mode 0600): {pins}; KV {report.plan.kv_cache_memory_bytes if report.plan else '?'} B/rank"
+        )
+    elif render_error:
+        c.print(f"\n[yellow]env.tp4 not written:[/] {_esc(render_error)}")
+    elif not report.ok:
+        c.print("\nenv.tp4 not written (a check failed; --render writes it anyway)")
+
+
+def _cell(f: Finding | None) -> str:
+    if f is None or f.status == SKIP and f.short == "-" and f.check != "ssh":
+        return "" if f is None else f"[dim]{SYMBOL[SKIP]}[/]"
+    return f"[{STYLE.get(f.status, 'dim')}]{SYMBOL[f.status]}[/] {_esc(f.short)}"
+
+
+def _esc(text: str) -> str:
+    """Node output and names are data: never let them act as rich markup."""
+    return text.replace("[", r"\[")

@@ -1,0 +1,82 @@
+"""`sparkctl trust NODE...`: show a node's host key and, once confirmed, record it in known_hosts.
+
+This is the only place sparkctl adds a host key, and only after a person saw the fingerprint
+(or said --yes). The key goes to the first UserKnownHostsFile of the node's ssh config entry,
+under the name ssh itself looks up ([host]:port for a non-22 port, HostKeyAlias when set), hashed
+when the entry says HashKnownHosts yes. A changed key replaces the old one only after a loud warning.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from ..cli import Globals
+from ..cluster import (
+    DEFAULT_CONNECT_TIMEOUT,
+    fetch_host_key,
+    fingerprint,
+    judge_host_key,
+    load_ssh_config,
+    record_host_key,
+    resolve_target,
+)
+from ..errors import CheckFailed
+
+
+@click.command(name="trust")
+@click.argument("nodes", nargs=-1, required=True, metavar="NODE...")
+@click.option(
+    "-y", "--yes", is_flag=True, help="Record the key without asking (you checked the fingerprint)."
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=DEFAULT_CONNECT_TIMEOUT,
+    show_default=True,
+    help="Connect timeout, seconds.",
+)
+@click.pass_obj
+def command(g: Globals, nodes: tuple[str, ...], yes: bool, timeout: float) -> None:
+    """Show NODE's host key (type and SHA256 fingerprint) and record it in known_hosts."""
+    config, config_path = load_ssh_config(g.ssh_config_path())
+    report: list[dict[str, Any]] = []
+    for name in nodes:
+        target = resolve_target(name, config, config_path)
+        key_type, blob = fetch_host_key(target, timeout=timeout)
+        verdict = judge_host_key(target, key_type, blob)
+        entry: dict[str, Any] = {
+            "node": name,
+            "host": target.known_hosts_name,
+            "key_type": key_type,
+            "fingerprint": verdict.fingerprint,
+            "status": verdict.status,
+        }
+        report.append(entry)
+        click.echo(f"{name} ({target.known_hosts_name}) offers {key_type} {verdict.fingerprint}", err=g.json)
+        if verdict.status == "trusted":
+            click.echo("  already trusted; nothing to do", err=g.json)
+            continue
+        if verdict.status == "revoked":
+            raise CheckFailed(f"{name}: this host key is marked @revoked in known_hosts; not trusting it")
+        if verdict.status == "changed":
+            click.secho(
+                f"  WARNING: THE HOST KEY OF {name} HAS CHANGED. Someone may be intercepting the connection\n"
+                f"  (man-in-the-middle), or the host was reinstalled. known_hosts has:",
+                fg="red",
+                bold=True,
+                err=True,
+            )
+            for e in verdict.known:
+                click.secho(
+                    f"    {e.key_type} {fingerprint(e.key_blob)}  ({e.path}:{e.line})", fg="red", err=True
+                )
+        question = "Replace the old key with this one?" if verdict.status == "changed" else "Trust this key?"
+        if not yes and not click.confirm(f"  {question}", default=False, err=True):
+            raise CheckFailed(f"{name}: host key not trusted (you declined)")
+        entry["recorded_in"] = record_host_key(target, key_type, blob)
+        click.echo(f"  recorded in {entry['recorded_in']}", err=g.json)
+    if g.json:
+        click.echo(json.dumps({"trusted": report}, indent=2))

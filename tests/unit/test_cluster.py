@@ -1,0 +1,351 @@
+"""sparkctl.cluster against real OpenSSH servers on 127.0.0.1 (private config, host keys, client key).
+
+Each "node" is its own sshd (own port, host key and log), so the tests see what the lab and a real
+cluster see: real handshakes, real host-key verification, one "Accepted publickey" line per
+connection. Nothing here touches the system sshd or ~/.ssh. Skipped where sshd cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sparkctl import cluster as cl
+from sparkctl.cluster import Cluster, NodeError, RunResult
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(SSHD) and shutil.which("ssh-keygen") and os.geteuid() == 0),
+    reason="needs OpenSSH's sshd and ssh-keygen, run as root",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _keygen(path: Path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True, timeout=20)
+    return path.with_suffix(".pub").read_text().strip()
+
+
+@dataclass
+class Sshd:
+    name: str
+    port: int
+    dir: Path
+    host_pub: str  # "ssh-ed25519 AAAA..."
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "sshd.log"
+
+    def accepted(self) -> int:
+        return self.log.read_text(errors="replace").count("Accepted publickey") if self.log.exists() else 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [SSHD, "-D", "-f", str(self.dir / "sshd_config"), "-E", str(self.log)],
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sshd exited: {self.log.read_text(errors='replace')}") from None
+                time.sleep(0.05)
+        raise RuntimeError("sshd did not start listening within 10s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+@dataclass
+class SshLab:
+    dir: Path
+    nodes: dict[str, Sshd]
+    ssh_config: Path
+    known_hosts: Path
+    down_port: int
+
+    def total_accepted(self) -> int:
+        return sum(s.accepted() for s in self.nodes.values())
+
+
+@pytest.fixture(scope="module")
+def sshlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
+    # sshd refuses to start without its privilege-separation directory; Debian creates it at boot
+    # only when the ssh service runs. Creating the empty directory changes nothing else.
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    base = tmp_path_factory.mktemp("sshlab")
+    client_pub = _keygen(base / "id_ed25519")
+    (base / "authorized_keys").write_text(client_pub + "\n")
+    nodes: dict[str, Sshd] = {}
+    known, config = [], []
+    for name in ("n1", "n2", "n3"):
+        d = base / name
+        d.mkdir()
+        host_pub = _keygen(d / "host_ed25519")
+        port = _free_port()
+        (d / "sshd_config").write_text(
+            f"""Port {port}
+ListenAddress 127.0.0.1
+HostKey {d}/host_ed25519
+PidFile {d}/sshd.pid
+AuthorizedKeysFile {base}/authorized_keys
+StrictModes no
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+LogLevel INFO
+MaxStartups 100
+Subsystem sftp internal-sftp
+SetEnv SPARKCTL_TEST_NODE={name}
+"""
+        )
+        nodes[name] = Sshd(name, port, d, " ".join(host_pub.split()[:2]))
+        known.append(f"[127.0.0.1]:{port} {nodes[name].host_pub}")
+        config.append(f"Host {name}\n  HostName 127.0.0.1\n  Port {port}\n")
+    down_port = _free_port()
+    config.append(f"Host down\n  HostName 127.0.0.1\n  Port {down_port}\n")
+    config.append(
+        f"Host *\n  User root\n  IdentityFile {base}/id_ed25519\n  IdentitiesOnly yes\n"
+        f"  UserKnownHostsFile {base}/known_hosts\n  GlobalKnownHostsFile /dev/null\n"
+    )
+    (base / "known_hosts").write_text("\n".join(known) + "\n")
+    (base / "ssh_config").write_text("\n".join(config))
+    try:
+        for s in nodes.values():
+            s.start()
+    except RuntimeError as exc:
+        for s in nodes.values():
+            s.stop()
+        pytest.skip(f"cannot run a private sshd here: {exc}")
+    yield SshLab(base, nodes, base / "ssh_config", base / "known_hosts", down_port)
+    for s in nodes.values():
+        s.stop()
+
+
+def test_one_connection_per_node_for_many_commands(sshlab: SshLab) -> None:
+    before = {n: s.accepted() for n, s in sshlab.nodes.items()}
+    with Cluster(list(sshlab.nodes), sshlab.ssh_config) as cluster:
+        for _ in range(5):
+            results = cluster.run_all(["sh", "-c", "echo $SPARKCTL_TEST_NODE"])
+        for name in sshlab.nodes:
+            r = results[name]
+            assert isinstance(r, RunResult) and r.ok, r
+            assert r.stdout.strip() == name  # the sshd's SetEnv reaches commands (as DOCKER_HOST will)
+        cluster.node("n1").put_bytes(str(sshlab.dir / "put.txt"), b"x")
+        list(cluster.node("n2").stream(["echo", "hi"]))
+        cluster.node("n3").run(["true"], stdin=b"abc")
+    time.sleep(0.2)  # sshd writes the log line asynchronously to our read
+    after = {n: s.accepted() for n, s in sshlab.nodes.items()}
+    assert {n: after[n] - before[n] for n in after} == {"n1": 1, "n2": 1, "n3": 1}
+
+
+def test_hostile_argv_is_data(sshlab: SshLab, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    hostile = [f"$(touch {canary})", f"`touch {canary}`", f";touch {canary}", f"' ; touch {canary} '", "a\nb"]
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        r = cluster.node("n1").run(["printf", "%s\\0", *hostile])
+        assert r.ok
+        assert r.stdout.split("\0")[:-1] == hostile
+        r = cluster.node("n1").run(["true"], env={"X": f"$(touch {canary})"})
+        assert r.ok
+        with pytest.raises(TypeError):
+            cluster.node("n1").run(f"touch {canary}")  # type: ignore[arg-type]  # a string is refused
+    assert not canary.exists()
+
+
+def test_stdin_ships_a_script(sshlab: SshLab) -> None:
+    script = b'for a do printf "<%s>" "$a"; done; echo "[$SPARKCTL_TEST_NODE]"\n'
+    with Cluster(["n2"], sshlab.ssh_config) as cluster:
+        r = cluster.node("n2").run_script(script, ["x y", "$(z)", ";"])
+        assert r.ok and r.stdout == "<x y><$(z)><;>[n2]\n"
+        r = cluster.node("n2").run(["cat"], stdin=b"line one\nline two")
+        assert r.ok and r.stdout == "line one\nline two"
+
+
+def test_large_stdin_and_output_do_not_deadlock(sshlab: SshLab) -> None:
+    data = os.urandom(3 * 1024 * 1024)
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        r = cluster.node("n1").run(["sh", "-c", "cat; cat /dev/null"], stdin=data, timeout=30)
+    assert r.ok and len(r.stdout.encode("utf-8", "surrogateescape")) > 0
+
+
+def test_exit_code_stderr_and_elapsed(sshlab: SshLab) -> None:
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        r = cluster.node("n1").run(["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert (r.stdout, r.stderr, r.exit_code, r.ok) == ("out\n", "err\n", 7, False)
+    assert r.elapsed > 0
+
+
+def test_command_timeout_is_a_node_error(sshlab: SshLab) -> None:
+    with Cluster(["n1", "n2"], sshlab.ssh_config) as cluster:
+        results = cluster.run_all(lambda n: n.run(["sleep", "5" if n.name == "n1" else "0"], timeout=0.5))
+    assert isinstance(results["n1"], NodeError) and results["n1"].kind == "command-timeout"
+    assert isinstance(results["n2"], RunResult) and results["n2"].ok
+
+
+def test_down_node_fails_alone(sshlab: SshLab) -> None:
+    with Cluster(["n1", "down", "n3"], sshlab.ssh_config, connect_timeout=3) as cluster:
+        assert cluster.connected == ["n1", "n3"]
+        results = cluster.run_all(["true"])
+    assert list(results) == ["n1", "down", "n3"]
+    err = results["down"]
+    assert isinstance(err, NodeError) and err.kind == "refused"
+    assert "sshd" in err.reason and err.fix
+    assert all(isinstance(results[n], RunResult) for n in ("n1", "n3"))
+
+
+def test_unknown_host_key_refused_with_fingerprint(sshlab: SshLab, tmp_path: Path) -> None:
+    empty_known = tmp_path / "known_hosts"
+    empty_known.write_text("")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(
+        sshlab.ssh_config.read_text().replace(
+            f"UserKnownHostsFile {sshlab.known_hosts}", f"UserKnownHostsFile {empty_known}"
+        )
+    )
+    before = sshlab.total_accepted()
+    with Cluster(["n1"], cfg) as cluster:
+        err = cluster.run_all(["true"])["n1"]
+    assert isinstance(err, NodeError) and err.kind == "hostkey-unknown"
+    want = cl.fingerprint(__import__("base64").b64decode(sshlab.nodes["n1"].host_pub.split()[1]))
+    assert err.fingerprint == want and want in err.reason and "ssh-ed25519" in err.reason
+    assert err.fix and f"--ssh-config {cfg} trust n1" in err.fix
+    time.sleep(0.2)
+    assert sshlab.total_accepted() == before  # refused before logging in
+
+
+def test_changed_host_key_is_loud(sshlab: SshLab, tmp_path: Path) -> None:
+    other = _keygen(tmp_path / "other")
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshlab.nodes['n2'].port} {' '.join(other.split()[:2])}\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(sshlab.ssh_config.read_text().replace(str(sshlab.known_hosts), str(known)))
+    with Cluster(["n2"], cfg) as cluster:
+        err = cluster.run_all(["true"])["n2"]
+    assert isinstance(err, NodeError) and err.kind == "hostkey-changed"
+    assert "MAN-IN-THE-MIDDLE" in err.reason and f"{known}:1" in err.reason
+    assert err.fix and "trust n2" in err.fix
+
+
+def test_hashed_known_hosts_entry_is_accepted(sshlab: SshLab, tmp_path: Path) -> None:
+    n3 = sshlab.nodes["n3"]
+    known = tmp_path / "known_hosts"
+    known.write_text(f"{cl.hash_hostname(f'[127.0.0.1]:{n3.port}')} {n3.host_pub}\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(sshlab.ssh_config.read_text().replace(str(sshlab.known_hosts), str(known)))
+    with Cluster(["n3"], cfg) as cluster:
+        assert cluster.node("n3").run(["true"]).ok
+
+
+def test_trust_records_the_key_and_then_connects(sshlab: SshLab, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sparkctl.cli import cli
+
+    known = tmp_path / "kh" / "known_hosts"
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(
+        sshlab.ssh_config.read_text().replace(str(sshlab.known_hosts), str(known)) + "  HashKnownHosts yes\n"
+    )
+    res = CliRunner().invoke(cli, ["--ssh-config", str(cfg), "trust", "n1", "--yes"])
+    assert res.exit_code == 0, res.output
+    assert "SHA256:" in res.output and "ssh-ed25519" in res.output
+    line = known.read_text().strip()
+    assert line.startswith("|1|") and line.endswith(sshlab.nodes["n1"].host_pub.split()[1])
+    with Cluster(["n1"], cfg) as cluster:
+        assert cluster.node("n1").run(["true"]).ok
+    # Without --yes and without a "y" answer nothing is written.
+    res = CliRunner().invoke(cli, ["--ssh-config", str(cfg), "trust", "n2"], input="n\n")
+    assert res.exit_code != 0
+    assert len(known.read_text().splitlines()) == 1
+
+
+def test_put_bytes_mode_and_content(sshlab: SshLab) -> None:
+    path = sshlab.dir / "secret.env"
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        cluster.node("n1").put_bytes(str(path), b"TOKEN=1\n", mode=0o600)
+        with pytest.raises(NodeError) as exc:
+            cluster.node("n1").put_bytes("/nonexistent-dir/x", b"")
+    assert path.read_bytes() == b"TOKEN=1\n" and (path.stat().st_mode & 0o777) == 0o600
+    assert exc.value.kind == "sftp"
+
+
+def test_stream_stops_on_event(sshlab: SshLab) -> None:
+    stop = threading.Event()
+    lines = []
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        start = time.monotonic()
+        for line in cluster.node("n1").stream(
+            ["sh", "-c", "i=0; while :; do echo $i; i=$((i+1)); sleep 0.05; done"], stop=stop
+        ):
+            lines.append(line)
+            if len(lines) == 3:
+                stop.set()
+        assert time.monotonic() - start < 5
+    assert lines[:3] == ["0", "1", "2"]
+
+
+def test_docker_json_reports_a_missing_engine(sshlab: SshLab) -> None:
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        node = cluster.node("n1")
+        with pytest.raises(NodeError) as exc:
+            # An engine nobody runs: the CLI fails, and the error names the node and the command.
+            node.run(["true"])
+            cl.docker_json(node, ["--host", "unix:///nonexistent.sock", "version", "--format", "{{json .}}"])
+    assert exc.value.node == "n1" and exc.value.kind in ("docker", "output")
+
+
+def test_bad_input_is_a_usage_error(sshlab: SshLab, tmp_path: Path) -> None:
+    from sparkctl.errors import UsageError
+
+    with pytest.raises(UsageError):
+        Cluster(["n1", "n1"], sshlab.ssh_config)
+    with pytest.raises(UsageError):
+        Cluster(["n1"], tmp_path / "no-such-config")
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        with pytest.raises(UsageError):
+            cluster.node("n1").run(["true"], env={"BAD NAME": "x"})
+
+
+def test_hostile_node_name_is_data(sshlab: SshLab, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    name = f"x;touch {canary} $(touch {canary})"
+    with Cluster([name], sshlab.ssh_config, connect_timeout=3) as cluster:
+        err = cluster.run_all(["true"])[name]
+    assert isinstance(err, NodeError) and err.kind in ("dns", "unreachable", "timeout")
+    assert not canary.exists()
+
+
+def test_host_patterns() -> None:
+    assert cl.host_matches(["*.lab", "!bad.lab"], "good.lab")
+    assert not cl.host_matches(["*.lab", "!bad.lab"], "bad.lab")
+    assert cl.host_matches(["[10.0.0.1]:2222"], "[10.0.0.1]:2222")
+    assert not cl.host_matches(["10.0.0.1"], "[10.0.0.1]:2222")
+    assert cl.host_matches([cl.hash_hostname("h")], "h") and not cl.host_matches([cl.hash_hostname("h")], "g")
