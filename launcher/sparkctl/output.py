@@ -11,8 +11,14 @@ from rich.console import Console
 
 
 def console(as_json: bool) -> Console:
-    """The console human text goes to (stderr when stdout carries JSON)."""
-    return Console(stderr=as_json, highlight=False, soft_wrap=False)
+    """The console human text goes to (stderr when stdout carries JSON).
+
+    Piped into a file or a CI log there is no terminal width: use a wide one rather than rich's 80
+    columns, so tables keep whole image IDs and hashes instead of cutting them with an ellipsis.
+    """
+    stream = sys.stderr if as_json else sys.stdout
+    width = None if stream.isatty() else 200
+    return Console(stderr=as_json, highlight=False, soft_wrap=False, width=width)
 
 
 def warn_console() -> Console:

@@ -23,7 +23,7 @@ from ..errors import CheckFailed, UsageError
 from ..lock import audit_tail_argv, cluster_lock, lock_status
 from ..lock import force_unlock as break_lock
 from ..output import console, emit_json, warn, warn_console
-from ..plan import REMOTE_READER, checkpoint_from_listing, make_plan, read_checkpoint, require_fit
+from ..plan import REMOTE_READER, checkpoint_from_listing, make_plan, require_fit
 from ..render import Rendered, render_all, write_private
 from ..settings import Settings
 
@@ -55,20 +55,16 @@ def _require_all(cluster: Cluster, what: str) -> None:
 
 
 def _plan(cluster: Cluster, s: Settings) -> Any:
-    """The memory plan from the checkpoint: read here if MODEL is on this machine, else on the head."""
-    if s.model.is_dir():
-        ckpt = read_checkpoint(s.model)
-    else:
-        r = cluster.node(s.head).run(["python3", "-", str(s.model)], stdin=REMOTE_READER, timeout=60)
-        if not r.ok:
-            raise CheckFailed(f"cannot read the checkpoint on {s.head}: {r.stderr.strip()[:300]}",
-                              fix=f"check that python3 exists on {s.head} and MODEL={s.model} is readable there")
-        try:
-            listing = json.loads(r.stdout)
-        except json.JSONDecodeError:
-            raise CheckFailed(f"unexpected answer reading the checkpoint on {s.head}") from None
-        ckpt = checkpoint_from_listing(s.model, listing, s.head)
-    plan = make_plan(s, ckpt)
+    """The memory plan from the checkpoint as the head sees it (the nodes' view is the one that runs)."""
+    r = cluster.node(s.head).run(["python3", "-", str(s.model)], stdin=REMOTE_READER, timeout=60)
+    if not r.ok:
+        raise CheckFailed(f"cannot read the checkpoint on {s.head}: {r.stderr.strip()[:300]}",
+                          fix=f"check that python3 exists on {s.head} and MODEL={s.model} is readable there")
+    try:
+        listing = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        raise CheckFailed(f"unexpected answer reading the checkpoint on {s.head}") from None
+    plan = make_plan(s, checkpoint_from_listing(s.model, listing, s.head))
     require_fit(plan)
     return plan
 
