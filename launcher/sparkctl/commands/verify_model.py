@@ -1,0 +1,204 @@
+"""`sparkctl verify-model`: the checkpoint's layout and EXL3 ABI, from its headers, in about a second.
+
+    sparkctl verify-model --local DIR [--deep] [--json] [--layout NAME]   this machine's folder
+    sparkctl verify-model [--deep] [--json]                               MODEL on every node
+
+Cluster mode ships probes/ckpt_scan.py to every node over its SSH connection: the head sends its
+headers (compressed), the others only fingerprints; the head's scan is verified against the recipe's
+layout and every node's fingerprints are compared. Exit 1 if any finding is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import UsageError
+from ..output import console, emit_json
+from ..probes import source
+from ..probes.ckpt_scan import scan
+from ..verify import Finding, Report, Summary, compare_nodes, load_layout, verify_scan
+
+DEEP_TIMEOUT = 6 * 3600.0  # 308 GB over NFS at a few hundred MB/s, with room to spare
+SCAN_TIMEOUT = 120.0
+
+
+def _layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str, Any]:
+    """(layout, where it came from, settings or None). --layout wins; else the recipe's."""
+    if name:
+        try:
+            return load_layout(name), f"--layout {name}", None
+        except ValueError as exc:
+            raise UsageError(str(exc), fix="pass a name from recipes/layouts/ or a path to a .json file") from None
+    try:
+        settings = g.settings()
+        layout = settings.recipe.checkpoint_layout
+        return dict(layout), f"recipe {settings.recipe.name}", settings
+    except Exception:  # no cluster settings (e.g. NODES unset): fall back to the recipe alone
+        pass
+    try:
+        import os
+
+        from ..recipes import DEFAULT_RECIPE, load_recipe
+
+        recipe = load_recipe(g.recipe or os.environ.get("RECIPE") or DEFAULT_RECIPE)
+        return dict(recipe.checkpoint_layout), f"recipe {recipe.name}", None
+    except Exception:
+        return None, "none", None
+
+
+def _progress(total: int, enabled: bool) -> tuple[Any, Any]:
+    """A rich progress bar on stderr, fed from the hashing threads (rich's Progress is thread-safe)."""
+    if not enabled:
+        return None, None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress("deep sha256", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                   console=console(True), transient=True)
+    task = bar.add_task("hash", total=total)
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            bar.update(task, advance=n)
+
+    return bar, tick
+
+
+def _verify_local(directory: Path, layout: dict[str, Any] | None, deep: bool, workers: int | None,
+                  max_header: int, show_progress: bool) -> tuple[Report, dict[str, Any]]:
+    total = sum(p.stat().st_size for p in directory.glob("**/*.safetensors")) if deep and directory.is_dir() else 0
+    bar, tick = _progress(total, deep and show_progress)
+    if bar is not None:
+        bar.start()
+    try:
+        doc = scan(str(directory), headers="raw", deep=deep, workers=workers, max_header_bytes=max_header,
+                   progress=tick)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return verify_scan(doc, layout), {}
+
+
+def _verify_cluster(g: Any, settings: Any, layout: dict[str, Any] | None, deep: bool,
+                    max_header: int) -> tuple[Report, dict[str, Any]]:
+    try:
+        from ..cluster import Cluster
+    except ImportError:
+        raise UsageError("cluster mode needs sparkctl.cluster, which this build lacks",
+                         fix="use --local DIR to verify a folder on this machine") from None
+    if settings is None:
+        settings = g.settings()  # raises the UsageError that says which setting is missing
+    nodes = list(settings.nodes)
+    head = nodes[0]
+    model = str(settings.model)
+    script = source("ckpt_scan").encode()
+
+    def job(node: Any) -> Any:
+        args = [model, "--headers", "zlib" if node.name == head else "none", "--fingerprints",
+                "--max-header-bytes", str(max_header)]
+        if deep:
+            args.append("--deep")
+        return node.run_script(script, args, interpreter=("python3", "-"),
+                               timeout=DEEP_TIMEOUT if deep else SCAN_TIMEOUT)
+
+    scans: dict[str, dict[str, Any]] = {}
+    findings: list[Finding] = []
+    with Cluster(nodes, g.ssh_config_path()) as cluster:
+        results = cluster.run_all(job, nodes=nodes)
+    for node, r in results.items():
+        if isinstance(r, Exception):
+            findings.append(Finding("error", "node-unreachable", f"{node}: {getattr(r, 'message', r)}",
+                                    getattr(r, "fix", None) or f"check that {node} is up and reachable over SSH",
+                                    node))
+            continue
+        try:
+            doc = json.loads(r.stdout) if r.ok else None
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            findings.append(Finding("error", "node-scan-failed",
+                                    f"{node}: the checkpoint scan failed (exit {r.exit_code}): {r.stderr.strip()[-300:]}",
+                                    f"check that python3 (>= 3.8) exists on {node}", node))
+            continue
+        scans[node] = doc
+    if head in scans:
+        report = verify_scan(scans[head], layout)
+    else:
+        report = Report([], Summary())
+    report.findings = findings + compare_nodes(scans, head) + report.findings
+    nodes_doc = {n: {"host": s.get("host"), "shards": len(s.get("shards") or {})} for n, s in scans.items()}
+    return report, {"nodes": nodes_doc, "head": head}
+
+
+def _human(report: Report, where: str, layout_src: str, as_json: bool) -> None:
+    from rich.table import Table
+
+    out = console(as_json)
+    s = report.summary
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("checkpoint", where)
+    t.add_row("rules", layout_src)
+    exp = f" (layout expects {s.expected_shards})" if s.expected_shards and s.expected_shards != s.shards else ""
+    t.add_row("shards", f"{s.shards}{exp}")
+    t.add_row("bytes", f"{s.bytes:,} ({s.bytes / 1e9:.1f} GB, {s.bytes / 2**30:.1f} GiB)")
+    t.add_row("tensors", f"{s.tensors:,}")
+    t.add_row("quantized", s.quantized_line())
+    t.add_row("codebook", s.codebooks or "-")
+    for extra in s.optional_files:
+        t.add_row("optional", extra)
+    if s.deep:
+        t.add_row("deep", f"{len(s.deep)} shards hashed (sha256)")
+    out.print(t)
+    style = {"error": "bold red", "warn": "yellow", "info": "dim"}
+    for f in report.findings:
+        out.print(f"[{style.get(f.severity, '')}]{f.severity}[/] [bold]{f.code}[/]: {f.message}",
+                  markup=True, highlight=False)
+        if f.fix:
+            out.print(f"    fix: {f.fix}", markup=False, highlight=False)
+    errors = sum(f.severity == "error" for f in report.findings)
+    warns = sum(f.severity == "warn" for f in report.findings)
+    out.print("[bold green]OK[/]" if report.ok else f"[bold red]FAILED[/]: {errors} error(s)", markup=True,
+              end="")
+    out.print(f", {warns} warning(s)" if warns else "")
+
+
+@click.command("verify-model")
+@click.option("--local", "local_dir", metavar="DIR", type=click.Path(path_type=Path),
+              help="Verify this folder on this machine (default: MODEL on every node).")
+@click.option("--deep", is_flag=True, help="Also hash every shard in full (parallel, cached by path/size/mtime).")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON document on stdout.")
+@click.option("--layout", "layout_name", metavar="NAME",
+              help="Checkpoint layout rules (recipes/layouts/NAME.json) instead of the recipe's.")
+@click.option("--workers", type=click.IntRange(1, 64), default=None, help="Threads for --deep.")
+@click.option("--max-header-mb", type=click.IntRange(1, 1024), default=100, show_default=True,
+              help="Largest safetensors header accepted.")
+@click.pass_context
+def command(ctx: click.Context, local_dir: Path | None, deep: bool, as_json: bool, layout_name: str | None,
+            workers: int | None, max_header_mb: int) -> None:
+    """Verify the checkpoint's layout and EXL3 ABI from its safetensors headers."""
+    g = ctx.obj
+    as_json = as_json or bool(getattr(g, "json", False))
+    layout, layout_src, settings = _layout(g, layout_name)
+    max_header = max_header_mb * 1024 * 1024
+    if local_dir is not None:
+        report, extra = _verify_local(local_dir, layout, deep, workers, max_header, show_progress=True)
+        where = str(local_dir.resolve())
+    else:
+        report, extra = _verify_cluster(g, settings, layout, deep, max_header)
+        where = f"{extra.get('head')}:{settings.model if settings else '?'} (+{len(extra.get('nodes', {})) - 1} nodes)"
+    if layout is None:
+        report.findings.append(Finding("info", "no-layout", "no recipe layout: only structure and the EXL3 ABI "
+                                       "were checked, not the recipe's scope and bits",
+                                       "pass --layout NAME or set RECIPE"))
+    if as_json:
+        emit_json({"ok": report.ok, "checkpoint": where, "rules": layout_src, **report.to_dict(), **extra})
+    else:
+        _human(report, where, layout_src, as_json)
+    ctx.exit(0 if report.ok else 1)

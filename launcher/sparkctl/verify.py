@@ -1,0 +1,724 @@
+"""verify-model's rules: a checkpoint scan (probes/ckpt_scan.py) in, findings and a summary out.
+
+Pure: no I/O except verify_dir() and load_layout(), which read what the rules are given.
+
+The rules are parameterised by a recipe's checkpoint `layout`, a plain dict (recipes/layouts/*.json):
+
+    name              label used in messages, e.g. "glm53-3.00bpw"
+    quant_method      expected quantization_config quant_method ("exl3")
+    bits              expected quantization_config bits (3, or 2.75 for a mixed pack); omitted = any
+    scope             expected quantization_config scope ("glm53_routed_experts_only")
+    allowed_bits      widths the serving overlay can load at all ([3, 4, 5, 6]); others are errors
+    codebooks         codebook markers the overlay understands (["mcg", "mul1"])
+    mixed_codebooks   "warn" or "error" when more than one codebook is in use
+    codebook_note     what serving a mixed-codebook pack requires (goes into the warning's fix)
+    config            {config.json key: expected value}, e.g. {"num_hidden_layers": 78, ...}
+    mtp_layer         the MTP block's layer index (78); its routed experts are class "mtp_expert"
+    classes           {class: {"format": "exl3"|"native"|"any", "bits": [...], "codebooks": [...],
+                       "uniform": bool}} for the module classes below; unlisted classes use
+    default_format    (normally "native")
+    kv_a_proj_width   stored output width of self_attn.kv_a_proj_with_mqa (576, or 640 when padded)
+    shards            expected number of index shards (a warning when it differs)
+    optional_files    {relative path: {"classes": {...}, "note": "..."}}: extra safetensors files
+                      (e.g. the 6-bit head) checked with their own class rules when present
+    serving_files     files the image layers copy from serving/ (a warning when missing)
+
+Module classes (from the tensor name): routed_expert, mtp_expert, shared_expert, dense_mlp, router,
+attention (q_a/q_b/kv_a/o_proj), kv_b, indexer_q (indexer.wq_b), indexer (wk, weights_proj),
+mtp_other (eh_proj, shared_head), embed, lm_head, other.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .probes.ckpt_scan import decode_blob
+from .probes.ckpt_scan import scan as scan_dir
+from .resources import recipes_dir
+from .safetensors import Header, HeaderError, TensorInfo, parse_header
+
+INDEX = "model.safetensors.index.json"
+EXL3_PARTS = ("trellis", "suh", "svh")
+MARKERS = ("mcg", "mul1")
+EXAMPLES = 3
+_PART_SUFFIXES = (".suh", ".svh", ".mcg", ".mul1")  # how many offending names a grouped finding quotes
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # "error" | "warn" | "info"
+    code: str
+    message: str
+    fix: str = ""
+    where: str = ""  # file, tensor or node the finding is about
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class Summary:
+    shards: int = 0
+    expected_shards: int = 0
+    bytes: int = 0
+    tensors: int = 0
+    quantized_by_bits: dict[int, int] = field(default_factory=dict)
+    quantized_by_class: dict[str, dict[int, int]] = field(default_factory=dict)
+    native_linears: int = 0
+    codebooks: str = ""
+    optional_files: list[str] = field(default_factory=list)
+    deep: dict[str, str] = field(default_factory=dict)
+
+    def quantized_line(self) -> str:
+        if not self.quantized_by_bits:
+            return "none"
+        return " · ".join(f"{n:,} × {b}-bit" for b, n in sorted(self.quantized_by_bits.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["quantized_by_bits"] = {str(k): v for k, v in sorted(self.quantized_by_bits.items())}
+        d["quantized_by_class"] = {c: {str(k): v for k, v in sorted(b.items())}
+                                   for c, b in sorted(self.quantized_by_class.items())}
+        return d
+
+
+@dataclass
+class Report:
+    findings: list[Finding]
+    summary: Summary
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "summary": self.summary.to_dict(), "findings": [f.to_dict() for f in self.findings]}
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def load_layout(name: str) -> dict[str, Any]:
+    """A layout by name (recipes/layouts/NAME.json) or by path. Raises ValueError with the reason."""
+    path = Path(name) if name.endswith(".json") else recipes_dir() / "layouts" / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        known = sorted(p.stem for p in (recipes_dir() / "layouts").glob("*.json"))
+        raise ValueError(f"checkpoint layout {name!r} not found (known: {', '.join(known)})") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"checkpoint layout {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"checkpoint layout {path}: expected a JSON object")
+    return data
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def ranges(layers: Iterable[int]) -> str:
+    """[3] -> "layer 3"; [4, 5, 6, 9] -> "layers 4–6, 9"."""
+    xs = sorted(set(layers))
+    if not xs:
+        return "no layers"
+    parts: list[str] = []
+    start = prev = xs[0]
+    for x in [*xs[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(str(start) if start == prev else f"{start}–{prev}")
+        if x is not None:
+            start = prev = x
+    return ("layer " if len(xs) == 1 else "layers ") + ", ".join(parts)
+
+
+def classify(module: str, mtp_layer: int | None) -> tuple[str, int | None]:
+    """(class, layer) of a linear module name such as model.layers.5.mlp.experts.7.up_proj."""
+    parts = module.split(".")
+    if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        layer = int(parts[2])
+        rest = parts[3:]
+        if rest[0] == "mlp":
+            kind = rest[1] if len(rest) > 1 else ""
+            if kind == "experts":
+                return ("mtp_expert" if layer == mtp_layer else "routed_expert"), layer
+            if kind == "shared_experts":
+                return "shared_expert", layer
+            if kind == "gate":
+                return "router", layer
+            return "dense_mlp", layer
+        if rest[0] == "self_attn":
+            if len(rest) > 1 and rest[1] == "kv_b_proj":
+                return "kv_b", layer
+            if len(rest) > 1 and rest[1] == "indexer":
+                return ("indexer_q" if len(rest) > 2 and rest[2] == "wq_b" else "indexer"), layer
+            return "attention", layer
+        if rest[0] in ("eh_proj", "shared_head"):
+            return "mtp_other", layer
+        return "other", layer
+    if parts[0] == "lm_head":
+        return "lm_head", None
+    if module.startswith("model.embed_tokens"):
+        return "embed", None
+    return "other", None
+
+
+class _Issues:
+    """Collects per-module problems and reports each (code, class) once, with a count and examples,
+    so 57,600 broken experts make one readable finding, not 57,600."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str, str], list[tuple[str, int | None, str, int]]] = defaultdict(list)
+        self.fixes: dict[tuple[str, str, str], str] = {}
+
+    def add(self, severity: str, code: str, cls: str, module: str, layer: int | None, detail: str,
+            fix: str, count: int = 1) -> None:
+        key = (severity, code, cls)
+        self.items[key].append((module, layer, detail, count))
+        self.fixes.setdefault(key, fix)
+
+    def findings(self, where: str) -> list[Finding]:
+        out = []
+        for (severity, code, cls), rows in self.items.items():
+            layers = [r[1] for r in rows if r[1] is not None]
+            scope = f" in {ranges(layers)}" if layers else ""
+            total = sum(r[3] for r in rows)
+            shown = rows[:EXAMPLES]
+            ex = "; ".join(f"{m}{' etc.' if n > 1 else ''} ({d})" for m, _, d, n in shown)
+            rest = total - sum(r[3] for r in shown)
+            more = f"; and {rest:,} more" if rest > 0 else ""
+            noun = "linear" if total == 1 else "linears"
+            out.append(Finding(severity, code, f"{total:,} {cls.replace('_', ' ')} {noun}{scope}: {ex}{more}",
+                               self.fixes[(severity, code, cls)], where))
+        return out
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def _json_file(scan: Mapping[str, Any], name: str, findings: list[Finding], *, required: bool) -> Any:
+    entry = (scan.get("json") or {}).get(name) or {"missing": True}
+    if entry.get("missing"):
+        if required:
+            findings.append(Finding("error", "file-missing", f"{name} is missing from the checkpoint folder",
+                                    "download the complete checkpoint (it ships with the shards)", name))
+        return None
+    if entry.get("error"):
+        findings.append(Finding("error", "json-unreadable", f"{name}: {entry['error'].get('message')}",
+                                "re-download the file", name))
+        return None
+    try:
+        raw = decode_blob(entry.get("data"))
+        return None if raw is None else json.loads(raw)
+    except ValueError as exc:
+        findings.append(Finding("error", "json-invalid", f"{name} is not valid JSON: {str(exc)[:120]}",
+                                "re-download the file (it is damaged)", name))
+        return None
+
+
+def _shard_header(name: str, entry: Mapping[str, Any], findings: list[Finding]) -> Header | None:
+    fix = f"re-download {name}: the file is damaged or not a safetensors file"
+    if entry.get("error"):
+        err = entry["error"]
+        findings.append(Finding("error", str(err.get("code", "shard-unreadable")),
+                                f"{name}: {err.get('message')}", fix, name))
+        return None
+    try:
+        raw = decode_blob(entry.get("header"))
+        if raw is None:
+            return None
+        header = parse_header(raw)
+    except HeaderError as exc:
+        findings.append(Finding("error", exc.code, f"{name}: {exc.message}", fix, name))
+        return None
+    except ValueError as exc:  # a damaged transfer of the header blob
+        findings.append(Finding("error", "header-transfer", f"{name}: header blob unreadable ({exc})", fix, name))
+        return None
+    size = int(entry.get("size", 0))
+    want = header.file_size
+    if size < want:
+        findings.append(Finding("error", "shard-truncated",
+                                f"{name} is {want - size:,} bytes short: {size:,} on disk, the header says {want:,}",
+                                f"re-download {name} (an interrupted copy leaves it short)", name))
+    elif size > want:
+        findings.append(Finding("error", "shard-oversize",
+                                f"{name} has {size - want:,} bytes after its last tensor ({size:,} on disk, "
+                                f"the header says {want:,})", f"re-download {name}", name))
+    return header
+
+
+def _check_abi(tensors: Mapping[str, TensorInfo], rules: Mapping[str, Any], layout: Mapping[str, Any],
+               issues: _Issues, summary: Summary, codebook_layers: dict[int, set[str]],
+               mtp_layer: int | None) -> tuple[set[str], dict[str, int]]:
+    """EXL3 ABI and scope per module class. Returns (modules present, out-width per kv_a module).
+
+    Structural checks run per module; the scope/bits/codebook rules run once per group of
+    (class, layer, bits, codebook), which keeps 57,600 expert linears cheap.
+    """
+    reload = "re-quantize or re-download the affected layers: a loader cannot guess the missing part"
+    trellis_mods = [n[:-8] for n in tensors if n.endswith(".trellis")]
+    n_parts = sum(1 for n in tensors if n.endswith(_PART_SUFFIXES))
+    accounted = 0
+    groups: dict[tuple[str, int | None, int, str], int] = {}
+    example: dict[tuple[str, int | None, int, str], str] = {}
+    widths: dict[str, int] = {}
+    get = tensors.get
+    for mod in trellis_mods:
+        cls, layer = classify(mod, mtp_layer)
+        tr, suh, svh = tensors[mod + ".trellis"], get(mod + ".suh"), get(mod + ".svh")
+        has_mcg, has_mul1 = mod + ".mcg" in tensors, mod + ".mul1" in tensors
+        accounted += (suh is not None) + (svh is not None) + has_mcg + has_mul1
+        if suh is None or svh is None:
+            issues.add("error", "exl3-incomplete", cls, mod, layer,
+                       "no " + " and no ".join(p for p, t in ((".suh", suh), (".svh", svh)) if t is None), reload)
+            continue
+        if not (has_mcg or has_mul1):
+            issues.add("error", "exl3-marker-missing", cls, mod, layer, "trellis without .mcg/.mul1 marker",
+                       "re-quantize these layers: the overlay reads the codebook from the marker tensor")
+        elif has_mcg and has_mul1:
+            issues.add("error", "exl3-marker-duplicate", cls, mod, layer, "both .mcg and .mul1",
+                       "keep exactly one codebook marker per linear (the one the quantizer used)")
+        shape = tr.shape
+        if tr.dtype != "I16" or len(shape) != 3 or shape[2] % 16 or not shape[2]:
+            issues.add("error", "exl3-trellis", cls, mod, layer, f"trellis {tr.dtype}{list(shape)}",
+                       "expected int16 [in/16, out/16, 16·bits]: " + reload)
+            continue
+        bits = shape[2] >> 4
+        if suh.shape != (shape[0] * 16,) or svh.shape != (shape[1] * 16,):
+            issues.add("error", "exl3-scales", cls, mod, layer,
+                       f"suh {list(suh.shape)} / svh {list(svh.shape)} vs trellis in={shape[0] * 16} "
+                       f"out={shape[1] * 16}", reload)
+        if mod + ".weight" in tensors:
+            issues.add("error", "exl3-and-native", cls, mod, layer, "both .weight and .trellis",
+                       "remove the stale .weight (a partly re-quantized pack)")
+        if mod.endswith("kv_a_proj_with_mqa"):
+            widths[mod] = shape[1] * 16
+        marker = "mcg" if has_mcg and not has_mul1 else "mul1" if has_mul1 and not has_mcg else ""
+        key = (cls, layer, bits, marker)
+        groups[key] = groups.get(key, 0) + 1
+        example.setdefault(key, mod)
+
+    if n_parts > accounted:  # some .suh/.svh/marker belongs to no trellis: find which (rare, slow path)
+        has_trellis = set(trellis_mods)
+        for n in tensors:
+            mod, _, suffix = n.rpartition(".")
+            if suffix in ("suh", "svh", "mcg", "mul1") and mod not in has_trellis:
+                has_trellis.add(mod)  # report each such module once
+                cls, layer = classify(mod, mtp_layer)
+                issues.add("error", "exl3-incomplete", cls, mod, layer, "no .trellis", reload)
+    allowed = set(layout.get("allowed_bits") or [])
+    known_cbs = set(layout.get("codebooks") or MARKERS)
+    default = {"format": layout.get("default_format", "any")}
+    name = layout.get("name", "this layout")
+    class_bits: dict[str, set[int]] = defaultdict(set)
+    for (cls, layer, bits, marker), count in groups.items():
+        mod = example[(cls, layer, bits, marker)]
+        rule = rules.get(cls, default)
+        summary.quantized_by_bits[bits] = summary.quantized_by_bits.get(bits, 0) + count
+        by_cls = summary.quantized_by_class.setdefault(cls, {})
+        by_cls[bits] = by_cls.get(bits, 0) + count
+        class_bits[cls].add(bits)
+        if marker and layer is not None:
+            codebook_layers.setdefault(layer, set()).add(marker)
+        if marker and marker not in known_cbs:
+            issues.add("error", "codebook-unsupported", cls, mod, layer, f"codebook {marker}",
+                       f"the overlay understands {', '.join(sorted(known_cbs))}: re-quantize with one of them", count)
+        fmt = rule.get("format", "any")
+        if fmt == "native":
+            issues.add("error", "exl3-out-of-scope", cls, mod, layer, f"EXL3 {bits}-bit",
+                       f"{name} keeps {cls.replace('_', ' ')} linears native (bf16/fp16): use a checkpoint "
+                       f"quantized to the recipe's scope ({layout.get('scope', '?')}) or the recipe that "
+                       "matches this pack", count)
+            continue
+        if allowed and bits not in allowed:
+            issues.add("error", "exl3-bits-unsupported", cls, mod, layer, f"{bits}-bit",
+                       f"the serving overlay loads {', '.join(map(str, sorted(allowed)))}-bit EXL3 only: "
+                       "re-quantize to a supported width", count)
+        elif rule.get("bits") and bits not in rule["bits"]:
+            issues.add("error", "exl3-bits-mismatch", cls, mod, layer,
+                       f"{bits}-bit, the layout expects {'/'.join(map(str, rule['bits']))}",
+                       "use the checkpoint this recipe is for, or the recipe that matches the checkpoint", count)
+        if rule.get("codebooks") and marker and marker in known_cbs and marker not in rule["codebooks"]:
+            issues.add("error", "codebook-mismatch", cls, mod, layer,
+                       f"{marker}, the layout expects {'/'.join(rule['codebooks'])}",
+                       "use the checkpoint this recipe is for", count)
+    for cls, bitset in class_bits.items():
+        if rules.get(cls, default).get("uniform") and len(bitset) > 1:
+            issues.add("error", "exl3-bits-not-uniform", cls, cls, None, f"widths {sorted(bitset)} mixed",
+                       f"the overlay needs one width for all {cls.replace('_', ' ')} linears: use the "
+                       "checkpoint this recipe is for")
+
+    native = [n[:-7] for n in tensors if n.endswith(".weight")]
+    present = set(trellis_mods)
+    for mod in native:
+        t = tensors[mod + ".weight"]
+        if len(t.shape) != 2 or mod in present:
+            continue
+        present.add(mod)
+        cls, layer = classify(mod, mtp_layer)
+        if cls == "attention" and mod.endswith("kv_a_proj_with_mqa"):
+            widths[mod] = t.shape[0]
+        if cls == "embed":
+            continue
+        summary.native_linears += 1
+        if rules.get(cls, default).get("format") == "exl3":
+            issues.add("error", "native-in-scope", cls, mod, layer, f"{t.dtype}{list(t.shape)}",
+                       f"{name} expects {cls.replace('_', ' ')} linears as EXL3: use the checkpoint this "
+                       "recipe is for")
+    return present, widths
+
+
+def verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None = None) -> Report:
+    """Turn one node's scan into findings and a summary. Never raises for any scan content."""
+    # ~300k small containers are built and nothing forms a cycle: the cyclic GC would only
+    # burn a third of the time budget re-walking them.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _verify_scan(scan, layout)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> Report:
+    layout = layout or {}
+    findings: list[Finding] = []
+    summary = Summary(expected_shards=int(layout.get("shards") or 0))
+    if scan.get("error"):
+        err = scan["error"]
+        findings.append(Finding("error", str(err.get("code", "scan-failed")), str(err.get("message")),
+                                "set MODEL to the checkpoint folder (the same path on every node)", str(scan.get("dir"))))
+        return Report(findings, summary)
+
+    index = _json_file(scan, INDEX, findings, required=True)
+    config = _json_file(scan, "config.json", findings, required=True)
+    qconf = _json_file(scan, "quantization_config.json", findings, required=False)
+    shards_scan: Mapping[str, Any] = scan.get("shards") or {}
+
+    weight_map: dict[str, str] = {}
+    total_size = None
+    if index is not None:
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not set(map(type, wm.values())) <= {str}:
+            findings.append(Finding("error", "index-invalid", f"{INDEX} has no weight_map of tensor → shard names",
+                                    "re-download the index", INDEX))
+        else:
+            weight_map = wm
+        meta = index.get("metadata") if isinstance(index, dict) else None
+        if isinstance(meta, dict) and isinstance(meta.get("total_size"), int):
+            total_size = meta["total_size"]
+
+    # -- the folder vs the index
+    counts = Counter(weight_map.values())  # shard -> tensors the index puts there
+    top_level = {n for n in shards_scan if "/" not in n}
+    for sname in sorted(set(counts) - top_level):
+        findings.append(Finding("error", "shard-missing",
+                                f"{sname} is named by the index ({counts[sname]:,} tensors) but is not in the folder",
+                                f"download {sname} into the checkpoint folder", sname))
+    if weight_map:
+        for sname in sorted(top_level - set(counts)):
+            findings.append(Finding("warn", "shard-extra", f"{sname} is in the folder but not in the index; "
+                                    "loaders that glob *.safetensors would load it twice or from another revision",
+                                    f"remove {sname} or re-download the index that lists it", sname))
+    summary.shards = len(top_level & set(counts)) if weight_map else len(top_level)
+    if summary.expected_shards and counts and len(counts) != summary.expected_shards:
+        findings.append(Finding("warn", "shard-count",
+                                f"the index names {len(counts)} shards; {layout.get('name')} expects "
+                                f"{summary.expected_shards}", "check that MODEL is the checkpoint this recipe is for",
+                                INDEX))
+
+    # -- every shard's header
+    headers: dict[str, Header] = {}
+    main_shards = [n for n in sorted(shards_scan) if n in counts or (not weight_map and "/" not in n)]
+    for sname in main_shards:
+        entry = shards_scan[sname]
+        summary.bytes += int(entry.get("size") or 0)
+        header = _shard_header(sname, entry, findings)
+        if header is not None:
+            headers[sname] = header
+
+    # -- index -> shard tensor presence, duplicates, total size
+    data_total = sum(h.data_len for h in headers.values())
+    summary.tensors = sum(len(h.tensors) for h in headers.values())
+    merged: dict[str, TensorInfo] = {}
+    for h in headers.values():
+        merged.update(h.tensors)
+    # tensor -> shard as the headers say; equal to the index in the usual case (one C-level compare),
+    # and only when it is not are the per-tensor loops below run to say what differs.
+    located: dict[str, str] = {}
+    for sname, h in headers.items():
+        located.update(dict.fromkeys(h.tensors, sname))
+    consistent = located == weight_map
+    absent: dict[str, list[str]] = defaultdict(list)
+    tensors_of = {s: h.tensors for s, h in headers.items()}
+    for tname, sname in ([] if consistent else weight_map.items()):
+        held = tensors_of.get(sname)
+        if held is not None and tname not in held:
+            absent[sname].append(tname)
+    for sname, names in sorted(absent.items()):
+        where_is = located
+        ex = "; ".join(f"{n}" + (f" (found in {where_is[n]})" if n in where_is else " (in no shard)")
+                       for n in names[:EXAMPLES])
+        more = f"; and {len(names) - EXAMPLES:,} more" if len(names) > EXAMPLES else ""
+        findings.append(Finding("error", "index-tensor-absent",
+                                f"the index puts {len(names):,} tensors in {sname} that its header lacks: {ex}{more}",
+                                "re-download the index and the shard from the same revision", sname))
+    if len(merged) != summary.tensors:  # some name is in two shards
+        seen: dict[str, str] = {}
+        for sname, h in headers.items():
+            dup = [t for t in h.tensors if t in seen]
+            if dup:
+                findings.append(Finding("error", "tensor-duplicate",
+                                        f"{len(dup):,} tensors of {sname} are also stored in another shard, "
+                                        f"e.g. {dup[0]} (also in {seen[dup[0]]})",
+                                        "the folder mixes two revisions: re-download it", sname))
+            seen.update(dict.fromkeys(h.tensors, sname))
+    if weight_map:
+        for sname, h in ([] if consistent else headers.items()):
+            unindexed = set(h.tensors).difference(weight_map)  # not keys()-keys(): that walks weight_map
+            if unindexed:
+                findings.append(Finding("warn", "tensor-not-in-index",
+                                        f"{len(unindexed):,} tensors of {sname} are not in the index, "
+                                        f"e.g. {min(unindexed)}",
+                                        "re-download the index from the shards' revision", sname))
+        if total_size is not None and not findings_have(findings, "shard-missing") and total_size != data_total:
+            findings.append(Finding("warn", "index-total-size",
+                                    f"index metadata.total_size is {total_size:,} but the shards hold {data_total:,} bytes",
+                                    "re-download the index from the shards' revision", INDEX))
+
+    # -- config.json and the quantization config vs the layout
+    if isinstance(config, dict):
+        for key, want in (layout.get("config") or {}).items():
+            got = config.get(key)
+            if got != want:
+                findings.append(Finding("error", "config-mismatch", f"config.json {key} is {got!r}; "
+                                        f"{layout.get('name')} expects {want!r}",
+                                        "use the checkpoint this recipe is for, or pick the matching RECIPE",
+                                        "config.json"))
+        if qconf is None and isinstance(config.get("quantization_config"), dict):
+            qconf = config["quantization_config"]
+    elif config is not None:
+        findings.append(Finding("error", "json-invalid", "config.json is not a JSON object", "re-download it",
+                                "config.json"))
+    if layout.get("quant_method"):
+        if not isinstance(qconf, dict):
+            findings.append(Finding("error", "quant-config-missing",
+                                    "no quantization_config.json and no quantization_config in config.json",
+                                    "download the checkpoint's quantization_config.json", "quantization_config.json"))
+        else:
+            for key in ("quant_method", "bits", "scope"):
+                want = layout.get(key)
+                if want is not None and qconf.get(key) != want:
+                    findings.append(Finding("error", "quant-config-mismatch",
+                                            f"quantization config {key} is {qconf.get(key)!r}; "
+                                            f"{layout.get('name')} expects {want!r}",
+                                            "use the checkpoint this recipe is for, or pick the matching RECIPE",
+                                            "quantization_config.json"))
+
+    # -- EXL3 ABI, scope and expected modules
+    cfg = config if isinstance(config, dict) else {}
+    mtp_layer = layout.get("mtp_layer", cfg.get("num_hidden_layers"))
+    mtp_layer = mtp_layer if isinstance(mtp_layer, int) else None
+    issues = _Issues()
+    codebook_layers: dict[int, set[str]] = {}
+    rules = layout.get("classes") or {}
+    present, widths = _check_abi(merged, rules, layout, issues, summary, codebook_layers, mtp_layer)
+    _expected_experts(cfg, present, headers, len(headers) == len(main_shards), issues)
+    want_w = layout.get("kv_a_proj_width")
+    if isinstance(want_w, int):
+        for mod, w in sorted(widths.items()):
+            if w != want_w:
+                issues.add("error", "kv-a-width", "attention", mod, classify(mod, mtp_layer)[1],
+                           f"{w} wide, expected {want_w}", "use the checkpoint this recipe is for")
+    findings.extend(issues.findings("shards"))
+
+    labels = {layer: "+".join(sorted(cbs)) for layer, cbs in codebook_layers.items()}
+    summary.codebooks = " · ".join(f"{label}: {ranges(ls)}" for label, ls in _runs(labels))
+    used = {cb for cbs in codebook_layers.values() for cb in cbs}
+    if len(used) > 1:
+        sev = "error" if layout.get("mixed_codebooks") == "error" else "warn"
+        findings.append(Finding(sev, "codebook-mixed", f"codebooks are mixed ({summary.codebooks})",
+                                layout.get("codebook_note") or "serve with an overlay that detects the codebook "
+                                "per layer", "shards"))
+
+    _optional_files(scan, shards_scan, set(main_shards), layout, findings, summary, mtp_layer)
+    _serving_files(scan, layout, findings)
+    _deep(scan, findings, summary)
+    order = {"error": 0, "warn": 1, "info": 2}
+    findings.sort(key=lambda f: order.get(f.severity, 3))
+    return Report(findings, summary)
+
+
+def findings_have(findings: Iterable[Finding], code: str) -> bool:
+    return any(f.code == code for f in findings)
+
+
+def _runs(labels: Mapping[int, str]) -> list[tuple[str, list[int]]]:
+    """Group layers into runs of the same label, in layer order: [("mcg", [3]), ("mul1", [4..77])]."""
+    out: list[tuple[str, list[int]]] = []
+    for layer in sorted(labels):
+        if out and out[-1][0] == labels[layer] and out[-1][1][-1] == layer - 1:
+            out[-1][1].append(layer)
+        else:
+            out.append((labels[layer], [layer]))
+    return out
+
+
+def _expected_experts(cfg: Mapping[str, Any], present: set[str], headers: Mapping[str, Header], complete: bool,
+                      issues: _Issues) -> None:
+    """Every MoE layer (first_k_dense_replace .. last incl. MTP) has all routed experts' three linears."""
+    n, first, layers = cfg.get("n_routed_experts"), cfg.get("first_k_dense_replace"), cfg.get("num_hidden_layers")
+    mtp = cfg.get("num_nextn_predict_layers", 0)
+    if not complete or not all(isinstance(x, int) and x >= 0 for x in (n, first, layers, mtp)):
+        return  # a shard that could not be read is already an error; don't pile on
+    assert isinstance(n, int) and isinstance(first, int) and isinstance(layers, int) and isinstance(mtp, int)
+    if n > 4096 or layers > 1024:
+        return  # nonsense config values are reported by the config checks, not enumerated here
+    if sum(1 for m in present if ".mlp.experts." in m) == (layers + mtp - first) * n * 3:
+        return  # the usual case: as many expert linears as expected; enumerate only when not
+    for layer in range(first, layers + mtp):
+        for e in range(n):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                mod = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+                if mod not in present:
+                    issues.add("error", "expert-missing", "routed_expert", mod, layer, "not in any shard",
+                               "the checkpoint is incomplete: re-download it (config.json expects "
+                               f"{n} routed experts in layers {first}–{layers + mtp - 1})")
+
+
+def _optional_files(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], main: set[str],
+                    layout: Mapping[str, Any], findings: list[Finding], summary: Summary,
+                    mtp_layer: int | None) -> None:
+    optional: Mapping[str, Any] = layout.get("optional_files") or {}
+    for rel in sorted(set(shards_scan) - main):
+        if "/" not in rel:
+            continue  # top-level extras were reported against the index
+        spec = optional.get(rel)
+        if spec is None:
+            findings.append(Finding("info", "file-ignored", f"{rel} is not part of the index or the layout; "
+                                    "vLLM will not load it", "", rel))
+            continue
+        header = _shard_header(rel, shards_scan[rel], findings)
+        if header is None:
+            continue
+        issues = _Issues()
+        sub = Summary()
+        _check_abi(header.tensors, spec.get("classes") or {}, {**layout, "default_format": "any"},
+                   issues, sub, {}, mtp_layer)
+        findings.extend(issues.findings(rel))
+        desc = ", ".join(f"{c} {'/'.join(map(str, sorted(b)))}-bit" for c, b in sub.quantized_by_class.items())
+        summary.optional_files.append(f"{rel}: {desc or 'no EXL3 linears'}")
+    for rel, spec in optional.items():
+        if rel not in shards_scan:
+            findings.append(Finding("info", "optional-absent", f"optional {rel} is not present"
+                                    + (f" ({spec.get('note')})" if spec.get("note") else ""), "", rel))
+
+
+def _serving_files(scan: Mapping[str, Any], layout: Mapping[str, Any], findings: list[Finding]) -> None:
+    files = scan.get("files") or {}
+    for name in layout.get("serving_files") or []:
+        if f"serving/{name}" not in files:
+            findings.append(Finding("warn", "serving-file-missing",
+                                    f"serving/{name} is missing: the image layer that copies it cannot build",
+                                    "download the checkpoint's serving/ folder too", f"serving/{name}"))
+
+
+def _deep(scan: Mapping[str, Any], findings: list[Finding], summary: Summary) -> None:
+    for name, entry in sorted((scan.get("deep") or {}).items()):
+        if entry.get("error"):
+            findings.append(Finding("error", "deep-unreadable", f"{name}: {entry['error'].get('message')}",
+                                    "check the file's permissions and the disk", name))
+        elif entry.get("sha256"):
+            summary.deep[name] = entry["sha256"]
+
+
+# ---------------------------------------------------------------- across nodes
+
+
+_FP_FIELDS = (("size", "size"), ("header_sha256", "header"), ("head_sha256", "first MiB"),
+              ("tail_sha256", "last MiB"))
+
+
+def fingerprints(scan: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    """Per file: (size, header hash, first/last MiB hashes, full hash) as far as the scan has them."""
+    out: dict[str, tuple[Any, ...]] = {}
+    deep = scan.get("deep") or {}
+    for name, e in (scan.get("shards") or {}).items():
+        if e.get("error"):
+            out[name] = ("error", e["error"].get("code"))
+            continue
+        out[name] = (*(e.get(k) for k, _ in _FP_FIELDS), (deep.get(name) or {}).get("sha256"))
+    for name, e in (scan.get("json") or {}).items():
+        if not e.get("missing"):
+            out[name] = ("json", e.get("sha256"))
+    return out
+
+
+def _what_differs(mine: tuple[Any, ...] | None, ref: tuple[Any, ...] | None) -> str:
+    if mine is None:
+        return "missing"
+    if ref is None:
+        return "extra"
+    if mine[0] in ("error", "json") or ref[0] in ("error", "json"):
+        return "unreadable" if mine[0] == "error" else "content"
+    labels = [label for _, label in _FP_FIELDS] + ["content"]
+    diffs = [label for a, b, label in zip(mine, ref, labels, strict=False) if a is not None and b is not None and a != b]
+    return ", ".join(diffs) or "content"
+
+
+def compare_nodes(scans: Mapping[str, Mapping[str, Any]], head: str | None = None) -> list[Finding]:
+    """Compare every node's folder by fingerprint; name each node that differs and its files.
+
+    The reference for each file is what most nodes hold; on a tie, the head's (first node by default).
+    """
+    if not scans:
+        return []
+    head = head if head in scans else next(iter(scans))
+    findings: list[Finding] = []
+    fps: dict[str, dict[str, tuple[Any, ...]]] = {}
+    for node, s in scans.items():
+        if s.get("error"):
+            err = s["error"]
+            findings.append(Finding("error", "node-scan-failed", f"{node}: {err.get('message')}",
+                                    f"make MODEL exist at the same path on {node} (shared storage mounted, or "
+                                    "the NFS server bind-mounting its export there)", node))
+            continue
+        fps[node] = fingerprints(s)
+    if len(fps) < 2:
+        return findings
+    names = sorted({n for fp in fps.values() for n in fp})
+    diffs: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        values = {node: fp.get(name) for node, fp in fps.items()}
+        counts = Counter(values.values())
+        top = max(counts.values())
+        candidates = [v for v, c in counts.items() if c == top]
+        ref = values[head] if head in values and values[head] in candidates else candidates[0]
+        for node, v in values.items():
+            if v != ref:
+                diffs[node].append(f"{name} ({_what_differs(v, ref)})")
+    for node, files in diffs.items():
+        more = f", and {len(files) - 8} more" if len(files) > 8 else ""
+        findings.append(Finding("error", "node-differs",
+                                f"{node}: {len(files)} file(s) differ from the other nodes' (reference: majority, "
+                                f"then {head}): {', '.join(files[:8])}{more}",
+                                f"re-sync {node}'s copy from {head} (or fix its mount so it sees the shared folder)",
+                                node))
+    return findings
+
+
+# ---------------------------------------------------------------- local convenience
+
+
+def verify_dir(path: str | Path, layout: Mapping[str, Any] | None = None, *, fingerprints: bool = False,
+               **scan_options: Any) -> Report:
+    """Scan the folder on this machine and verify it."""
+    return verify_scan(scan_dir(str(path), headers="raw", fingerprints=fingerprints, **scan_options), layout)
