@@ -1,0 +1,83 @@
+"""`sparkctl lab up|status|down`: the built-in lab cluster on this machine (root).
+
+stdout carries only `SPARKCTL_SSH_CONFIG=PATH` and `SPARKCTL_ENV_FILE=PATH` (or one JSON document
+with --json), so scripts can `eval` or parse it; progress and problems go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import CheckFailed
+from ..lab import manage
+from ..lab.proc import say
+
+
+def _json_wanted(ctx: click.Context) -> bool:
+    return bool(getattr(ctx.obj, "json", False))
+
+
+@click.group(name="lab")
+def command() -> None:
+    """Build or remove the built-in lab cluster (root): N hosts with sshd, dockerd and GPU/RDMA seams."""
+
+
+@command.command(name="up")
+@click.option("--nodes", type=click.IntRange(1, 64), default=4, show_default=True, help="How many hosts (spark1..N).")
+@click.option("--checkpoint", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Model folder to copy to every host (default: ckptgen's tiny test checkpoint).")
+@click.pass_context
+def up_cmd(ctx: click.Context, nodes: int, checkpoint: Path | None) -> None:
+    """Bring the lab up (or repair / reuse an existing one)."""
+    files = manage.up(nodes=nodes, checkpoint=checkpoint)
+    if _json_wanted(ctx):
+        _print_json(files, manage.status(deep=False))
+    else:
+        manage.print_paths(files)
+
+
+@command.command(name="status")
+@click.pass_context
+def status_cmd(ctx: click.Context) -> None:
+    """Report every lab host; exit 1 when the lab is not (fully) up."""
+    result = manage.status()
+    files, hosts, _ = result
+    if _json_wanted(ctx):
+        _print_json(files, result)
+    else:
+        for h in hosts:
+            say(f"{h.name:8} {h.mgmt_ip:15} " + ("ok" if h.ok else "; ".join(h.problems)))
+        if hosts:
+            manage.print_paths(files)
+    if not hosts:
+        raise CheckFailed(f"the lab is not up (no state in {files.root})", fix="sparkctl lab up")
+    bad = [h.name for h in hosts if not h.ok]
+    if bad:
+        raise CheckFailed(f"lab hosts not healthy: {', '.join(bad)}", fix="sparkctl lab up (repairs them)")
+
+
+@command.command(name="down")
+@click.option("--purge", is_flag=True, help="Also delete the cached base image tarball.")
+def down_cmd(purge: bool) -> None:
+    """Remove every host, engine, bridge, rule and mount of the lab (safe when nothing is up)."""
+    manage.down(purge=purge)
+    say("lab: down")
+
+
+def _print_json(files: manage.LabFiles, result: tuple[manage.LabFiles, list[manage.HostStatus], dict]) -> None:
+    _, hosts, state = result
+    doc = {
+        "ok": bool(hosts) and all(h.ok for h in hosts),
+        "ssh_config": str(files.ssh_config),
+        "env_file": str(files.env_file),
+        "known_hosts": str(files.known_hosts),
+        "lab_dir": str(files.root),
+        "hosts": [
+            {**spec, "ok": h.ok, "problems": h.problems}
+            for h, spec in zip(hosts, state.get("hosts", []), strict=False)
+        ],
+    }
+    click.echo(json.dumps(doc, indent=2))

@@ -1,0 +1,1 @@
+"""The built-in lab: N simulated DGX Spark hosts on one Linux machine (see manage.py)."""

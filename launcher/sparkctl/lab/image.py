@@ -1,0 +1,168 @@
+"""The lab's images, built without any registry.
+
+base   sparkctl-lab/base:bookworm  `debootstrap --variant=minbase bookworm` + python3 and iproute2 from
+       the Debian mirror apt already uses, tarred once into /var/cache/sparkctl-lab and `docker import`ed
+       into every host's engine (~200 MB: later benchmarks need a base of at least 100 MB).
+engine sparkctl-lab/engine:latest  FROM base, the stand-in engine as /usr/local/bin/vllm (classic builder;
+       there is no buildx here). Labelled with the stand-in's hash so a changed stand-in is rebuilt.
+
+Both are made once, on the first host that needs them, then `docker save`d into the cache and
+`docker load`ed into every other engine: every host holds the very same image IDs, as a real cluster
+does after `sparkctl build --ship` (an import or a build per host would give each its own ID).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import CheckFailed
+from .hosts import docker_cli, has_image
+from .proc import out, run, say
+from .state import BASE_IMAGE, CACHE_DIR, ENGINE_IMAGE, HostPaths
+
+HERE = Path(__file__).resolve().parent
+BASE_TARBALL = CACHE_DIR / "base-bookworm.tar"
+PACKAGES = ["python3", "iproute2", "procps", "ca-certificates"]
+MIN_BASE_BYTES = 100 * 10**6
+STANDIN_LABEL = "org.sparkctl.lab.standin-sha256"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+
+
+def debian_mirror() -> str:
+    """The Debian mirror apt is configured with (deb822 `URIs:` or one-line `deb URL bookworm ...`)."""
+    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
+    for path in sources:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for stanza in re.split(r"\n\s*\n", text):
+            uris = re.search(r"^URIs:\s*(\S+)", stanza, re.M)
+            if uris and re.search(r"^Suites:.*\bbookworm\b(?!-)", stanza, re.M) and "security" not in uris.group(1):
+                return uris.group(1).rstrip("/")
+        for m in re.finditer(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+bookworm\s", text, re.M):
+            return m.group(1).rstrip("/")
+    return DEFAULT_MIRROR
+
+
+def ensure_base_tarball() -> Path:
+    """Build the base root file system once (about a minute); later calls return the cached tarball."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two `lab up`s at once build it once
+        if BASE_TARBALL.exists():
+            return BASE_TARBALL
+        rootfs = CACHE_DIR / "rootfs.tmp"
+        if rootfs.exists():
+            shutil.rmtree(rootfs)
+        mirror = debian_mirror()
+        say(f"lab: building the base image with debootstrap from {mirror} (once; cached in {CACHE_DIR})")
+        run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", "bookworm", str(rootfs), mirror],
+            timeout=900, where="lab base image")
+        # Drop what an image never needs: downloaded .debs, apt lists, docs (~100 MB).
+        for sub in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man"):
+            target = rootfs / sub
+            if target.is_dir():
+                for child in target.iterdir():
+                    if child.is_file() or child.is_symlink():
+                        child.unlink()
+                    elif child.is_dir() and child.name != "partial":
+                        shutil.rmtree(child)
+        tmp = BASE_TARBALL.with_suffix(".tar.tmp")
+        run(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(tmp), "."], timeout=300, where="lab base image")
+        shutil.rmtree(rootfs)
+        if tmp.stat().st_size < MIN_BASE_BYTES:
+            tmp.unlink()
+            raise CheckFailed(f"lab base image is smaller than {MIN_BASE_BYTES} bytes; debootstrap went wrong")
+        tmp.rename(BASE_TARBALL)
+        return BASE_TARBALL
+
+
+def purge_cache() -> None:
+    if CACHE_DIR.exists():
+        shutil.rmtree(CACHE_DIR)
+
+
+def standin_sha() -> str:
+    return hashlib.sha256((HERE / "standin_vllm.py").read_bytes()).hexdigest()
+
+
+def ensure_base(paths: HostPaths, tarball: Path) -> None:
+    if not has_image(paths, BASE_IMAGE):
+        docker_cli(paths, "import", "--change", 'CMD ["/bin/bash"]', "--message", "sparkctl lab base (debootstrap)",
+                   str(tarball), BASE_IMAGE, timeout=300)
+
+
+def engine_current(paths: HostPaths) -> bool:
+    if not has_image(paths, ENGINE_IMAGE):
+        return False
+    label = out(["docker", "-H", paths.docker_host, "image", "inspect", "--format",
+                 f'{{{{index .Config.Labels "{STANDIN_LABEL}"}}}}', ENGINE_IMAGE], check=False)
+    return label.strip() == standin_sha()
+
+
+def ensure_engine(paths: HostPaths) -> None:
+    """FROM the base, the stand-in as /usr/local/bin/vllm; rebuilt when the stand-in changed."""
+    if engine_current(paths):
+        return
+    with tempfile.TemporaryDirectory(prefix="sparkctl-lab-engine-") as ctx:
+        shutil.copyfile(HERE / "standin_vllm.py", Path(ctx) / "standin_vllm.py")
+        (Path(ctx) / "Dockerfile").write_text(
+            "ARG BASE\n"
+            "FROM ${BASE}\n"
+            "COPY standin_vllm.py /usr/local/bin/vllm\n"
+            "RUN chmod 0755 /usr/local/bin/vllm && /usr/local/bin/vllm --version\n"
+            f"LABEL {STANDIN_LABEL}={standin_sha()}\n"
+        )
+        run(["docker", "-H", paths.docker_host, "build", "-q", "--build-arg", f"BASE={BASE_IMAGE}",
+             "-t", ENGINE_IMAGE, ctx], timeout=300, where=paths.root.name,
+            env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "DOCKER_BUILDKIT": "0"})
+
+
+def _images_tarball_path() -> Path:
+    return CACHE_DIR / f"lab-images-{standin_sha()[:16]}.tar"
+
+
+def _image_ids(paths: HostPaths) -> dict[str, str]:
+    ids = {}
+    for ref in (BASE_IMAGE, ENGINE_IMAGE):
+        ids[ref] = out(["docker", "-H", paths.docker_host, "image", "inspect", "--format", "{{.Id}}", ref],
+                       check=False).strip()
+    return ids
+
+
+def images_tarball(builder: HostPaths, rootfs_tarball: Path) -> tuple[Path, dict[str, str]]:
+    """base + engine saved once (built on `builder`'s engine); returns the tarball and its image IDs."""
+    tar = _images_tarball_path()
+    ids_file = tar.with_suffix(".ids.json")
+    with open(CACHE_DIR / ".images.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # hosts come up in parallel: one builds, the others wait
+        if tar.exists() and ids_file.exists():
+            return tar, json.loads(ids_file.read_text())
+        ensure_base(builder, rootfs_tarball)
+        ensure_engine(builder)
+        tmp = tar.with_suffix(".tmp")
+        run(["docker", "-H", builder.docker_host, "save", "-o", str(tmp), BASE_IMAGE, ENGINE_IMAGE],
+            timeout=300, where=builder.root.name)
+        ids = _image_ids(builder)
+        os.replace(tmp, tar)
+        ids_file.write_text(json.dumps(ids))
+        for old in CACHE_DIR.glob("lab-images-*.tar"):  # a stand-in that changed leaves an old one
+            if old != tar:
+                old.unlink(missing_ok=True)
+                old.with_suffix(".ids.json").unlink(missing_ok=True)
+        return tar, ids
+
+
+def ensure_images(paths: HostPaths, rootfs_tarball: Path) -> None:
+    """The lab's base and engine images on this host, with the same IDs as on every other host."""
+    tar, ids = images_tarball(paths, rootfs_tarball)
+    if _image_ids(paths) != ids:
+        docker_cli(paths, "load", "-q", "-i", str(tar), timeout=300)

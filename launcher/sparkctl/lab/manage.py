@@ -1,0 +1,391 @@
+"""`lab up`, `lab status`, `lab down`: build, inspect and remove the whole lab.
+
+`up` is a sequence of ensure-steps, each of which first looks at what is there: a healthy lab is
+reused in seconds, a half-dead one (after a crash: stale netns, pid files, sockets) has only its
+broken parts rebuilt. The network is set up host by host (cheap `ip` calls); the rest runs per host
+in parallel while the base image tarball is built (first time only) in the background.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckFailed, UsageError
+from . import hosts, image, net, seams
+from .proc import ok, out, run, say
+from .state import (
+    BASE_IMAGE,
+    ENGINE_IMAGE,
+    FABRIC_NET,
+    MAX_NODES,
+    MGMT_NET,
+    MODEL_PATH,
+    NS_DIR,
+    PORT_IFS,
+    RUN_DIR,
+    HostPaths,
+    HostSpec,
+    LabFiles,
+    hosts_for,
+    lab_dir,
+)
+
+COPY_STAMP = ".sparkctl-lab-copy"  # in a host's model folder: the copy finished
+# One lab per machine, used by several people and test sessions: `up` and `down` take turns.
+# (The lock file stays: removing a lock file others may be waiting on would break the lock.)
+LOCK_FILE = Path("/run/lock/sparkctl-lab.lock")
+
+
+@contextmanager
+def exclusive(what: str, timeout: float = 900) -> Iterator[None]:
+    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK_FILE, "a") as fd:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    say(f"lab: another `sparkctl lab up/down` is running; {what} waits (up to {timeout:.0f}s)")
+                    told = True
+                if time.monotonic() > deadline:
+                    raise CheckFailed(f"lab {what}: {LOCK_FILE} stayed locked for {timeout:.0f}s",
+                                      fix="wait for the other `sparkctl lab` command to finish") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+@dataclass
+class HostStatus:
+    name: str
+    mgmt_ip: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# ------------------------------------------------------------------------------------------- state file
+def read_state(files: LabFiles) -> dict[str, Any]:
+    try:
+        return json.loads(files.state_json.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_state(files: LabFiles, state: dict[str, Any]) -> None:
+    tmp = files.state_json.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    tmp.rename(files.state_json)
+
+
+# ------------------------------------------------------------------------------------------- client files
+def ensure_client_key(files: LabFiles) -> str:
+    if not files.client_key.exists():
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "sparkctl-lab-client", "-f", str(files.client_key)])
+    return Path(f"{files.client_key}.pub").read_text()
+
+
+def write_client_files(files: LabFiles, specs: list[HostSpec]) -> None:
+    cfg = ["# The lab's hosts (written by `sparkctl lab up`). Host keys are checked against known_hosts."]
+    known = []
+    for spec in specs:
+        paths = HostPaths.of(spec.name, files.root)
+        cfg += [
+            f"Host {spec.name}",
+            f"  HostName {spec.mgmt_ip}",
+            "  User root",
+            "  Port 22",
+            f"  IdentityFile {files.client_key}",
+            "  IdentitiesOnly yes",
+            f"  UserKnownHostsFile {files.known_hosts}",
+            "  StrictHostKeyChecking yes",
+            "  BatchMode yes",
+            "  ConnectTimeout 10",
+            "",
+        ]
+        key = " ".join(Path(f"{paths.host_key}.pub").read_text().split()[:2])
+        known.append(f"{spec.name},{spec.mgmt_ip} {key}")
+    files.ssh_config.write_text("\n".join(cfg))
+    files.known_hosts.write_text("\n".join(known) + "\n")
+    names = " ".join(s.name for s in specs)
+    files.env_file.write_text(
+        "# The lab cluster (written by `sparkctl lab up`). Use: sparkctl --env-file THIS --ssh-config "
+        f"{files.ssh_config} check\n"
+        f'NODES="{names}"\n'
+        f"MODEL={MODEL_PATH}\n"
+        "RECIPE=lab\n"
+        f"FABRIC_SUBNET={FABRIC_NET}\n"
+    )
+
+
+def print_paths(files: LabFiles) -> None:
+    """The two lines scripts read from stdout (everything else goes to stderr)."""
+    print(f"SPARKCTL_SSH_CONFIG={files.ssh_config}", flush=True)
+    print(f"SPARKCTL_ENV_FILE={files.env_file}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- checkpoint
+def ensure_checkpoint(files: LabFiles, source: Path | None) -> Path:
+    """The lab's test checkpoint (sparkctl.ckptgen's "tiny" pack), or a given folder copied as is."""
+    if source is not None:
+        if not (source / "config.json").exists():
+            raise UsageError(f"--checkpoint {source}: no config.json there", fix="point it at a model folder")
+        return source
+    done = files.checkpoint / COPY_STAMP
+    if done.exists():
+        return files.checkpoint
+    try:
+        from .. import ckptgen
+    except ImportError as exc:
+        raise CheckFailed(f"lab: sparkctl.ckptgen is not available ({exc})",
+                          fix="pass --checkpoint DIR with a model folder") from None
+    if files.checkpoint.exists():
+        shutil.rmtree(files.checkpoint)
+    ckptgen.make_checkpoint(files.checkpoint, "tiny")
+    done.write_text("complete\n")
+    return files.checkpoint
+
+
+def ensure_models(paths: HostPaths, checkpoint: Path) -> None:
+    """A plain copy per host (not hardlinks): tests edit one host's folder to simulate an NFS mistake."""
+    if (paths.models / COPY_STAMP).exists():
+        return
+    paths.models.mkdir(parents=True, exist_ok=True)
+    for child in paths.models.iterdir():
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    run(["cp", "-a", "--reflink=auto", f"{checkpoint}/.", str(paths.models)], timeout=300)
+    (paths.models / COPY_STAMP).write_text("complete\n")
+
+
+# ------------------------------------------------------------------------------------------- up
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise UsageError("the lab needs root (network namespaces, mounts, sshd and dockerd per host)",
+                         fix="run it as root: sudo sparkctl lab up")
+    for tool in ("ip", "iptables", "sshd", "dockerd", "containerd", "docker", "nsenter", "unshare", "debootstrap"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            raise UsageError(f"the lab needs `{tool}`, which is not installed",
+                             fix="apt-get install -y docker.io openssh-server iproute2 iptables debootstrap")
+
+
+def _prepare_host_files(files: LabFiles, spec: HostSpec, client_pub: str) -> HostPaths:
+    paths = HostPaths.of(spec.name, files.root)
+    for p in (paths.root, paths.run, paths.models):
+        p.mkdir(parents=True, exist_ok=True)
+    hosts.write_home(paths)
+    hosts.write_sshd(paths, client_pub)
+    seams.write_nvidia_smi(paths.bin_dir, spec)
+    macs = {ifname: net.iface_mac(spec, ifname) for ifname in PORT_IFS}
+    up = {ifname: net.iface_up(spec, ifname) for ifname in PORT_IFS}
+    seams.write_sysfs(paths.sysfs, spec, macs, up)
+    return paths
+
+
+def _bring_up_host(files: LabFiles, spec: HostSpec, checkpoint: Path, base: Future[Path]) -> float:
+    t0 = time.monotonic()
+    paths = HostPaths.of(spec.name, files.root)
+    ensure_models(paths, checkpoint)
+    if not hosts.mntns_ok(paths):
+        hosts.teardown_processes(paths)  # daemons of an old namespace would see the wrong folders
+        hosts.create_mntns(paths)
+    if not hosts.sshd_ok(paths):
+        hosts.start_sshd(paths, spec)
+    if not hosts.docker_ok(paths):
+        hosts.start_docker(paths, spec)
+    tarball = base.result(timeout=1200)
+    try:
+        image.ensure_images(paths, tarball)
+    except CheckFailed as exc:
+        # An engine whose data-root was damaged (a crash, a `down` racing an `up`) cannot take new
+        # layers; its data is only the lab's images, so start it over from an empty data-root.
+        say(f"lab: {spec.name}: resetting its Docker data-root ({str(exc).splitlines()[0][:200]})")
+        hosts.stop_docker(paths)
+        for d in (paths.docker_data, paths.containerd_data):
+            shutil.rmtree(d, ignore_errors=True)
+        hosts.start_docker(paths, spec)
+        image.ensure_images(paths, tarball)
+    return time.monotonic() - t0
+
+
+def up(nodes: int = 4, checkpoint: Path | None = None) -> LabFiles:
+    _require_root()
+    if not 1 <= nodes <= MAX_NODES:
+        raise UsageError(f"--nodes {nodes}: the lab builds 1 to {MAX_NODES} hosts")
+    with exclusive("up"):
+        return _up(nodes, checkpoint)
+
+
+def _up(nodes: int, checkpoint: Path | None) -> LabFiles:
+    files = LabFiles.of()
+    t0 = time.monotonic()
+    files.root.mkdir(parents=True, exist_ok=True)
+    files.root.chmod(0o755)
+    files.marker.write_text("sparkctl lab folder: `sparkctl lab down` deletes it\n")
+    state = read_state(files)
+    old_nodes = int(state.get("nodes", 0))
+    if old_nodes > nodes:  # shrinking: remove the extra hosts first
+        for spec in hosts_for(old_nodes)[nodes:]:
+            _remove_host(files, spec)
+    specs = hosts_for(nodes)
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=1) as builder:
+        base = builder.submit(image.ensure_base_tarball)  # slow only the first time; overlaps the rest
+        net.check_no_collision()
+        net.ensure_bridges()
+        rules = state.get("iptables_rules", []) + net.ensure_forward_rules()
+        state.update({"nodes": nodes, "iptables_rules": rules, "mgmt_subnet": str(MGMT_NET),
+                      "fabric_subnet": str(FABRIC_NET), "hosts": [s.to_json() for s in specs]})
+        write_state(files, state)
+        hosts.ensure_ns_dir()
+        client_pub = ensure_client_key(files)
+        for spec in specs:
+            problems = net.host_net_ok(spec)
+            if problems:
+                if net.netns_exists(spec.name) or (RUN_DIR / spec.name).exists():
+                    say(f"lab: {spec.name}: rebuilding its network ({'; '.join(problems)})")
+                hosts.teardown_processes(HostPaths.of(spec.name, files.root))
+                net.delete_host_net(spec)
+                net.create_host_net(spec)
+            _prepare_host_files(files, spec, client_pub)
+        checkpoint = ensure_checkpoint(files, checkpoint)
+        write_client_files(files, specs)
+        errors: dict[str, BaseException] = {}
+        with ThreadPoolExecutor(max_workers=min(nodes, 8)) as pool:
+            futures = {spec.name: pool.submit(_bring_up_host, files, spec, checkpoint, base) for spec in specs}
+            for name, fut in futures.items():
+                try:
+                    took = fut.result(timeout=1500)
+                    say(f"lab: {name} ready ({took:.1f}s)")
+                except Exception as exc:  # reported per host, like a fan-out should
+                    errors[name] = exc
+    if errors:
+        detail = "\n".join(f"  {name}: {exc}" for name, exc in errors.items())
+        raise CheckFailed(f"lab up: {len(errors)} of {nodes} hosts failed:\n{detail}",
+                          fix="read the host's logs under " + str(files.root / "hosts") + ", then run `sparkctl lab up` again")
+    say(f"lab: {nodes} hosts up in {time.monotonic() - t0:.1f}s")
+    return files
+
+
+# ------------------------------------------------------------------------------------------- status
+def host_status(files: LabFiles, spec: HostSpec, deep: bool = True) -> HostStatus:
+    st = HostStatus(spec.name, spec.mgmt_ip)
+    paths = HostPaths.of(spec.name, files.root)
+    st.problems += net.host_net_ok(spec)
+    if st.problems:
+        return st
+    if not hosts.mntns_ok(paths):
+        st.problems.append(f"mount namespace with {MODEL_PATH} missing")
+    if not (paths.models / COPY_STAMP).exists():
+        st.problems.append(f"model folder {paths.models} incomplete")
+    if not (paths.bin_dir / "nvidia-smi").exists() or not paths.sysfs.is_dir():
+        st.problems.append("hardware seams (nvidia-smi, sysfs tree) missing")
+    if not hosts.sshd_ok(paths):
+        st.problems.append("sshd not running")
+    elif deep and not ok(["ssh", "-F", str(files.ssh_config), spec.name, "true"], timeout=20):
+        st.problems.append(f"`ssh -F {files.ssh_config} {spec.name} true` fails")
+    if not hosts.docker_ok(paths):
+        st.problems.append("dockerd not answering")
+    else:
+        for ref in (BASE_IMAGE, ENGINE_IMAGE):
+            if not hosts.has_image(paths, ref):
+                st.problems.append(f"image {ref} missing")
+    return st
+
+
+def status(deep: bool = True) -> tuple[LabFiles, list[HostStatus], dict[str, Any]]:
+    files = LabFiles.of()
+    state = read_state(files)
+    nodes = int(state.get("nodes", 0))
+    if not nodes:
+        return files, [], state
+    specs = hosts_for(nodes)
+    with ThreadPoolExecutor(max_workers=min(nodes, 8)) as pool:
+        result = list(pool.map(lambda s: host_status(files, s, deep), specs))
+    return files, result, state
+
+
+# ------------------------------------------------------------------------------------------- down
+def _remove_host(files: LabFiles, spec: HostSpec) -> None:
+    paths = HostPaths.of(spec.name, files.root)
+    hosts.teardown_processes(paths, remove_run=True)
+    net.delete_host_net(spec)
+    if paths.root.exists():
+        shutil.rmtree(paths.root, ignore_errors=True)
+
+
+def _known_nodes(files: LabFiles) -> int:
+    """How many hosts may exist: from lab.json, else from what is lying around after a crash."""
+    n = int(read_state(files).get("nodes", 0))
+    for where in (files.root / "hosts", NS_DIR, RUN_DIR, Path("/run/netns")):
+        if where.is_dir():
+            for entry in where.iterdir():
+                if entry.name.startswith("spark") and entry.name[5:].isdigit():
+                    n = max(n, int(entry.name[5:]))
+    return min(n, MAX_NODES)
+
+
+def down(purge: bool = False) -> None:
+    if os.geteuid() != 0:
+        raise UsageError("`lab down` needs root", fix="sudo sparkctl lab down")
+    with exclusive("down"):
+        _down(purge)
+
+
+def _down(purge: bool) -> None:
+    files = LabFiles.of()
+    state = read_state(files)
+    nodes = _known_nodes(files)
+    specs = hosts_for(nodes) if nodes else []
+    with ThreadPoolExecutor(max_workers=max(min(nodes, 8), 1)) as pool:
+        list(pool.map(lambda s: hosts.teardown_processes(HostPaths.of(s.name, files.root), remove_run=True), specs))
+    for spec in specs:
+        net.delete_host_net(spec)
+    net.remove_forward_rules(state.get("iptables_rules", []))
+    net.delete_bridges()
+    hosts.release_ns_dir()
+    for d in (NS_DIR, RUN_DIR, Path("/run/containerd/s"), Path("/run/containerd")):
+        try:
+            d.rmdir()  # only when empty: another containerd may use /run/containerd
+        except OSError:
+            pass
+    if files.root.exists():
+        if files.marker.exists():
+            shutil.rmtree(files.root)
+        else:
+            say(f"lab: {files.root} has no {files.marker.name} marker; left in place")
+    for d in (Path(MODEL_PATH), Path(MODEL_PATH).parent):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    if purge:
+        image.purge_cache()
+    leftovers = [s.name for s in specs if net.netns_exists(s.name)]
+    if leftovers:
+        raise CheckFailed(f"lab down: namespaces still present: {', '.join(leftovers)}")
+
+
+def mounts_left() -> list[str]:
+    """Mounts of the lab still visible in this namespace (for tests and `down`'s own check)."""
+    return [m for m in hosts.mountpoints() if m.startswith((str(RUN_DIR), str(lab_dir())))]
+
+
+def iptables_rules_now() -> str:
+    return out(["iptables", "-S", "FORWARD"], check=False)

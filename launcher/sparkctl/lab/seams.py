@@ -1,0 +1,85 @@
+"""The two hardware seams of a lab host: `nvidia-smi` first on PATH, and a /sys/class/infiniband tree.
+
+Nothing else about the hardware is simulated: sparkctl reads GPUs only through nvidia-smi and RDMA
+devices only through $SPARKCTL_SYSFS_ROOT (default /sys/class/infiniband), so these two are enough.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+from .state import FABRIC_NET, PORT_HCAS, PORT_IFS, HostSpec
+
+HERE = Path(__file__).resolve().parent
+GID_SLOTS = 16  # real tables have up to 256 entries; the lab's unused ones read all-zero like real ones
+ZERO_GID = ":".join(["0000"] * 8)
+
+
+def write_nvidia_smi(bin_dir: Path, spec: HostSpec) -> None:
+    """Install the GB10 nvidia-smi seam (a copy, so a host's tree is self-contained) with its uuid."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    target = bin_dir / "nvidia-smi"
+    shutil.copyfile(HERE / "nvidia_smi.py", target)
+    target.chmod(0o755)
+    shutil.copyfile(HERE / "nvidia_smi_help_query.txt", bin_dir / "nvidia_smi_help_query.txt")
+    gpu_uuid = uuid.uuid5(uuid.NAMESPACE_DNS, f"{spec.name}.gpu.sparkctl-lab")
+    (bin_dir / "nvidia-smi.json").write_text(json.dumps({"uuid": f"GPU-{gpu_uuid}", "host": spec.name}) + "\n")
+
+
+def gid_text(addr: ipaddress.IPv6Address) -> str:
+    """sysfs spells a GID as eight 4-digit hex groups."""
+    return ":".join(addr.exploded.split(":"))
+
+
+def link_local(mac: str) -> ipaddress.IPv6Address:
+    """EUI-64 link-local address of a MAC (the GID 0/1 entries of a RoCE port)."""
+    b = [int(x, 16) for x in mac.split(":")]
+    b[0] ^= 0x02
+    eui = b[:3] + [0xFF, 0xFE] + b[3:]
+    return ipaddress.IPv6Address(bytes([0xFE, 0x80] + [0] * 6 + eui))
+
+
+def gid_table(spec: HostSpec, ifname: str, mac: str) -> list[tuple[str, str]]:
+    """(gid, type) entries of one port, in kernel order: link-local v1/v2, [global IPv6], IPv4 v1/v2."""
+    entries = [(gid_text(link_local(mac)), "IB/RoCE v1"), (gid_text(link_local(mac)), "RoCE v2")]
+    if ifname == spec.fabric_if:
+        if spec.gid_index == 5:  # an extra IPv6 pair ahead of the IPv4 entries moves RoCE v2 to 5
+            extra = ipaddress.IPv6Address(f"fd00:232::{spec.index:x}")
+            entries += [(gid_text(extra), "IB/RoCE v1"), (gid_text(extra), "RoCE v2")]
+        mapped = ipaddress.IPv6Address(f"::ffff:{spec.fabric_ip}")
+        entries += [(gid_text(mapped), "IB/RoCE v1"), (gid_text(mapped), "RoCE v2")]
+        assert len(entries) - 1 == spec.gid_index, (spec, entries)
+    return entries
+
+
+def write_sysfs(root: Path, spec: HostSpec, macs: dict[str, str], up: dict[str, bool]) -> None:
+    """Write <root>/<hca>/{ports/1/{state,phys_state,link_layer,gids,gid_attrs/{types,ndevs}},device/net/<if>}."""
+    if root.exists():
+        shutil.rmtree(root)
+    for ifname, hca in zip(PORT_IFS, PORT_HCAS, strict=True):
+        dev = root / hca
+        (dev / "device" / "net" / ifname).mkdir(parents=True)
+        port = dev / "ports" / "1"
+        for sub in ("gids", "gid_attrs/types", "gid_attrs/ndevs"):
+            (port / sub).mkdir(parents=True)
+        active = up.get(ifname, False)
+        (port / "state").write_text("4: ACTIVE\n" if active else "1: DOWN\n")
+        (port / "phys_state").write_text("5: LinkUp\n" if active else "3: Disabled\n")
+        (port / "link_layer").write_text("Ethernet\n")
+        (port / "rate").write_text("200 Gb/sec (2X NDR)\n")
+        entries = gid_table(spec, ifname, macs[ifname])
+        for n in range(GID_SLOTS):
+            gid, gtype = entries[n] if n < len(entries) else (ZERO_GID, "")
+            (port / "gids" / str(n)).write_text(gid + "\n")
+            # Unused slots: the kernel refuses the read (EINVAL); an empty file is the closest a tree gets.
+            (port / "gid_attrs" / "types" / str(n)).write_text(gtype + "\n" if gtype else "")
+            (port / "gid_attrs" / "ndevs" / str(n)).write_text(ifname + "\n" if gtype else "")
+        (dev / "node_type").write_text("1: CA\n")
+
+
+def fabric_cidr() -> str:
+    return str(FABRIC_NET)

@@ -1,0 +1,47 @@
+"""Real faults on lab hosts, each undone on exit (use in a `with` block)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sparkctl.lab import hosts
+from sparkctl.lab.client import Lab
+from sparkctl.lab.proc import read_pid, stop_pid
+from sparkctl.lab.state import HostPaths, HostSpec
+
+
+def _host(lab: Lab, name: str) -> tuple[HostPaths, HostSpec]:
+    return HostPaths.of(name, lab.root), HostSpec.of(int(name.removeprefix("spark")))
+
+
+@contextmanager
+def sshd_stopped(lab: Lab, name: str) -> Iterator[None]:
+    paths, spec = _host(lab, name)
+    stop_pid(read_pid(paths.sshd_pid))
+    try:
+        yield
+    finally:
+        hosts.start_sshd(paths, spec)
+
+
+@contextmanager
+def docker_stopped(lab: Lab, name: str) -> Iterator[None]:
+    """Stops the engine (it removes that host's containers first, as the lab's stop does)."""
+    paths, spec = _host(lab, name)
+    hosts.stop_docker(paths)
+    try:
+        yield
+    finally:
+        hosts.start_docker(paths, spec)
+
+
+@contextmanager
+def link_down(lab: Lab, name: str, iface: str | None = None) -> Iterator[str]:
+    iface = iface or lab.host(name).fabric_if
+    subprocess.run(["ip", "-n", name, "link", "set", iface, "down"], check=True, timeout=10)
+    try:
+        yield iface
+    finally:
+        subprocess.run(["ip", "-n", name, "link", "set", iface, "up"], check=True, timeout=10)

@@ -1,0 +1,71 @@
+"""The lab's hardware seams and host layout, offline (no root, no lab needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from sparkctl.lab import seams
+from sparkctl.lab.state import HostSpec, hosts_for
+
+SMI = Path(seams.__file__).with_name("nvidia_smi.py")
+# header and field order of the real capture (captures/nvidia-smi-h200/query.csv)
+CAPTURED_HEADER = ("name, driver_version, memory.total [MiB], memory.used [MiB], memory.free [MiB], uuid, "
+                   "pci.bus_id, compute_cap, count")
+
+
+def smi(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SMI), *argv], capture_output=True, text=True, timeout=20)
+
+
+def test_query_header_matches_the_real_capture() -> None:
+    res = smi("--query-gpu=name,driver_version,memory.total,memory.used,memory.free,uuid,pci.bus_id,compute_cap,count",
+              "--format=csv")
+    header, row = res.stdout.splitlines()
+    assert res.returncode == 0 and header == CAPTURED_HEADER
+    assert row.startswith("NVIDIA GB10, 580.") and ", [N/A], [N/A], [N/A], GPU-" in row and row.endswith(", 12.1, 1")
+
+
+def test_units_and_aliases() -> None:
+    assert smi("--query-gpu=gpu_name,utilization.gpu,power.draw", "--format=csv,noheader").stdout == \
+        "NVIDIA GB10, 0 %, 11.48 W\n"
+    assert smi("--query-gpu=utilization.gpu,power.draw", "--format=csv,noheader,nounits").stdout == "0, 11.48\n"
+
+
+def test_unknown_field_is_the_real_error() -> None:
+    res = smi("--query-gpu=name,memory.totl", "--format=csv")
+    assert res.returncode == 2 and res.stdout == 'Field "memory.totl" is not a valid field to query.\n\n'
+
+
+def test_table_keeps_the_real_frame() -> None:
+    lines = smi().stdout.splitlines()
+    assert all(len(line) == 91 for line in lines[1:] if line)
+    assert "NVIDIA GB10" in lines[8] and "Not Supported" in lines[9]
+
+
+def test_gid_tables_put_roce_v2_where_the_spec_says() -> None:
+    for spec in hosts_for(8):
+        table = seams.gid_table(spec, spec.fabric_if, "02:00:00:00:00:01")
+        gid, gtype = table[spec.gid_index]
+        assert gtype == "RoCE v2" and gid.startswith("0000:0000:0000:0000:0000:ffff:")
+        assert len(seams.gid_table(spec, spec.idle_if, "02:00:00:00:00:02")) == 2  # link-local pair only
+
+
+def test_host_quirks() -> None:
+    assert HostSpec.of(3).fabric_if == "enp1s0f1np1" and HostSpec.of(3).fabric_hca == "rocep1s0f1"
+    assert HostSpec.of(1).fabric_if == "enp1s0f0np0" and HostSpec.of(2).gid_index == 5
+    names = [s.veth_port(p) for s in hosts_for(16) for p in (0, 1)] + [s.veth_mgmt for s in hosts_for(16)]
+    assert len(set(names)) == len(names) and max(map(len, names)) <= 15
+
+
+def test_sysfs_tree_shape(tmp_path: Path) -> None:
+    spec = HostSpec.of(2)
+    macs = {"enp1s0f0np0": "02:00:00:00:00:01", "enp1s0f1np1": "02:00:00:00:00:02"}
+    seams.write_sysfs(tmp_path, spec, macs, {"enp1s0f0np0": True, "enp1s0f1np1": False})
+    port = tmp_path / "rocep1s0f0" / "ports" / "1"
+    assert (port / "gid_attrs" / "types" / "5").read_text() == "RoCE v2\n"
+    assert (port / "gids" / "5").read_text() == "0000:0000:0000:0000:0000:ffff:0ae8:000c\n"
+    assert (port / "gid_attrs" / "ndevs" / "5").read_text() == "enp1s0f0np0\n"
+    assert (tmp_path / "rocep1s0f1" / "ports" / "1" / "state").read_text() == "1: DOWN\n"
+    assert (tmp_path / "rocep1s0f0" / "device" / "net" / "enp1s0f0np0").is_dir()
