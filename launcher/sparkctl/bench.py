@@ -1,0 +1,1332 @@
+"""The measurement core of `sparkctl bench`: the model card's throughput table, measured the card's way.
+
+Definitions (the seed's, facts.md "Measured on the real cluster"; printed under every table):
+
+- TTFT: the request is sent -> the first chunk carrying generated text arrives (the empty role chunk
+  that opens a chat stream does not count). Connecting is included: it is what a client waits for.
+- decode tok/s per stream = completion tokens ÷ (wall − TTFT). Completion tokens come from the stream's
+  usage chunk (`stream_options.include_usage`); a server that sends none gets its content chunks
+  counted instead, and the figure is flagged (with speculative decoding a chunk can carry several
+  tokens, so a chunk count under-reports).
+- aggregate tok/s at concurrency C = the per-stream decode rates of the C concurrent streams summed
+  ("aggregate is summed across streams") = C × the level's mean per-stream rate. The plain throughput
+  (all completion tokens ÷ the level's wall time, TTFT included) is in the JSON next to it.
+- accepted tok/step = 1 + Δaccepted ÷ Δdrafts over the level, from the server's /metrics counters
+  vllm:spec_decode_num_accepted_tokens_total and vllm:spec_decode_num_drafts_total. One draft is one
+  request's decode step; the step yields the draft tokens the target model accepted plus the one token
+  it samples itself. This is vLLM's "mean acceptance length". The counters are server-wide: other
+  traffic during a level pollutes this figure (the per-request figures are unaffected).
+
+Sampling is the card's benchmark sampling: temperature 0.6, top_p 0.95, thinking off
+(chat_template_kwargs.enable_thinking=false), 256-token outputs forced with ignore_eos. A server that
+rejects ignore_eos / chat_template_kwargs / stream_options with HTTP 400 gets them dropped (noted).
+
+The client has to be cheap: it must not become the bottleneck it measures (8 streams × 1,000 tok/s
+under 5% of one core). So each stream is one thread on a raw socket: no per-token JSON parsing (a
+byte regex finds content chunks; only usage/error chunks are parsed), and after the first token a
+thread reads in batches (it wakes for a full buffer, the end of the stream or every COALESCE_S). Batching costs no timing accuracy where
+the kernel timestamps packets (SO_TIMESTAMPNS, Linux): every read carries the arrival time of its
+last packet, so the end of a stream is timed to the packet, not to when the thread woke up. The
+wake-ups, not the parsing, are what costs CPU (a cold wake-up is ~100 µs of Python here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import itertools
+import json
+import math
+import os
+import re
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from .errors import CheckFailed, UsageError
+
+SCHEMA = "sparkctl-bench/1"
+DEFAULT_CONCURRENCY = (1, 2, 4, 8)
+DEFAULT_WORKLOADS = ("prose", "code", "list")
+TEMPERATURE = 0.6
+TOP_P = 0.95
+RECV_SIZE = 65536
+MAX_HEAD = 64 * 1024  # response status line + headers
+MAX_ERROR_BODY = 64 * 1024
+CONNECT_TIMEOUT_S = 10.0
+# After its first token a stream thread sleeps this long between reads, so one wake-up drains many
+# chunks. With kernel timestamps the sleep costs no accuracy; without them it bounds the error on a
+# stream's end time, so it is kept short there.
+COALESCE_STAMPED_S = 0.1
+COALESCE_PLAIN_S = 0.004
+LOWAT = 32 * 1024  # bytes that wake a batched read before COALESCE_STAMPED_S is up
+RCVBUF = 1 << 20  # room for a batch of small per-token segments, so batching never throttles the server
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux value; Python does not export it
+_ANC_SIZE = socket.CMSG_SPACE(16)
+
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+DEFINITIONS = {
+    "decode_tok_s": "completion tokens ÷ (wall − TTFT) per stream; completion tokens from the usage chunk",
+    "agg_tok_s": "sum of the per-stream decode rates of the C concurrent streams (C × mean per-stream)",
+    "throughput_tok_s": "all completion tokens of the level ÷ level wall time (first send to last end)",
+    "ttft_s": "request sent → first chunk with generated text",
+    "tokens_per_step": "1 + Δaccepted ÷ Δdrafts over the level (vLLM spec-decode counters in /metrics)",
+    "client_cpu_pct": "bench's own CPU time ÷ level wall time, in % of one core",
+}
+
+# Several prompts per workload, each opening with different words, and every request is prefixed
+# with a tag unique to it: no two requests share a prefix-cache block, which would flatter TTFT.
+PROMPTS: dict[str, tuple[str, ...]] = {
+    "prose": (
+        "Write an essay about the history of lighthouses and the keepers who lived in them.",
+        "Describe a long walk through a rainy city at night, in flowing literary prose.",
+        "Tell the story of a baker who finds a forgotten family recipe in an old tin box.",
+        "Explain to a curious teenager why the sky turns orange and red at sunset.",
+        "Compose a letter from a sailor to his sister about a winter spent at sea.",
+        "Reflect, in a personal essay, on what makes a small town feel like home.",
+        "Narrate the first warm day of spring in a mountain village, from dawn to dusk.",
+        "Argue in a persuasive essay for keeping public libraries open late at night.",
+    ),
+    "code": (
+        "Write a Python module implementing an LRU cache class with get, put and resize, with tests.",
+        "Implement in Rust a tokenizer for arithmetic expressions and a recursive-descent parser.",
+        "Create a TypeScript React component for a sortable, paginated data table with filtering.",
+        "Give a C function that parses an IPv4 CIDR string and checks whether an address is inside it.",
+        "Produce a Go HTTP server with a rate limiter middleware (token bucket) and graceful shutdown.",
+        "Build a SQL schema for a library lending system and the queries for overdue books.",
+        "Port this idea to Java: a thread-safe bounded blocking queue using locks and conditions.",
+        "Design a bash script that rotates log files by size, compresses old ones and keeps ten.",
+    ),
+    "list": (
+        "List forty common kitchen herbs and spices, each with one typical dish that uses it.",
+        "Enumerate thirty famous bridges of the world with their city and year of completion.",
+        "Give a numbered list of fifty English words that describe weather, one per line.",
+        "Name thirty board games with the number of players and a one-line description each.",
+        "Make a checklist of forty things to pack for a two-week hiking trip in the mountains.",
+        "Provide a list of thirty-five programming languages with the year each first appeared.",
+        "Catalogue thirty rivers of Europe with the countries each one flows through.",
+        "Outline forty tasks for spring cleaning a house, grouped by room, as a bulleted list.",
+    ),
+}
+WARMUP_PROMPT = "Warm-up request: say a few words about the weather today."
+
+# A chunk that carries generated text: a content / text / reasoning string that is not empty.
+# Byte regex, no JSON parsing: this runs once per chunk, 8,000 times a second at full speed.
+_TOKEN_RE = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]')
+# Parameters a non-vLLM server may refuse; dropped (and noted) when a 400 names them.
+OPTIONAL_PARAMS = ("ignore_eos", "chat_template_kwargs", "stream_options")
+
+
+# ================================================================================= inputs
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: tuple[str, ...]
+
+
+def builtin_workload(name: str) -> Workload:
+    if name not in PROMPTS:
+        raise UsageError(f"unknown workload {name!r}", fix=f"use one of: {', '.join(PROMPTS)} (or --prompt-file)")
+    return Workload(name, PROMPTS[name])
+
+
+def load_prompt_file(path: str | os.PathLike[str]) -> Workload:
+    """Prompts from a file: one per non-empty line, or for *.jsonl one JSON string / {"prompt": ...} per line."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"prompt file {p}: cannot be read ({exc})") from None
+    prompts: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"prompt file {p}, line {n}: not JSON ({exc.msg})",
+                                 fix='write one JSON string or {"prompt": "..."} per line') from None
+            item = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(item, str) or not item.strip():
+                raise UsageError(f"prompt file {p}, line {n}: expected a string or an object with a 'prompt' string")
+            prompts.append(item)
+        else:
+            prompts.append(line.strip())
+    if not prompts:
+        raise UsageError(f"prompt file {p} holds no prompts", fix="write one prompt per line")
+    return Workload(p.stem or "file", tuple(prompts))
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8]: positive, distinct, kept in the given order."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise UsageError(f"{what} {text!r}: {part!r} is not a positive whole number", fix="e.g. 1,2,4,8")
+        if int(part) in out:
+            raise UsageError(f"{what} {text!r}: {part} is listed twice")
+        out.append(int(part))
+    if not out:
+        raise UsageError(f"{what} is empty", fix="e.g. 1,2,4,8")
+    return out
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the OpenAI API is: scheme, host, port and a base path ('' or '/prefix')."""
+
+    scheme: str
+    host: str
+    port: int
+    base: str
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        try:
+            u = urlsplit(url.strip() if "://" in url else "http://" + url.strip())
+            port = u.port
+        except ValueError as exc:
+            raise UsageError(f"--url {url!r} is not a URL ({exc})", fix="e.g. http://10.0.0.1:8888") from None
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise UsageError(f"--url {url!r} must be an http:// or https:// URL with a host",
+                             fix="e.g. http://10.0.0.1:8888")
+        base = u.path.rstrip("/")
+        if base.endswith("/v1"):  # people paste the OpenAI base URL; the paths below add /v1 themselves
+            base = base[:-3]
+        return cls(u.scheme, u.hostname, port or (443 if u.scheme == "https" else 80), base)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}{self.base}"
+
+
+# ================================================================================= wire formats
+
+
+class ChunkedDecoder:
+    """Incremental HTTP/1.1 chunked transfer decoding (uvicorn, i.e. vLLM, streams this way)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._left = 0  # bytes still due in the current chunk
+        self._crlf = False  # the CRLF after a chunk's data is still due
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._buf + data if self._buf else data
+        out: list[bytes] = []
+        i = 0
+        while not self.done:
+            if self._left:
+                piece = buf[i:i + self._left]
+                out.append(piece)
+                self._left -= len(piece)
+                i += len(piece)
+                if self._left:
+                    break
+                self._crlf = True
+            if self._crlf:
+                if len(buf) - i < 2:
+                    break
+                i += 2
+                self._crlf = False
+            j = buf.find(b"\r\n", i)
+            if j < 0:
+                if len(buf) - i > 1024:
+                    raise ValueError("chunk size line longer than 1 KiB")
+                break
+            try:
+                size = int(buf[i:j].split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise ValueError(f"bad chunk size line {buf[i:j][:40]!r}") from None
+            i = j + 2
+            if size == 0:
+                self.done = True  # trailers, if any, are ignored
+            self._left = size
+        self._buf = buf[i:]
+        return b"".join(out)
+
+
+class SSEParser:
+    """Server-sent events -> the data payload of each event (bytes). Other fields and comments are ignored.
+
+    feed() splits events one by one; feed_bulk() only cuts the input at the last complete event and
+    hands back that region whole, for callers that scan it with C-speed searches instead of a loop.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        return self.split(self.feed_bulk(data))
+
+    def feed_bulk(self, data: bytes) -> bytes:
+        buf = self._buf + data if self._buf else data
+        if b"\r" in buf:  # CRLF line ends: normalise, keeping a trailing CR until its LF arrives
+            tail = b"\r" if buf.endswith(b"\r") else b""
+            buf = buf[:len(buf) - len(tail)].replace(b"\r\n", b"\n")
+        else:
+            tail = b""
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = buf + tail
+            return b""
+        self._buf = buf[cut + 2:] + tail
+        return buf[:cut + 2]
+
+    @staticmethod
+    def split(region: bytes) -> list[bytes]:
+        """The data payloads of the complete events in `region`."""
+        events: list[bytes] = []
+        for block in region.split(b"\n\n"):
+            if block.startswith(b"data: ") and b"\n" not in block:  # the usual one-line event
+                events.append(block[6:])
+                continue
+            lines = [ln[5:] for ln in block.split(b"\n") if ln.startswith(b"data:")]
+            if lines:
+                events.append(b"\n".join(ln[1:] if ln.startswith(b" ") else ln for ln in lines))
+        return events
+
+
+@dataclass
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
+_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """Prometheus text exposition -> samples. Comments, blank and unparsable lines are skipped."""
+    out: list[Sample] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+                  for k, v in _LABEL_RE.findall(m.group(2) or "")}
+        out.append(Sample(m.group(1), labels, value))
+    return out
+
+
+def counter_total(samples: Iterable[Sample], name: str, model: str | None = None) -> float | None:
+    """Sum of a counter over its label sets (engines, ranks); only `model`'s series when it has any."""
+    series = [s for s in samples if s.name == name]
+    if model is not None and any(s.labels.get("model_name") == model for s in series):
+        series = [s for s in series if s.labels.get("model_name") == model]
+    return sum(s.value for s in series) if series else None
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    drafts: float
+    draft_tokens: float | None
+    accepted: float
+
+
+@dataclass(frozen=True)
+class SpecDelta:
+    drafts: float
+    draft_tokens: float | None
+    accepted: float
+
+    @property
+    def accepted_per_step(self) -> float | None:
+        return self.accepted / self.drafts if self.drafts > 0 else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """1 + accepted ÷ drafts: each step adds its accepted draft tokens to the one it samples."""
+        a = self.accepted_per_step
+        return None if a is None else 1.0 + a
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.draft_tokens if self.draft_tokens else None
+
+
+def spec_counters(samples: Sequence[Sample], model: str | None = None) -> SpecCounters | None:
+    drafts = counter_total(samples, SPEC_DRAFTS, model)
+    accepted = counter_total(samples, SPEC_ACCEPTED, model)
+    if drafts is None or accepted is None:
+        return None
+    return SpecCounters(drafts, counter_total(samples, SPEC_DRAFT_TOKENS, model), accepted)
+
+
+def spec_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecDelta | None:
+    if before is None or after is None:
+        return None
+    dt = None if before.draft_tokens is None or after.draft_tokens is None else after.draft_tokens - before.draft_tokens
+    return SpecDelta(after.drafts - before.drafts, dt, after.accepted - before.accepted)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """q-th percentile (0..100), linear between closest ranks (numpy's default); None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+# ================================================================================= one request
+
+
+@dataclass
+class RequestResult:
+    index: int
+    ok: bool = False
+    start: float = 0.0  # wall clock (time.time()), the clock kernel timestamps use
+    end: float = 0.0
+    ttft_s: float | None = None
+    completion_tokens: int | None = None
+    tokens_from: str = ""  # "usage" | "chunks"
+    content_chunks: int = 0
+    malformed: int = 0
+    status: int | None = None
+    error_kind: str | None = None  # connect | http | not-streaming | stream-error | truncated | timeout | protocol | cancelled
+    error: str | None = None
+    retried_without: str | None = None
+
+    @property
+    def wall_s(self) -> float:
+        return max(self.end - self.start, 0.0)
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or not self.completion_tokens:
+            return None
+        decode = self.wall_s - self.ttft_s
+        return self.completion_tokens / decode if decode > 0 else None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.error_kind == "cancelled"
+
+    def fail(self, kind: str, message: str) -> RequestResult:
+        self.ok = False
+        self.error_kind = kind
+        self.error = message
+        if not self.end:
+            self.end = time.time()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = self.decode_tok_s
+        return {"index": self.index, "ok": self.ok, "ttft_s": _r(self.ttft_s, 4), "wall_s": round(self.wall_s, 4),
+                "decode_tok_s": _r(rate, 3), "completion_tokens": self.completion_tokens,
+                "tokens_from": self.tokens_from or None, "error_kind": self.error_kind, "error": self.error}
+
+
+class Canceller:
+    """Lets the main thread stop every running stream at once (Ctrl-C): shut their sockets down."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+
+    def register(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.add(sock)
+        if self.stop.is_set():
+            self._shut(sock)
+
+    def unregister(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.discard(sock)
+
+    def cancel(self) -> None:
+        self.stop.set()
+        with self._lock:
+            socks = list(self._socks)
+        for sock in socks:
+            self._shut(sock)
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Deadline(Exception):
+    pass
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Receiver:
+    """recv() with a deadline, a cancel flag and, where the kernel offers them, packet arrival times.
+
+    Until batch() it returns as soon as anything arrives (to time the first token). After it, a read
+    waits for a full low-water mark, the end of the stream, or COALESCE_S, whichever comes first, so
+    one wake-up drains many chunks. The end of a stream still wakes it at once (a FIN is readable
+    whatever the low-water mark), and the kernel timestamp dates the data to its last packet.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float, stop: threading.Event) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.stop = stop
+        self.tls = isinstance(sock, ssl.SSLSocket)  # no recvmsg, no flags, buffered records: plain reads
+        self.stamped = False
+        self.wait_s = 1.0  # at most 1 s per wait, so a cancel is noticed even without a shutdown
+        self.sleep_s = 0.0
+        self._poll = select.poll()
+        if not self.tls:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+                self.stamped = True
+            except OSError:
+                pass
+            sock.setblocking(True)  # waits are poll()'s; reads below never block (MSG_DONTWAIT)
+            self._poll.register(sock.fileno(), select.POLLIN)
+
+    def batch(self) -> None:
+        if self.stamped:
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, LOWAT)
+            self.wait_s = COALESCE_STAMPED_S
+        else:
+            self.sleep_s = COALESCE_PLAIN_S
+
+    def recv(self) -> tuple[bytes, float]:
+        """(data, arrival time of its last packet); b'' at EOF."""
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        while True:
+            if self.stop.is_set():
+                raise _Cancelled
+            left = self.deadline - time.time()
+            if left <= 0:
+                raise _Deadline
+            if self.tls:
+                self.sock.settimeout(min(left, 1.0))
+                try:
+                    return self.sock.recv(RECV_SIZE), time.time()
+                except TimeoutError:
+                    continue
+            self._poll.poll(min(left, self.wait_s) * 1000)
+            try:
+                if self.stamped:
+                    data, anc, _flags, _addr = self.sock.recvmsg(RECV_SIZE, _ANC_SIZE, socket.MSG_DONTWAIT)
+                    return data, _stamp(anc) or time.time()
+                return self.sock.recv(RECV_SIZE, socket.MSG_DONTWAIT), time.time()
+            except BlockingIOError:
+                continue
+
+
+def _stamp(anc: list[tuple[int, int, bytes]]) -> float | None:
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack("qq", data[:16])
+            return sec + nsec / 1e9
+    return None
+
+
+@dataclass
+class _Head:
+    status: int
+    reason: str
+    headers: dict[str, str]
+    rest: bytes
+    t: float  # arrival time of the packet that completed the head
+
+
+def _read_head(rx: _Receiver) -> _Head:
+    buf = b""
+    t = time.time()
+    while b"\r\n\r\n" not in buf:
+        data, t = rx.recv()
+        if not data:
+            raise ConnectionError("the server closed the connection before answering")
+        buf += data
+        if len(buf) > MAX_HEAD:
+            raise ValueError("response headers larger than 64 KiB")
+    head, rest = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        raise ValueError(f"not an HTTP response: {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return _Head(int(parts[1]), parts[2] if len(parts) > 2 else "", headers, rest, t)
+
+
+class _Body:
+    """The response body's framing: chunked, content-length, or until the server closes."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        self.decoder = ChunkedDecoder() if self.chunked else None
+        length = headers.get("content-length")
+        self.left: int | None = int(length) if length and length.isdigit() and not self.chunked else None
+
+    def feed(self, data: bytes) -> bytes:
+        if self.decoder is not None:
+            return self.decoder.feed(data)
+        if self.left is not None:
+            data = data[:self.left]
+            self.left -= len(data)
+        return data
+
+    @property
+    def complete(self) -> bool:
+        return (self.decoder is not None and self.decoder.done) or self.left == 0
+
+
+def _connect(host: str, port: int, timeout: float) -> socket.socket:
+    """socket.create_connection, with a receive buffer set before connecting (it sizes the TCP window)."""
+    err: OSError | None = None
+    for family, kind, proto, _name, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+            sock.settimeout(timeout)
+            sock.connect(addr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            err = exc
+    raise err or OSError(f"no address for {host}")
+
+
+def _request_bytes(ep: Endpoint, path: str, body: bytes, api_key: str | None) -> bytes:
+    host = f"[{ep.host}]" if ":" in ep.host else ep.host
+    lines = [f"POST {ep.base}{path} HTTP/1.1", f"Host: {host}:{ep.port}", "User-Agent: sparkctl-bench",
+             "Content-Type: application/json", "Accept: text/event-stream", f"Content-Length: {len(body)}",
+             "Connection: close"]
+    if api_key:
+        lines.append(f"Authorization: Bearer {api_key}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI/vLLM error body ({"error": {"message"}}, {"message"}, {"detail"}), else the text."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:300] or "(empty body)"
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            for key in ("message", "detail", "msg"):
+                if err.get(key):
+                    return str(err[key])[:300]
+        elif isinstance(err, str):
+            return err[:300]
+    return text[:300]
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens on that port: is the service up?)"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name ({exc.strerror})"
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "timed out"
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+class _Tracker:
+    """Follows one SSE stream: first-token time, chunk count, usage, errors, [DONE]."""
+
+    __slots__ = ("first_t", "chunks", "usage_tokens", "done", "error", "malformed")
+
+    def __init__(self) -> None:
+        self.first_t: float | None = None
+        self.chunks = 0
+        self.usage_tokens: int | None = None
+        self.done = False
+        self.error: str | None = None
+        self.malformed = 0
+
+    def feed(self, events: list[bytes], t: float) -> None:
+        for ev in events:
+            if ev[:1] != b"{":
+                if ev.strip() == b"[DONE]":
+                    self.done = True
+                else:
+                    self.malformed += 1
+                continue
+            if _TOKEN_RE.search(ev) is not None:
+                self.chunks += 1
+                if self.first_t is None:
+                    self.first_t = t
+            if b'"usage"' in ev or b'"error"' in ev:  # rare: parse only these
+                self._parse(ev)
+
+    def feed_bulk(self, region: bytes, t: float) -> None:
+        """The hot path once the first token is timed: no loop over events, no regex over the batch
+        (both cost more than the whole rest of a wake-up). Usage, errors and [DONE] come last in a
+        stream, so only a batch whose tail shows one of them is looked at event by event."""
+        tail = region[-1024:]
+        if b"[DONE]" in tail or b'"usage"' in tail or b'"error"' in tail:
+            self.feed(SSEParser.split(region), t)
+        else:
+            # One-line events ("data: {...}\n\n"); JSON strings hold no raw newline. This count only
+            # matters for a server that sends no usage chunk, and is flagged there anyway.
+            self.chunks += region.count(b"\n") // 2
+
+    def _parse(self, ev: bytes) -> None:
+        try:
+            obj = json.loads(ev)
+        except ValueError:
+            self.malformed += 1
+            return
+        if not isinstance(obj, dict):
+            self.malformed += 1
+            return
+        if obj.get("error") or obj.get("object") == "error":
+            self.error = _error_message(ev)
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_tokens = usage["completion_tokens"]
+
+
+def stream_request(ep: Endpoint, path: str, body: bytes, *, index: int = 0, api_key: str | None = None,
+                   timeout: float = 300.0, canceller: Canceller | None = None) -> RequestResult:
+    """Send one streaming request and time it. Never raises for a network or server problem:
+    the result says what went wrong (error_kind, error)."""
+    canceller = canceller or Canceller()
+    r = RequestResult(index=index, start=time.time())
+    deadline = r.start + timeout
+    try:
+        sock = _connect(ep.host, ep.port, min(timeout, CONNECT_TIMEOUT_S))
+    except OSError as exc:
+        return r.fail("connect", f"cannot connect to {ep.host}:{ep.port}: {_reason(exc)}")
+    if ep.scheme == "https":
+        try:
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=ep.host)
+        except (OSError, ssl.SSLError) as exc:
+            sock.close()
+            return r.fail("connect", f"TLS handshake with {ep.host}:{ep.port} failed: {exc}")
+    canceller.register(sock)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_request_bytes(ep, path, body, api_key))
+        rx = _Receiver(sock, deadline, canceller.stop)
+        return _read_response(r, rx)
+    except _Cancelled:
+        return r.fail("cancelled", "stopped (Ctrl-C)")
+    except _Deadline:
+        return r.fail("timeout", f"no complete answer within --timeout {timeout:g} s"
+                      + (f" ({r.content_chunks} chunks received)" if r.content_chunks else ""))
+    except (OSError, ConnectionError) as exc:
+        if canceller.stop.is_set():
+            return r.fail("cancelled", "stopped (Ctrl-C)")
+        return r.fail("connect", f"connection to {ep.host}:{ep.port} failed: {_reason(exc)}")
+    except ValueError as exc:
+        return r.fail("protocol", f"unexpected answer from {ep.host}:{ep.port}: {exc}")
+    finally:
+        canceller.unregister(sock)
+        sock.close()
+
+
+def _read_response(r: RequestResult, rx: _Receiver) -> RequestResult:
+    head = _read_head(rx)
+    r.status = head.status
+    body = _Body(head.headers)
+    ctype = head.headers.get("content-type", "")
+    if head.status != 200 or "text/event-stream" not in ctype:
+        data = body.feed(head.rest)
+        while not body.complete and len(data) < MAX_ERROR_BODY:
+            chunk, _ = rx.recv()
+            if not chunk:
+                break
+            data += body.feed(chunk)
+        r.end = time.time()
+        if head.status != 200:
+            return r.fail("http", f"HTTP {head.status} {head.reason}: {_error_message(data)}".replace("  ", " "))
+        return r.fail("not-streaming", f"the server answered 200 with {ctype or 'no content-type'} instead of "
+                      "a text/event-stream: it ignored stream=true (a non-streaming server or proxy?); "
+                      "bench needs a streaming OpenAI API to time tokens")
+    sse = SSEParser()
+    tr = _Tracker()
+    batching = False
+    data, t = head.rest, head.t
+    while True:
+        if data:
+            if batching:
+                tr.feed_bulk(sse.feed_bulk(body.feed(data)), t)
+            else:
+                tr.feed(sse.feed(body.feed(data)), t)
+            r.content_chunks = tr.chunks
+        if tr.done or tr.error or body.complete:
+            break
+        if tr.first_t is not None and not batching:
+            rx.batch()  # the first token is timed: from now on read in batches (see the module doc)
+            batching = True
+        data, t = rx.recv()
+        if not data:
+            break
+    r.end = t
+    r.malformed = tr.malformed
+    if tr.first_t is not None:
+        r.ttft_s = tr.first_t - r.start
+    if tr.error:
+        return r.fail("stream-error", f"the server reported an error mid-stream after {tr.chunks} chunks: {tr.error}")
+    if not tr.done:
+        return r.fail("truncated", f"the stream ended without [DONE] after {tr.chunks} chunks "
+                      "(the server closed the connection mid-stream)")
+    if tr.first_t is None:
+        return r.fail("no-tokens", "the stream finished without generating any text")
+    if tr.usage_tokens is not None:
+        r.completion_tokens, r.tokens_from = tr.usage_tokens, "usage"
+    else:
+        r.completion_tokens, r.tokens_from = tr.chunks, "chunks"
+    r.ok = True
+    return r
+
+
+def http_get(ep: Endpoint, path: str, *, api_key: str | None = None, timeout: float = 10.0,
+             limit: int = 16 * 2**20) -> tuple[int, bytes]:
+    """A plain GET (for /metrics and /v1/models); raises OSError when the server cannot be reached."""
+    cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
+    conn = cls(ep.host, ep.port, timeout=timeout)
+    try:
+        headers = {"User-Agent": "sparkctl-bench"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        conn.request("GET", ep.base + path, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read(limit)
+    except http.client.HTTPException as exc:
+        raise OSError(f"bad HTTP answer: {exc!r}") from None
+    finally:
+        conn.close()
+
+
+def list_models(ep: Endpoint, api_key: str | None, timeout: float = 10.0) -> list[str] | None:
+    """The served model ids, or None when /v1/models does not answer with a model list.
+    Raises CheckFailed when the server cannot be reached or refuses the API key."""
+    try:
+        status, body = http_get(ep, "/v1/models", api_key=api_key, timeout=timeout)
+    except OSError as exc:
+        raise CheckFailed(f"cannot reach the API at {ep.url}: {_reason(exc)}",
+                          fix="start the service (sparkctl up, then sparkctl wait) or point --url at it") from None
+    if status in (401, 403):
+        raise CheckFailed(f"the API at {ep.url} refused the API key (HTTP {status})",
+                          fix="set VLLM_API_KEY in the env file, or name the variable that holds it with --api-key-env")
+    if status != 200:
+        return None
+    try:
+        data = json.loads(body).get("data")
+        return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def read_spec_counters(ep: Endpoint, model: str | None, api_key: str | None,
+                       timeout: float = 10.0) -> SpecCounters | None:
+    """The spec-decode counters now, or None (no /metrics, or speculative decoding off)."""
+    try:
+        status, body = http_get(ep, "/metrics", api_key=api_key, timeout=timeout)
+    except OSError:
+        return None
+    if status != 200:
+        return None
+    return spec_counters(parse_prometheus(body.decode("utf-8", "replace")), model)
+
+
+# ================================================================================= a run
+
+
+@dataclass
+class BenchConfig:
+    endpoint: Endpoint
+    model: str
+    api_key: str | None = None
+    workloads: list[Workload] = field(default_factory=lambda: [builtin_workload(w) for w in DEFAULT_WORKLOADS])
+    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
+    requests: int | None = None  # per level; None = 2 × concurrency (two waves)
+    warmup: int = 1
+    max_tokens: int = 256
+    timeout: float = 300.0
+    temperature: float = TEMPERATURE
+    top_p: float = TOP_P
+
+    def requests_for(self, concurrency: int) -> int:
+        return self.requests if self.requests is not None else 2 * concurrency
+
+
+class Sampling:
+    """The request body, and which optional parameters the server refused (shared by all streams)."""
+
+    def __init__(self, cfg: BenchConfig, nonce: str) -> None:
+        self.cfg = cfg
+        self.nonce = nonce
+        self.dropped: list[str] = []
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+
+    def body(self, prompt: str) -> bytes:
+        # The tag opens the prompt so every request starts with different tokens (no prefix-cache hits).
+        tag = f"[{self.nonce}-{next(self._seq)}]"
+        d: dict[str, Any] = {
+            "model": self.cfg.model,
+            "messages": [{"role": "user", "content": f"{tag} {prompt}"}],
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": self.cfg.temperature,
+            "top_p": self.cfg.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        for name in self.dropped:
+            d.pop(name, None)
+        return json.dumps(d).encode()
+
+    def drop_for(self, result: RequestResult) -> str | None:
+        """When a 400 names an optional parameter, stop sending it; returns its name."""
+        if result.status != 400 or not result.error:
+            return None
+        for name in OPTIONAL_PARAMS:
+            if name in result.error:
+                with self._lock:
+                    if name not in self.dropped:
+                        self.dropped.append(name)
+                return name
+        return None
+
+
+class ProgressSink:
+    """What the run reports while it goes; the command shows it, tests can record it. Called from
+    worker threads (request_done) as well as the main thread."""
+
+    def level_started(self, workload: str, concurrency: int, total: int) -> None:
+        pass
+
+    def request_done(self, workload: str, concurrency: int, result: RequestResult) -> None:
+        pass
+
+    def level_done(self, level: LevelResult) -> None:
+        pass
+
+
+@dataclass
+class LevelResult:
+    workload: str
+    concurrency: int
+    requests: list[RequestResult]
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    spec: SpecDelta | None = None
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.requests if r.ok]
+
+    @property
+    def failed(self) -> list[RequestResult]:
+        return [r for r in self.requests if not r.ok and not r.cancelled]
+
+    def to_dict(self) -> dict[str, Any]:
+        ok = self.ok
+        rates = [x for x in (r.decode_tok_s for r in ok) if x is not None]
+        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        tokens = sum(r.completion_tokens or 0 for r in ok)
+        mean = sum(rates) / len(rates) if rates else None
+        spec = self.spec
+        from_chunks = sum(1 for r in ok if r.tokens_from == "chunks")
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(self.requests),
+            "ok": len(ok),
+            "failed": len(self.failed),
+            "cancelled": sum(1 for r in self.requests if r.cancelled),
+            "interrupted": self.interrupted,
+            "per_stream_tok_s": {"mean": _r(mean, 3), "p50": _r(percentile(rates, 50), 3),
+                                 "p90": _r(percentile(rates, 90), 3)},
+            "agg_tok_s": _r(None if mean is None else mean * self.concurrency, 3),
+            "throughput_tok_s": _r(tokens / self.wall_s if self.wall_s > 0 and tokens else None, 3),
+            "ttft_s": {"p50": _r(percentile(ttfts, 50), 4), "p90": _r(percentile(ttfts, 90), 4),
+                       "min": _r(min(ttfts, default=None), 4), "max": _r(max(ttfts, default=None), 4)},
+            "completion_tokens": tokens,
+            "tokens_counted_from_chunks": from_chunks,
+            "spec_decode": None if spec is None else {
+                "drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted": spec.accepted,
+                "accepted_per_step": _r(spec.accepted_per_step, 4), "tokens_per_step": _r(spec.tokens_per_step, 4),
+                "acceptance_rate": _r(spec.acceptance_rate, 4)},
+            "wall_s": round(self.wall_s, 3),
+            "client_cpu_s": round(self.cpu_s, 4),
+            "client_cpu_pct": round(100.0 * self.cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
+            "malformed_events": sum(r.malformed for r in self.requests),
+            "results": [r.to_dict() for r in self.requests],
+        }
+
+
+@dataclass
+class BenchRun:
+    cfg: BenchConfig
+    started: float
+    levels: list[LevelResult] = field(default_factory=list)
+    warmup: list[RequestResult] = field(default_factory=list)
+    interrupted: bool = False
+    stopped: str | None = None  # why the run ended early (other than Ctrl-C)
+    notes: list[str] = field(default_factory=list)
+    finished: float = 0.0
+
+    def failures(self) -> list[tuple[str, RequestResult]]:
+        out = [("warmup", r) for r in self.warmup if not r.ok and not r.cancelled]
+        for lv in self.levels:
+            out += [(f"{lv.workload} C{lv.concurrency}", r) for r in lv.failed]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        cfg = self.cfg
+        workloads: dict[str, list[dict[str, Any]]] = {}
+        for lv in self.levels:
+            workloads.setdefault(lv.workload, []).append(lv.to_dict())
+        kinds: dict[str, dict[str, Any]] = {}
+        for where, r in self.failures():
+            k = kinds.setdefault(r.error_kind or "error", {"count": 0, "first": f"{where} #{r.index}: {r.error}"})
+            k["count"] += 1
+        return {
+            "schema": SCHEMA,
+            "url": cfg.endpoint.url,
+            "model": cfg.model,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+            "duration_s": round((self.finished or time.time()) - self.started, 2),
+            "config": {"workloads": [w.name for w in cfg.workloads], "concurrency": cfg.concurrency,
+                       "requests": cfg.requests, "warmup": cfg.warmup, "max_tokens": cfg.max_tokens,
+                       "timeout_s": cfg.timeout, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                       "thinking": False},
+            "definitions": DEFINITIONS,
+            "interrupted": self.interrupted,
+            "stopped": self.stopped,
+            "notes": self.notes,
+            "warmup": {"requests": len(self.warmup), "ok": sum(1 for r in self.warmup if r.ok)},
+            "workloads": workloads,
+            "failures": {"total": sum(k["count"] for k in kinds.values()), "by_kind": kinds},
+        }
+
+
+class _Stop(Exception):
+    pass
+
+
+def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurrency: int, n_requests: int,
+              canceller: Canceller, progress: ProgressSink, *, name: str | None = None,
+              measure_spec: bool = True) -> LevelResult:
+    """n_requests requests, `concurrency` at a time (a closed loop: each stream sends its next request
+    when the previous one ends). Ctrl-C cancels the streams and returns what finished."""
+    label = name or workload.name
+    level = LevelResult(label, concurrency, [])
+    progress.level_started(label, concurrency, n_requests)
+    before = read_spec_counters(cfg.endpoint, cfg.model, cfg.api_key) if measure_spec else None
+    indices = iter(range(n_requests))
+    lock = threading.Lock()
+    results: list[RequestResult] = []
+
+    def worker() -> None:
+        while not canceller.stop.is_set():
+            with lock:
+                i = next(indices, None)
+            if i is None:
+                return
+            prompt = workload.prompts[i % len(workload.prompts)]
+            r = stream_request(cfg.endpoint, "/v1/chat/completions", sampling.body(prompt), index=i,
+                               api_key=cfg.api_key, timeout=cfg.timeout, canceller=canceller)
+            dropped = sampling.drop_for(r)
+            if dropped:  # the server refuses an optional parameter: once more without it
+                r = stream_request(cfg.endpoint, "/v1/chat/completions", sampling.body(prompt), index=i,
+                                   api_key=cfg.api_key, timeout=cfg.timeout, canceller=canceller)
+                r.retried_without = dropped
+            with lock:
+                results.append(r)
+            progress.request_done(label, concurrency, r)
+
+    cpu0, t0 = time.process_time(), time.time()
+    threads = [threading.Thread(target=worker, name=f"bench-{label}-{k}", daemon=True)
+               for k in range(min(concurrency, n_requests))]
+    for th in threads:
+        th.start()
+    try:
+        for th in threads:
+            while th.is_alive():
+                th.join(0.25)
+    except KeyboardInterrupt:
+        level.interrupted = True
+        canceller.cancel()
+        _join_bounded(threads, 5.0)
+    level.cpu_s, level.wall_s = time.process_time() - cpu0, time.time() - t0
+    with lock:
+        level.requests = sorted(results, key=lambda r: r.index)
+    if level.requests:  # the level's wall: first send to last end
+        level.wall_s = max(r.end for r in level.requests) - min(r.start for r in level.requests)
+    if measure_spec and not level.interrupted:
+        level.spec = spec_delta(before, read_spec_counters(cfg.endpoint, cfg.model, cfg.api_key))
+    progress.level_done(level)
+    return level
+
+
+def _join_bounded(threads: list[threading.Thread], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    try:
+        for th in threads:
+            th.join(max(deadline - time.monotonic(), 0.0))
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, the threads are daemons
+        pass
+
+
+def run_bench(cfg: BenchConfig, progress: ProgressSink | None = None) -> BenchRun:
+    """Warm-up, then every workload at every concurrency level. Ctrl-C ends it early with what was
+    measured (run.interrupted); a level where no request succeeded ends it too (run.stopped)."""
+    progress = progress or ProgressSink()
+    run = BenchRun(cfg, started=time.time())
+    canceller = Canceller()
+    sampling = Sampling(cfg, os.urandom(4).hex())
+    try:
+        if cfg.warmup > 0:
+            lv = run_level(cfg, sampling, Workload("warmup", (WARMUP_PROMPT,)), min(cfg.warmup, max(cfg.concurrency)),
+                           cfg.warmup, canceller, progress, measure_spec=False)
+            run.warmup = lv.requests
+            if lv.interrupted:
+                raise _Stop
+            if not any(r.ok for r in lv.requests):
+                run.stopped = f"no warm-up request succeeded: {_first_error(lv.requests)}"
+                raise _Stop
+        for wl in cfg.workloads:
+            for c in cfg.concurrency:
+                lv = run_level(cfg, sampling, wl, c, cfg.requests_for(c), canceller, progress)
+                run.levels.append(lv)
+                if lv.interrupted:
+                    raise _Stop
+                if not lv.ok:
+                    run.stopped = f"no request succeeded at {wl.name} C{c}: {_first_error(lv.requests)}"
+                    raise _Stop
+    except _Stop:
+        pass
+    except KeyboardInterrupt:  # between levels (e.g. while reading /metrics)
+        canceller.cancel()
+    run.interrupted = canceller.stop.is_set()
+    for name in sampling.dropped:
+        run.notes.append(f"the server refused `{name}` (HTTP 400); it was left out of the requests"
+                         + (": outputs may end before max_tokens" if name == "ignore_eos" else ""))
+    run.finished = time.time()
+    return run
+
+
+def _first_error(results: list[RequestResult]) -> str:
+    for r in results:
+        if r.error:
+            return r.error
+    return "no request finished"
+
+
+def _r(value: float | None, nd: int) -> float | None:
+    return None if value is None else round(value, nd)
+
+
+# ================================================================================= reports
+# Everything below works on the JSON document, so a saved run renders and compares like a fresh one.
+
+
+def load_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"saved run {p}: cannot be read ({exc.strerror or exc})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"saved run {p}: not JSON ({exc})", fix="pass a file written by sparkctl bench --save") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("workloads"), dict):
+        raise UsageError(f"saved run {p} is not a sparkctl bench run ({SCHEMA})",
+                         fix="pass a file written by sparkctl bench --save")
+    return doc
+
+
+@dataclass
+class Row:
+    task: str
+    cells: dict[int, float | None]  # concurrency -> C1 per-stream / Cn aggregate tok/s
+    partial: dict[int, bool]
+    tokens_per_step: float | None
+    ttft: tuple[float, float] | None  # range of the levels' TTFT p50
+
+
+def table_rows(doc: dict[str, Any]) -> tuple[list[int], list[Row]]:
+    """The seed's table from a run document: concurrency columns and one row per task."""
+    columns: list[int] = []
+    rows: list[Row] = []
+    for task, levels in doc.get("workloads", {}).items():
+        cells: dict[int, float | None] = {}
+        partial: dict[int, bool] = {}
+        acc = drafts = 0.0
+        p50s: list[float] = []
+        for lv in levels:
+            c = int(lv["concurrency"])
+            if c not in columns:
+                columns.append(c)
+            cells[c] = lv["per_stream_tok_s"]["mean"] if c == 1 else lv["agg_tok_s"]
+            partial[c] = bool(lv.get("interrupted") or lv.get("failed"))
+            sd = lv.get("spec_decode")
+            if sd and sd.get("drafts"):
+                acc += sd["accepted"]
+                drafts += sd["drafts"]
+            if lv["ttft_s"]["p50"] is not None:
+                p50s.append(lv["ttft_s"]["p50"])
+        rows.append(Row(task, cells, partial, 1.0 + acc / drafts if drafts else None,
+                        (min(p50s), max(p50s)) if p50s else None))
+    return sorted(columns), rows
+
+
+def _col_name(c: int) -> str:
+    return "C1 per-stream" if c == 1 else f"C{c} agg"
+
+
+def _f(value: float | None, nd: int = 1) -> str:
+    return "—" if value is None else f"{value:.{nd}f}"
+
+
+def _ttft(rng: tuple[float, float] | None) -> str:
+    return "—" if rng is None else f"{rng[0]:.2f}–{rng[1]:.2f}"
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    """The model card's table: task × C1 per-stream · Cn agg · accepted tok/step, plus TTFT."""
+    columns, rows = table_rows(doc)
+    head = ["Task", *(_col_name(c) for c in columns), "accepted tok/step", "TTFT p50 (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + ["---"]) + "|"]
+    for row in rows:
+        cells = [_f(row.cells.get(c)) + ("*" if row.partial.get(c) and row.cells.get(c) is not None else "")
+                 for c in columns]
+        lines.append("| " + " | ".join([row.task, *cells, _f(row.tokens_per_step, 2), _ttft(row.ttft)]) + " |")
+    lines.append("")
+    lines.append("tok/s is decode only: completion tokens ÷ (wall − TTFT); Cn agg is summed across the n "
+                 "concurrent streams. accepted tok/step = 1 + accepted ÷ drafts (vLLM spec-decode counters).")
+    ranges = [r.ttft for r in rows if r.ttft]
+    if ranges and columns:
+        lo, hi = min(a for a, _ in ranges), max(b for _, b in ranges)
+        lines.append(f"TTFT {lo:.2f}–{hi:.2f} s (p50 per level) across C{columns[0]}–C{columns[-1]}.")
+    if any(any(r.partial.values()) for r in rows):
+        lines.append("* some requests of that level failed or were interrupted: measured on those that finished.")
+    return "\n".join(lines)
+
+
+def render_details(doc: dict[str, Any]) -> str:
+    """Per level: requests, per-stream p50/p90, aggregate, TTFT p50/p90, tokens/step, client CPU."""
+    head = ["Task", "C", "ok/sent", "tok/s/stream p50", "p90", "agg tok/s", "TTFT p50 (s)", "p90",
+            "tok/step", "client CPU %"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for task, levels in doc.get("workloads", {}).items():
+        for lv in levels:
+            sd = lv.get("spec_decode") or {}
+            lines.append("| " + " | ".join([
+                task, str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}",
+                _f(lv["per_stream_tok_s"]["p50"]), _f(lv["per_stream_tok_s"]["p90"]), _f(lv["agg_tok_s"]),
+                _f(lv["ttft_s"]["p50"], 3), _f(lv["ttft_s"]["p90"], 3), _f(sd.get("tokens_per_step"), 2),
+                _f(lv.get("client_cpu_pct"), 2)]) + " |")
+    return "\n".join(lines)
+
+
+def _pct(old: float | None, new: float | None) -> str:
+    if old is None or new is None:
+        return f"{_f(old)} → {_f(new)}"
+    if old == 0:
+        return f"{old:.1f} → {new:.1f}"
+    return f"{old:.1f} → {new:.1f} ({(new - old) / old * 100:+.1f}%)"
+
+
+def compare(doc: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Per task and column: the saved value, the new one and the % change."""
+    cols_new, rows_new = table_rows(doc)
+    cols_old, rows_old = table_rows(base)
+    old = {r.task: r for r in rows_old}
+    columns = sorted(set(cols_new) | set(cols_old))
+    out: dict[str, Any] = {"base": {"url": base.get("url"), "started": base.get("started")}, "tasks": {}}
+    for row in rows_new:
+        o = old.get(row.task)
+        cells: dict[str, Any] = {}
+        for c in columns:
+            a = o.cells.get(c) if o else None
+            b = row.cells.get(c)
+            cells[_col_name(c)] = {"old": a, "new": b, "change_pct": _r((b - a) / a * 100, 2) if a and b is not None else None}
+        a2 = o.tokens_per_step if o else None
+        cells["accepted tok/step"] = {"old": _r(a2, 4), "new": _r(row.tokens_per_step, 4),
+                                      "change_pct": _r((row.tokens_per_step - a2) / a2 * 100, 2)
+                                      if a2 and row.tokens_per_step is not None else None}
+        ot = o.ttft if o else None
+        cells["TTFT p50 (s)"] = {"old": list(ot) if ot else None, "new": list(row.ttft) if row.ttft else None,
+                                 "change_pct": _r((row.ttft[1] - ot[1]) / ot[1] * 100, 2)
+                                 if ot and row.ttft and ot[1] else None}
+        out["tasks"][row.task] = cells
+    return out
+
+
+def render_compare(doc: dict[str, Any], base: dict[str, Any]) -> str:
+    """The table again, each cell as `saved → now (±x%)`; TTFT's % is that of the range's upper end."""
+    cmp = compare(doc, base)
+    tasks: dict[str, dict[str, Any]] = cmp["tasks"]
+    if not tasks:
+        return "(nothing to compare: this run measured no task)"
+    names = list(next(iter(tasks.values())))
+    lines = [f"Change against {base.get('url', '?')} ({base.get('started', '?')}):", "",
+             "| " + " | ".join(["Task", *names]) + " |", "|" + "|".join(["---"] * (len(names) + 1)) + "|"]
+    for task, cells in tasks.items():
+        out: list[str] = []
+        for name, cell in cells.items():
+            if name.startswith("TTFT"):
+                o, n = cell["old"], cell["new"]
+                txt = f"{_ttft(tuple(o) if o else None)} → {_ttft(tuple(n) if n else None)}"
+                if cell["change_pct"] is not None:
+                    txt += f" ({cell['change_pct']:+.1f}%)"
+                out.append(txt)
+            elif name.startswith("accepted"):
+                o, n = cell["old"], cell["new"]
+                txt = f"{_f(o, 2)} → {_f(n, 2)}"
+                if cell["change_pct"] is not None:
+                    txt += f" ({cell['change_pct']:+.1f}%)"
+                out.append(txt)
+            else:
+                out.append(_pct(cell["old"], cell["new"]))
+        lines.append("| " + " | ".join([task, *out]) + " |")
+    missing = [t for t in (r.task for r in table_rows(base)[1]) if t not in tasks]
+    if missing:
+        lines.append(f"(in the saved run only: {', '.join(missing)})")
+    return "\n".join(lines)
+
+
+def summarize_failures(doc: dict[str, Any]) -> list[str]:
+    """One line per kind of failure: how many, and the first one in full."""
+    f = doc.get("failures") or {}
+    return [f"{k['count']} × {kind}: {k['first']}" for kind, k in (f.get("by_kind") or {}).items()]
+
