@@ -532,10 +532,17 @@ class Engine:
         self.ttft_n = 0
 
     def steps(self, max_tokens: int) -> Any:
-        """Yield chunks of tokens, one chunk per decode step, paced to STANDIN_DECODE_TOK_S."""
+        """Yield chunks of tokens: first the one token prefill makes (the caller has already waited
+        TTFT for it), then one chunk per decode step, paced to STANDIN_DECODE_TOK_S per stream."""
+        if max_tokens <= 0:
+            return
+        with self.lock:
+            self.counters["generation_tokens"] += 1
+            self.active_tokens += 1
+        yield [WORDS[0]]
         acc = 0.0
-        produced = 0
-        word = 0
+        produced = 1
+        word = 1
         while produced < max_tokens:
             n_acc = 0
             if self.k:
@@ -551,10 +558,10 @@ class Engine:
             with self.lock:
                 self.counters["generation_tokens"] += n
                 self.active_tokens += n
-                if self.k:
+                if self.k:  # a step cut short by max_tokens counts only what it emitted
                     self.counters["spec_decode_num_drafts"] += 1
                     self.counters["spec_decode_num_draft_tokens"] += self.k
-                    self.counters["spec_decode_num_accepted_tokens"] += n_acc
+                    self.counters["spec_decode_num_accepted_tokens"] += n - 1
             yield toks
 
     def begin(self, prompt_tokens: int) -> float:
@@ -630,6 +637,7 @@ def count_prompt_tokens(body: dict[str, Any]) -> int:
 
 # ----------------------------------------------------------------------------------------- HTTP
 class Handler(BaseHTTPRequestHandler):
+    disable_nagle_algorithm = True  # as uvicorn does: each SSE chunk leaves at once
     server_version = "uvicorn"
     sys_version = ""
     engine: Engine
@@ -732,7 +740,7 @@ class Handler(BaseHTTPRequestHandler):
         produced = 0
         ok = False
         try:
-            time.sleep(max(eng.ttft - (1 / eng.tok_s if eng.tok_s > 0 else 0), 0))
+            time.sleep(max(eng.ttft, 0))  # prefill: the first token arrives at TTFT
             if stream:
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream; charset=utf-8")
