@@ -32,7 +32,7 @@ def pins_from_facts(settings: Settings, facts: dict[str, NodeFacts | NodeError])
     for rank, node in enumerate(settings.nodes):
         f = facts[node]
         if isinstance(f, NodeError):
-            problems.append(f"rank {rank} ({node}): {f.message}")
+            problems.append(f"rank {rank} ({node}): {f.reason}")
             pins.append(RankPins())
             continue
         finding, found = discover_fabric(node, rank, f, needs)

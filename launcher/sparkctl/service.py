@@ -27,6 +27,7 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponenti
 from .builders import (
     LABEL_CLUSTER,
     LABEL_CONFIG_HASH,
+    LABEL_CONTENT_HASH,
     LABEL_RANK,
     RankSpec,
     container_name,
@@ -65,6 +66,12 @@ class ContainerState:
     started_at: str
     restarts: int
     error: str
+    content_hash: str | None = None  # the image's sparkctl.content-hash (containers inherit image labels)
+
+    @property
+    def image_identity(self) -> str:
+        """Same on every rank for the same image: its content hash when sparkctl built it, else its ID."""
+        return self.content_hash or self.image_id
 
     @classmethod
     def from_inspect(cls, doc: dict[str, Any]) -> ContainerState:
@@ -84,6 +91,7 @@ class ContainerState:
             started_at=str(state.get("StartedAt", "")),
             restarts=int(doc.get("RestartCount") or 0),
             error=str(state.get("Error") or ""),
+            content_hash=labels.get(LABEL_CONTENT_HASH),
         )
 
     def uptime_s(self, now: _dt.datetime | None = None) -> float | None:
@@ -148,7 +156,7 @@ def _failures(results: dict[str, Any]) -> dict[str, NodeError]:
 
 
 def _raise_nodes(what: str, failed: dict[str, NodeError]) -> None:
-    lines = [f"{n}: {e.message}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()]
+    lines = [f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()]
     raise CheckFailed(f"{what} on {len(failed)} node(s):\n  " + "\n  ".join(lines))
 
 
@@ -349,7 +357,7 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
 
 def _rollback(cluster: Cluster, settings: Settings) -> list[str]:
     results = cluster.run_all(lambda n: remove_cluster(n, settings.cluster_name), nodes=settings.nodes)
-    return [f"{n}: {r.message}" for n, r in results.items() if isinstance(r, NodeError)]
+    return [f"{n}: {r.reason}" for n, r in results.items() if isinstance(r, NodeError)]
 
 
 def _down_all(cluster: Cluster, settings: Settings, say: Callable[[str], None]) -> dict[str, NodeError]:
@@ -497,6 +505,7 @@ def wait_ready(
     served = str(settings.get("SERVED_MODEL_NAME"))
     watches = {r: RankWatch(r, n) for r, n in enumerate(settings.nodes)}
     start = time.monotonic()
+    seen: dict[str, float] = {}  # when /health first answered 200 (wall clock, for benchmarks)
 
     def poll_rank(node: Node) -> tuple[list[ContainerState], list[str]]:
         rank = settings.nodes.index(node.name)
@@ -528,11 +537,12 @@ def wait_ready(
                 on_phase(w)
         if api.health() != 200:
             return None
+        seen.setdefault("health_ok_at", time.time())
         models = api.models()
         if served not in models:
             return None
         text, latency = api.chat(served, prompt)
-        return {"models": models, "completion": text, "latency_s": latency,
+        return {"models": models, "completion": text, "latency_s": latency, "health_ok_at": seen["health_ok_at"],
                 "elapsed_s": time.monotonic() - start,
                 "phases": {w.rank: [*w.history, (w.phase, time.monotonic() - w.phase_since)]
                            for w in watches.values()}}

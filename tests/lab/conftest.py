@@ -18,6 +18,8 @@ undo that in a `finally:`; Lab.run_rank / Lab.rm / Lab.wait_exit / Lab.rank_env 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -42,3 +44,14 @@ def lab() -> Iterator[Lab]:
         if started and os.environ.get("SPARKCTL_LAB_KEEP") != "1":
             manage.down()
 
+
+
+@pytest.fixture(scope="session")
+def chain(lab: Lab) -> Lab:
+    """The lab recipe's image chain built on spark1..4 (a no-op when it is already up to date), so
+    that the recipe's IMAGE (the chain's top) is there for `up`."""
+    env = {**lab.env(), "NODES": "spark1 spark2 spark3 spark4"}
+    r = subprocess.run([sys.executable, "-m", "sparkctl", "build"], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, f"sparkctl build failed:\n{r.stdout}\n{r.stderr}"
+    return lab

@@ -57,7 +57,8 @@ def model_digest(lab: Lab) -> str:
 
 
 @pytest.fixture
-def clean(lab: Lab) -> Iterator[Lab]:
+def clean(chain: Lab) -> Iterator[Lab]:
+    lab = chain
     before = model_digest(lab)
     sk(lab, "down", timeout=60)
     try:

@@ -49,7 +49,7 @@ def _cluster(g: Globals, s: Settings) -> Cluster:
 
 def _require_all(cluster: Cluster, what: str) -> None:
     if cluster.errors:
-        lines = [f"{n}: {e.message}" + (f"\n    fix: {e.fix}" if e.fix else "") for n, e in cluster.errors.items()]
+        lines = [f"{n}: {e.reason}" + (f"\n    fix: {e.fix}" if e.fix else "") for n, e in cluster.errors.items()]
         raise CheckFailed(f"{what}: {len(cluster.errors)} node(s) unreachable, nothing was changed:\n  "
                           + "\n  ".join(lines))
 
@@ -192,8 +192,8 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
     for rank, node in enumerate(s.nodes):
         st = states[node]
         if isinstance(st, NodeError):
-            ranks.append({"rank": rank, "node": node, "state": "unreachable", "error": st.message})
-            problems.append(f"rank {rank} ({node}) unreachable: {st.message}")
+            ranks.append({"rank": rank, "node": node, "state": "unreachable", "error": st.reason})
+            problems.append(f"rank {rank} ({node}) unreachable: {st.reason}")
             continue
         mine = [c for c in st if c.rank == rank]
         if not mine:
@@ -201,10 +201,11 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
             problems.append(f"rank {rank} ({node}): no container")
             continue
         c = mine[0]
-        image_ids.add(c.image_id)
+        image_ids.add(c.image_identity)
         up_s = c.uptime_s()
         row: dict[str, Any] = {"rank": rank, "node": node, "state": c.status, "uptime_s": None if up_s is None else round(up_s),
-               "restarts": c.restarts, "image_id": c.image_id, "config_hash": c.config_hash,
+               "restarts": c.restarts, "image_id": c.image_id, "image_content_hash": c.content_hash,
+               "config_hash": c.config_hash,
                "config_current": None if current is None else c.config_hash == current}
         ranks.append(row)
         if not c.running:
@@ -213,7 +214,8 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
             problems.append(f"rank {rank} ({node}): config {c.config_hash} is not the current {current} "
                             "(run `sparkctl up` to apply)")
     if len(image_ids) > 1:
-        problems.append("ranks run different images: " + ", ".join(sorted(i[:19] for i in image_ids)))
+        problems.append("ranks run different images (content hash or ID): "
+                        + ", ".join(sorted(i[:19] for i in image_ids)))
     if health != 200:
         problems.append(f"head /health: {health if health is not None else 'no answer'}")
     elif str(s.get("SERVED_MODEL_NAME")) not in models:
@@ -274,7 +276,7 @@ def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int
                                      stop=threading.Event())
         errors |= {n: e for n, e in cluster.errors.items() if s.nodes.index(n) in chosen}
     for node, err in errors.items():
-        warn_console().print(f"{node}: {err.message}", markup=False)
+        warn_console().print(f"{node}: {err.reason}", markup=False)
     if errors:
         sys.exit(1)
 
@@ -304,7 +306,7 @@ def down_cmd(ctx: click.Context) -> None:
         down_nodes = [n for n in s.nodes if n not in failed]
         out.print(f"down: {len(down_nodes)}/{len(s.nodes)} nodes clean in {seconds}s", markup=False)
         for n, e in failed.items():
-            out.print(f"✗ {n}: {e.message}" + (f" (fix: {e.fix})" if e.fix else ""), markup=False)
+            out.print(f"✗ {n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else ""), markup=False)
     if failed:
         sys.exit(1)
 

@@ -1,0 +1,604 @@
+"""`sparkctl build [--ship] [--only LAYER] [--no-cache] [--dry-run]`: the image chain on every rank.
+
+Default: every rank builds the chain itself, all ranks at once (its build context is staged on the
+node from its own $MODEL/serving/, see sparkctl.images). A layer whose content hash matches the image
+already on the node is skipped, so a no-change build costs one probe per rank.
+
+--ship: only the head builds; every other rank is sent just the layers it lacks. The head saves the
+chain once; for each distinct need (usually one: all ranks are alike) the head packs the missing
+members into one compressed stream, and this machine fans that stream out to the ranks' `docker load`
+in parallel, over the SSH connections sparkctl already holds. Why through here and not head -> rank:
+sparkctl assumes only operator -> node SSH; nodes need no credentials for each other and no open
+port, and the content is verified at the end by image ID (IDs are content hashes). The cost is this
+machine's bandwidth for what is shipped, which for the chain's layers (patches on a base every rank
+already has) is small. Afterwards the image IDs of every chain tag are compared on all ranks.
+
+Every rank ends with a result or a named failure; the others finish. Exit 1 if any rank failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import select
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import paramiko
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from .. import images as im
+from ..cluster import Cluster, Node, NodeError, remote_command
+from ..errors import CheckFailed
+from ..facts import Image, ParseError, parse_image_inspect
+from ..output import emit_json
+
+BUILD_TIMEOUT = 3 * 3600.0  # one layer (v145 compiles CUDA kernels on a real node)
+PULL_TIMEOUT = 3600.0
+STALL_TIMEOUT = 600.0  # a ship stream with no byte moving for this long has failed
+CHUNK = 256 * 1024
+
+
+# ------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class LayerResult:
+    layer: str
+    action: str  # skip | built | keep | stale | blocked | failed | pending
+    reason: str = ""
+    seconds: float = 0.0
+    image_id: str | None = None
+
+
+@dataclass
+class RankResult:
+    node: str
+    rank: int
+    layers: dict[str, LayerResult] = field(default_factory=dict)
+    error: str | None = None
+    fix: str | None = None
+    image_id: str | None = None
+    shipped_bytes: int = 0
+    shipped_layers: int = 0
+    ship_note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, NodeError):
+            self.error, self.fix = exc.reason, exc.fix
+        elif isinstance(exc, CheckFailed):
+            self.error, self.fix = exc.message, exc.fix
+        else:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node, "rank": self.rank, "ok": self.ok, "error": self.error, "fix": self.fix,
+            "image_id": self.image_id,
+            "layers": [vars(r) for r in self.layers.values()],
+            "shipped": {"bytes": self.shipped_bytes, "layers": self.shipped_layers, "note": self.ship_note},
+        }
+
+
+# ------------------------------------------------------------------------------------ display
+
+
+class Board:
+    """Per-rank, per-layer progress on stderr: a live table on a terminal, one line per event otherwise."""
+
+    STYLE = {"skip": "dim", "built": "green", "shipped": "green", "failed": "bold red", "building": "yellow",
+             "pulling": "yellow", "shipping": "yellow", "keep": "dim", "stale": "magenta", "blocked": "red"}
+
+    def __init__(self, nodes: Sequence[str], layers: Sequence[str], *, quiet: bool) -> None:
+        self.nodes, self.layers = list(nodes), list(layers)
+        self.cells: dict[tuple[str, str], str] = {}
+        self.notes: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.console = Console(stderr=True, highlight=False)
+        self.quiet = quiet
+        self.live: Live | None = None
+        if not quiet and self.console.is_terminal:
+            self.live = Live(self._table(), console=self.console, refresh_per_second=8, transient=False)
+
+    def __enter__(self) -> Board:
+        if self.live:
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self.live.update(self._table())
+            self.live.stop()
+
+    def set(self, node: str, layer: str, text: str, *, event: bool = True) -> None:
+        with self.lock:
+            self.cells[(node, layer)] = text
+            if self.live:
+                self.live.update(self._table())
+            elif event and not self.quiet:
+                self.console.print(f"{node} {layer}: {text}", markup=False)
+
+    def note(self, node: str, text: str) -> None:
+        with self.lock:
+            self.notes[node] = text
+            if self.live:
+                self.live.update(self._table())
+            elif not self.quiet:
+                self.console.print(f"{node}: {text}", markup=False)
+
+    def _table(self) -> Table:
+        t = Table(box=None, pad_edge=False, header_style="bold")
+        t.add_column("rank")
+        for layer in self.layers:
+            t.add_column(layer)
+        t.add_column("")
+        for node in self.nodes:
+            row = []
+            for layer in self.layers:
+                text = self.cells.get((node, layer), "·")
+                style = self.STYLE.get(text.split(" ")[0], "")
+                row.append(f"[{style}]{text}[/]" if style else text)
+            t.add_row(node, *row, self.notes.get(node, ""))
+        return t
+
+
+# ------------------------------------------------------------------------------------ remote helpers
+
+
+def _exec(node: Node, argv: Sequence[str], timeout: float) -> paramiko.Channel:
+    # A channel on the node's one SSH connection, for streams Node.run cannot carry (bytes both ways).
+    chan = node._channel(timeout)  # noqa: SLF001 - cluster.Node has no public raw-channel API yet
+    chan.settimeout(None)
+    chan.exec_command(remote_command(argv))
+    return chan
+
+
+def run_lines(node: Node, argv: Sequence[str], *, stdin: bytes, timeout: float,
+              on_line: Callable[[str], None]) -> tuple[int, list[str]]:
+    """Run argv with stdin, calling on_line for each output line (stdout+stderr); (exit code, last lines)."""
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    deadline = time.monotonic() + timeout
+    chan = _exec(node, argv, timeout)
+    try:
+        chan.set_combine_stderr(True)
+        chan.sendall(stdin)
+        chan.shutdown_write()
+        buf = b""
+        while True:
+            if time.monotonic() > deadline:
+                raise NodeError(node.name, "command-timeout", f"no result within {timeout:g}s",
+                                f"check what hangs on {node.name}")
+            select.select([chan], [], [], 0.5)
+            got = False
+            while chan.recv_ready():
+                buf += chan.recv(CHUNK)
+                got = True
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r")
+                tail.append(line)
+                on_line(line)
+            if not got and chan.exit_status_ready() and not chan.recv_ready():
+                break
+        if buf:
+            tail.append(buf.decode("utf-8", errors="replace"))
+        return chan.recv_exit_status(), list(tail)
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        raise NodeError(node.name, "lost", f"SSH connection lost: {exc}", "check the node and run the command again") from None
+    finally:
+        chan.close()
+
+
+def inspect_images(node: Node, refs: Sequence[str]) -> list[Image]:
+    res = node.docker(["image", "inspect", *refs], timeout=60)
+    if not res.ok and "No such" not in res.stderr and "no such" not in res.stderr:
+        raise NodeError(node.name, "docker", f"docker image inspect failed: {res.stderr.strip()[:300]}",
+                        f"check the Docker engine on {node.name}")
+    try:
+        return parse_image_inspect(res.stdout)
+    except ParseError as exc:
+        raise NodeError(node.name, "output", f"docker image inspect: {exc}") from None
+
+
+def _error_tail(tail: Sequence[str]) -> str:
+    useful = [ln for ln in tail if ln.strip() and "DEPRECATED" not in ln and "buildx" not in ln
+              and "BuildKit" not in ln and not ln.strip().startswith("https://")]
+    return " | ".join(useful[-4:])[-600:]
+
+
+# ------------------------------------------------------------------------------------ the command
+
+
+@dataclass
+class Job:
+    recipe: Any
+    chain: list[im.LayerSpec]
+    model: str
+    base_ref: str
+    only: str | None
+    no_cache: bool
+    board: Board
+
+
+def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) -> None:
+    """Build the chain on one node, deciding each layer with the real parent ID as it goes."""
+    base = facts.image(job.base_ref)
+    if base is None:
+        first = job.chain[0].name
+        job.board.set(node.name, first, "pulling base")
+        res = node.docker(["pull", job.base_ref], timeout=PULL_TIMEOUT)
+        got = inspect_images(node, [job.base_ref]) if res.ok else []
+        if not got:
+            why = _error_tail(res.stderr.splitlines() or res.stdout.splitlines()) or f"exit {res.exit_code}"
+            raise NodeError(node.name, "docker", f"base image {job.base_ref} is not on the node and cannot be pulled: {why}",
+                            f"load or pull {job.base_ref} on {node.name}, or set BASE_IMAGE")
+        base = got[0]
+    parent_id: str | None = base.id  # what the next layer is built FROM
+    parent_hash: str | None = im.parent_key(base)  # what the next layer's content hash says of it
+    rebuilt = False
+    for layer in job.chain:
+        existing = facts.image(layer.tag)
+        if job.only is not None and layer.name != job.only:
+            action = "stale" if rebuilt else "keep"
+            result.layers[layer.name] = LayerResult(layer.name, action, f"--only {job.only}")
+            job.board.set(node.name, layer.name, action, event=False)
+            parent_id = existing.id if existing and not rebuilt else None
+            parent_hash = im.parent_key(existing) if existing and not rebuilt else None
+            continue
+        if parent_id is None or parent_hash is None:
+            prev = job.chain[layer.index - 1].tag
+            result.layers[layer.name] = LayerResult(layer.name, "blocked", f"{prev} is not on the node")
+            raise NodeError(node.name, "build", f"layer {layer.name}: its parent {prev} is not on the node",
+                            "run `sparkctl build` without --only to build the chain")
+        step = im.decide(layer, facts.digests, parent_hash, existing, no_cache=job.no_cache)
+        if step.action == "skip" and existing is not None:
+            result.layers[layer.name] = LayerResult(layer.name, "skip", step.reason, image_id=existing.id)
+            job.board.set(node.name, layer.name, "skip", event=False)
+            parent_id, parent_hash = existing.id, im.parent_key(existing)
+            continue
+        assert step.content_hash is not None
+        start = time.monotonic()
+        job.board.set(node.name, layer.name, "building")
+
+        def progress(line: str, layer_name: str = layer.name, t0: float = start) -> None:
+            step_no = im.build_step(line)
+            if step_no:
+                job.board.set(node.name, layer_name, f"building {step_no[0]}/{step_no[1]}", event=False)
+
+        argv = im.build_argv(job.recipe, layer, job.model, facts.digests, parent_id, step.content_hash,
+                             no_cache=job.no_cache)
+        code, tail = run_lines(node, argv, stdin=layer.dockerfile, timeout=BUILD_TIMEOUT, on_line=progress)
+        seconds = time.monotonic() - start
+        if code != 0:
+            result.layers[layer.name] = LayerResult(layer.name, "failed", _error_tail(tail), seconds)
+            job.board.set(node.name, layer.name, "failed")
+            raise NodeError(node.name, "build", f"layer {layer.name}: docker build failed (exit {code}): {_error_tail(tail)}",
+                            f"fix {layer.dockerfile_path} or the payload in {im.serving_dir(job.model)}/ on {node.name}")
+        built = inspect_images(node, [layer.tag])
+        if not built:
+            raise NodeError(node.name, "build", f"layer {layer.name}: built, but {layer.tag} is not there")
+        result.layers[layer.name] = LayerResult(layer.name, "built", step.reason, round(seconds, 2), built[0].id)
+        job.board.set(node.name, layer.name, f"built {seconds:.1f}s")
+        parent_id, parent_hash = built[0].id, step.content_hash
+        rebuilt = True
+    top = inspect_images(node, [job.chain[-1].tag])
+    result.image_id = top[0].id if top else None
+
+
+def probe(cluster: Cluster, chain: list[im.LayerSpec], model: str, base_ref: str) -> dict[str, im.RankFacts | NodeError]:
+    argv = im.probe_argv(model, im.payload_files(chain), [base_ref, *(layer.tag for layer in chain)])
+
+    def one(node: Node) -> im.RankFacts:
+        res = node.run(argv, timeout=60)
+        try:
+            return im.parse_probe(res.stdout)
+        except ParseError as exc:
+            raise NodeError(node.name, "output", f"build probe: {exc}; stderr: {res.stderr.strip()[:300]}") from None
+
+    return cluster.run_all(one)
+
+
+@click.command(name="build")
+@click.option("--ship", is_flag=True, help="Build once on the head, then send each rank only the layers it lacks.")
+@click.option("--only", "only", metavar="LAYER", help="Build just this layer (its parent must be on the node).")
+@click.option("--no-cache", is_flag=True, help="Rebuild even when the content hash matches (docker build --no-cache).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (what builds, skips or ships where, and why); change nothing.")
+@click.option("--images-dir", metavar="DIR", help="Use this images folder instead of the shipped one (for testing a change).")
+@click.pass_context
+def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dry_run: bool, images_dir: str | None) -> None:
+    """Build the image chain on every rank (or once on the head with --ship)."""
+    g = ctx.obj
+    settings = g.settings()
+    recipe = settings.recipe
+    chain = im.load_chain(recipe, images_dir)
+    im.select_layers(chain, only)  # an unknown --only is a usage error before any connection
+    nodes: list[str] = settings.nodes
+    model = str(settings.model)
+    base_ref = str(settings.get("BASE_IMAGE"))
+    builders = [nodes[0]] if ship else nodes
+    results = {n: RankResult(n, i) for i, n in enumerate(nodes)}
+    out: dict[str, Any] = {"recipe": recipe.name, "mode": "ship" if ship else "build", "dry_run": dry_run,
+                           "top": chain[-1].tag}
+    with Cluster(nodes, g.ssh_config_path()) as cluster:
+        facts: dict[str, im.RankFacts] = {}
+        for node, f in probe(cluster, chain, model, base_ref).items():
+            if isinstance(f, NodeError):
+                results[node].fail(f)
+            elif not f.engine_ok:
+                results[node].error = f"Docker engine not reachable: {f.engine}"
+                results[node].fix = f"start the Docker engine on {node} (or fix DOCKER_HOST for its SSH sessions)"
+            else:
+                facts[node] = f
+        missing = {n: facts[n].missing for n in builders if n in facts and facts[n].missing}
+        if missing:
+            raise im.missing_payload_error(missing, chain, model)
+        if dry_run:
+            out["plan"] = _plan(chain, facts, results, builders, base_ref, only, no_cache, ship)
+            _finish(g, out, results, print_plan=True)
+            return
+        board = Board(nodes, [layer.name for layer in chain], quiet=g.verbosity < 0 or g.json)
+        job = Job(recipe, chain, model, base_ref, only, no_cache, board)
+        with board:
+            todo = [n for n in builders if results[n].ok]
+
+            def one(node: Node) -> None:
+                try:
+                    build_rank(node, facts[node.name], job, results[node.name])
+                except Exception as exc:
+                    results[node.name].fail(exc)
+                    board.note(node.name, f"FAILED: {results[node.name].error}")
+                    raise
+
+            cluster.run_all(one, nodes=todo)
+            if ship:
+                head = nodes[0]
+                if results[head].ok:
+                    out["ship"] = ship_chain(cluster, chain, facts, results, board)
+                else:
+                    for n in nodes[1:]:
+                        if results[n].ok:
+                            results[n].error = f"not shipped: the head {head} failed to build"
+        verify(cluster, chain, results, ship)
+    _finish(g, out, results)
+
+
+# ------------------------------------------------------------------------------------ shipping
+
+
+def ship_chain(cluster: Cluster, chain: list[im.LayerSpec], facts: dict[str, im.RankFacts],
+               results: dict[str, RankResult], board: Board) -> dict[str, Any]:
+    head_name = cluster.names[0]
+    head = cluster.node(head_name)
+    tags = [layer.tag for layer in chain]
+    head_images = {img_tag: img for img in inspect_images(head, tags) for img_tag in img.repo_tags if img_tag in tags}
+    if len(head_images) != len(tags):
+        raise CheckFailed(f"{head_name}: the chain is not complete on the head after building",
+                          fix="run `sparkctl build --ship` again")
+    targets = [n for n in cluster.names[1:] if results[n].ok and n in facts]
+    top = head_images[tags[-1]]
+    # A rank whose every chain tag already has the head's image ID needs nothing: not even a save.
+    need = [n for n in targets if any((facts[n].image(t) or _NONE).id != head_images[t].id for t in tags)]
+    for n in targets:
+        if n not in need:
+            results[n].ship_note = "up to date"
+            board.note(n, "up to date: 0 bytes")
+    report: dict[str, Any] = {"codec": None, "bytes_sent": 0, "streams": 0}
+    if not need:
+        return report
+    res = head.run(im.save_argv(tags), timeout=PULL_TIMEOUT)
+    if not res.ok:
+        raise CheckFailed(f"{head_name}: docker save failed: {res.stderr.strip()[:400]}",
+                          fix=f"check disk space in {head_name}'s TMPDIR (default /var/tmp)")
+    saved, manifest = im.parse_saved(res.stdout)
+    try:
+        groups: dict[str, tuple[im.Selection, list[str]]] = {}
+        for n in need:
+            sel = im.select_for_rank(manifest, head_images, facts[n].images, tags)
+            groups.setdefault(sel.key(), (sel, []))[1].append(n)
+        codec = im.pick_codec(facts[head_name].tools, [facts[n].tools for n in need])
+        report["codec"] = codec
+        report["streams"] = len(groups)
+
+        def stream(group: tuple[im.Selection, list[str]]) -> None:
+            sel, ranks = group
+            fan_out(cluster, head, sel, ranks, saved, codec, results, board)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(groups))) as pool:
+            list(pool.map(stream, groups.values()))
+    finally:
+        head.run(im.cleanup_argv(saved), timeout=120)
+    report["bytes_sent"] = sum(results[n].shipped_bytes for n in need)
+    report["top_id"] = top.id
+    return report
+
+
+class _NoImage:
+    id = ""
+
+
+_NONE = _NoImage()
+
+
+def fan_out(cluster: Cluster, head: Node, sel: im.Selection, ranks: list[str], saved: str, codec: str,
+            results: dict[str, RankResult], board: Board) -> None:
+    """One compressed stream from the head, copied to every rank's `docker load` at once."""
+    import json
+
+    manifest = json.dumps(sel.entries).encode()
+    for n in ranks:
+        board.note(n, f"shipping {len(sel.layers)} layer(s) ({codec})")
+    sinks: dict[str, paramiko.Channel] = {}
+    outputs: dict[str, bytearray] = {n: bytearray() for n in ranks}
+    for n in ranks:
+        try:
+            sinks[n] = _exec(cluster.node(n), im.load_argv(codec), 60)
+            sinks[n].set_combine_stderr(True)
+        except Exception as exc:
+            results[n].fail(exc)
+    src = _exec(head, im.pack_argv(saved, codec, sel.members), 60)
+    err = bytearray()
+    start = time.monotonic()
+    try:
+        src.sendall(manifest)
+        src.shutdown_write()
+        last = time.monotonic()
+        while sinks:
+            select.select([src], [], [], 1.0)
+            while src.recv_stderr_ready():
+                err += src.recv_stderr(CHUNK)
+            if src.recv_ready():
+                data = src.recv(CHUNK)
+                if not data:
+                    break
+                last = time.monotonic()
+                for n, chan in list(sinks.items()):
+                    try:
+                        chan.sendall(data)
+                        results[n].shipped_bytes += len(data)
+                        while chan.recv_ready():
+                            outputs[n] += chan.recv(CHUNK)
+                    except (paramiko.SSHException, EOFError, OSError) as exc:
+                        results[n].error = f"ship stream broke: {exc}: {outputs[n].decode(errors='replace')[-300:]}"
+                        del sinks[n]
+            elif src.eof_received or src.closed:
+                break
+            elif time.monotonic() - last > STALL_TIMEOUT:
+                raise NodeError(head.name, "command-timeout", f"the ship stream stalled for {STALL_TIMEOUT:g}s")
+        code = src.recv_exit_status()
+        if code != 0:
+            raise NodeError(head.name, "docker", f"packing the layers failed (exit {code}): {err.decode(errors='replace')[-400:]}")
+        for n, chan in sinks.items():
+            chan.shutdown_write()
+            status = _wait_exit(chan, outputs[n], 600.0)
+            text = outputs[n].decode("utf-8", errors="replace").strip()
+            if status != 0:
+                results[n].error = f"docker load failed (exit {status}): {text[-400:]}"
+                results[n].fix = f"check the Docker engine and disk space on {n}"
+            else:
+                results[n].shipped_layers = len(sel.layers)
+                secs = time.monotonic() - start
+                results[n].ship_note = f"{len(sel.layers)} layer(s), {results[n].shipped_bytes} bytes ({codec}) in {secs:.1f}s"
+                board.note(n, "shipped " + results[n].ship_note)
+    except Exception as exc:
+        for n in ranks:
+            if results[n].ok:
+                results[n].fail(exc)
+    finally:
+        src.close()
+        for chan in sinks.values():
+            chan.close()
+
+
+def _wait_exit(chan: paramiko.Channel, sink: bytearray, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while not chan.exit_status_ready():
+        if time.monotonic() > deadline:
+            return -1
+        select.select([chan], [], [], 0.5)
+        while chan.recv_ready():
+            sink += chan.recv(CHUNK)
+    while chan.recv_ready():
+        sink += chan.recv(CHUNK)
+    return chan.recv_exit_status()
+
+
+# ------------------------------------------------------------------------------------ verify + report
+
+
+def verify(cluster: Cluster, chain: list[im.LayerSpec], results: dict[str, RankResult], ship: bool) -> None:
+    """Read back every rank's top image; with --ship every rank must have the head's exact image ID."""
+    top = chain[-1].tag
+    live = [n for n in cluster.names if results[n].ok]
+    found = cluster.run_all(lambda node: inspect_images(node, [top]), nodes=live)
+    for n, imgs in found.items():
+        if isinstance(imgs, NodeError):
+            results[n].fail(imgs)
+        elif not imgs:
+            if results[n].layers and all(r.action in ("keep", "stale") for r in results[n].layers.values()):
+                continue
+            results[n].error = f"{top} is not on the node after the build"
+        else:
+            results[n].image_id = imgs[0].id
+    if ship:
+        head = results[cluster.names[0]]
+        for n in cluster.names[1:]:
+            r = results[n]
+            if r.ok and head.image_id and r.image_id != head.image_id:
+                r.error = f"image ID {r.image_id} differs from the head's {head.image_id}"
+                r.fix = "run `sparkctl build --ship` again"
+
+
+def _plan(chain: list[im.LayerSpec], facts: dict[str, im.RankFacts], results: dict[str, RankResult],
+          builders: list[str], base_ref: str, only: str | None, no_cache: bool, ship: bool) -> dict[str, Any]:
+    plan: dict[str, Any] = {}
+    for n, r in results.items():
+        if not r.ok:
+            plan[n] = {"error": r.error}
+            continue
+        if n in builders:
+            steps = im.plan_build(chain, facts[n], base_ref, only=only, no_cache=no_cache)
+            plan[n] = {"steps": [vars(s) for s in steps]}
+            continue
+        head_steps = plan[builders[0]].get("steps", [])
+        head_builds = any(s["action"] == "build" for s in head_steps)
+        head_top = facts[builders[0]].image(chain[-1].tag) if builders[0] in facts else None
+        mine = facts[n].image(chain[-1].tag)
+        if head_builds or head_top is None:
+            plan[n] = {"ship": "the layers it lacks of the head's new image (known after the head builds)"}
+        elif mine is not None and mine.id == head_top.id:
+            plan[n] = {"ship": "nothing: it has the head's image"}
+        else:
+            held = im.held_chain_ids(facts[n].images)
+            lack = sum(1 for cid in im.chain_ids(head_top.layers) if cid not in held)
+            plan[n] = {"ship": f"{lack} of {len(head_top.layers)} layers of the head's {chain[-1].tag}"}
+    return plan
+
+
+def _finish(g: Any, out: dict[str, Any], results: dict[str, RankResult], *, print_plan: bool = False) -> None:
+    failed = [r for r in results.values() if not r.ok]
+    out["ok"] = not failed
+    out["ranks"] = [r.as_dict() for r in results.values()]
+    con = Console(stderr=g.json, highlight=False)
+    if g.json:
+        emit_json(out)
+    elif print_plan:
+        for node, p in out["plan"].items():
+            if "error" in p:
+                con.print(f"[bold]{node}[/]: [red]cannot build: {p['error']}[/]")
+            elif "steps" in p:
+                for s in p["steps"]:
+                    con.print(f"[bold]{node}[/] {s['layer']:6} {s['action']:7} {s['reason']}", markup=True)
+            else:
+                con.print(f"[bold]{node}[/] ship   {p['ship']}")
+    elif g.verbosity >= 0:
+        for r in results.values():
+            built = [x.layer for x in r.layers.values() if x.action == "built"]
+            skipped = [x.layer for x in r.layers.values() if x.action == "skip"]
+            parts = []
+            if built:
+                parts.append("built " + " ".join(built))
+            if skipped:
+                parts.append("up to date " + " ".join(skipped))
+            if r.ship_note:
+                parts.append("shipped " + r.ship_note if not r.ship_note.startswith("up") else r.ship_note)
+            status = "[green]ok[/]" if r.ok else f"[red]FAILED[/] {r.error}"
+            ident = f" {r.image_id[:19]}" if r.image_id and r.ok else ""
+            con.print(f"[bold]{r.node}[/] {status}{ident}  {'; '.join(parts)}", markup=True)
+            if r.fix and not r.ok:
+                con.print(f"  fix: {r.fix}", markup=False)
+    if failed:
+        names = ", ".join(f"{r.node} ({r.error})" for r in failed)
+        raise CheckFailed(f"build failed on {len(failed)} of {len(results)} rank(s): {names}")
+    if sys.stdout.isatty():
+        sys.stdout.flush()

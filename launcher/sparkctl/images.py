@@ -1,0 +1,511 @@
+"""The image chain: per-layer build contexts, content hashes, and the per-rank plan. Pure: no I/O on nodes.
+
+A recipe's chain is `base → layer 1 → … → layer n`; layer i is `images/<dockerfiles>/<name>/Dockerfile`
+built `FROM` the image of layer i-1 (`--build-arg BASE=<parent image ID>`) and tagged
+`<tag_prefix>:<name>`. Its build context is staged **on the node** (the payload lives in the checkpoint's
+`serving/` folder, which is on the node): sparkctl sends the Dockerfile on the SSH channel's stdin, the
+node copies only the listed payload files next to it, checks their SHA-256 against what was planned,
+and builds. So the payload never crosses the network, and a node whose `serving/` differs (the NFS
+mistake) builds — and labels — what it really has.
+
+Content hash of a layer (label `sparkctl.content-hash`) =
+    sha256("sparkctl-content-hash/1", Dockerfile bytes, each staged file's name and bytes, parent key)
+where the parent key is the parent's own content hash when sparkctl built it, else (the base) its image
+ID. So the same inputs give the same hash on every rank, although a build on each rank gives each image
+its own ID (the classic builder stamps creation times): `check` and `status` compare content hashes.
+with file bytes entering as their SHA-256 (read on the node with `sha256sum`, one round trip per rank).
+A layer whose tag already carries the same hash is not rebuilt; a changed parent changes the hash, so
+everything after a rebuilt layer is rebuilt too, and nothing before it.
+
+Shipping (`build --ship`) compares RootFS diff IDs: a rank that already holds the first k layers of an
+image (its chain ID exists there) is sent only the rest. `select_for_rank` picks the members of the
+head's `docker save` folder that a rank lacks; the docker loader skips a layer whose chain ID it has
+without opening its file, so a stripped archive loads to the identical image ID.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .builders import LABEL_CONTENT_HASH, docker_build_argv, image_labels
+from .errors import UsageError
+from .facts import Image, ParseError, parse_image_inspect
+from .recipes import Recipe
+from .resources import data_dir
+
+HASH_SCHEME = "sparkctl-content-hash/1"
+_PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# What `docker save` writes: hex folder names / blobs/sha256/<hex>; anything else is refused.
+_MEMBER_RE = re.compile(r"^(?:[0-9a-f]{64}(?:/layer\.tar|\.json)|blobs/sha256/[0-9a-f]{64})$")
+
+
+# ------------------------------------------------------------------------------------ the chain
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int  # 0 = the first layer on the base image
+    name: str
+    tag: str  # <tag_prefix>:<name>
+    dockerfile: bytes
+    dockerfile_path: Path
+    payload: tuple[str, ...]
+
+    @property
+    def dockerfile_sha256(self) -> str:
+        return hashlib.sha256(self.dockerfile).hexdigest()
+
+
+def images_root(override: str | Path | None = None) -> Path:
+    """The folder holding `chain/` and `lab/` (the shipped images/, or a copy given with --images-dir)."""
+    if override is not None:
+        root = Path(override)
+        if not root.is_dir():
+            raise UsageError(f"images folder {root} does not exist", fix="pass --images-dir a folder with <dockerfiles>/<layer>/Dockerfile")
+        return root
+    return data_dir("images")
+
+
+def layer_tag(recipe: Recipe, layer: str) -> str:
+    return f"{recipe.tag_prefix}:{layer}"
+
+
+def load_chain(recipe: Recipe, root: str | Path | None = None) -> list[LayerSpec]:
+    """The recipe's layers in build order, each with its Dockerfile read from the images folder."""
+    if not recipe.layers:
+        raise UsageError(f"recipe {recipe.name} has no [[images.layers]]", fix=f"add the chain to {recipe.path}")
+    folder = images_root(root) / recipe.dockerfiles
+    chain: list[LayerSpec] = []
+    seen: set[str] = set()
+    for i, layer in enumerate(recipe.layers):
+        where = f"{recipe.path}/images/layers/{i}"
+        if layer.name in seen:
+            raise UsageError(f"{where}: layer {layer.name!r} is listed twice")
+        seen.add(layer.name)
+        for name in layer.payload:
+            if not _PAYLOAD_NAME_RE.match(name):
+                raise UsageError(f"{where}/payload: {name!r} must be a plain file name in $MODEL/serving/ "
+                                 "(letters, digits, '.', '_', '-'; no folders)")
+        path = folder / layer.name / "Dockerfile"
+        try:
+            text = path.read_bytes()
+        except FileNotFoundError:
+            raise UsageError(f"layer {layer.name}: {path} not found",
+                             fix=f"write it, or fix [images] dockerfiles = {recipe.dockerfiles!r} in {recipe.path}") from None
+        chain.append(LayerSpec(i, layer.name, layer_tag(recipe, layer.name), text, path, tuple(layer.payload)))
+    return chain
+
+
+def select_layers(chain: Sequence[LayerSpec], only: str | None) -> list[LayerSpec]:
+    """The layers `--only` names (all of them without it)."""
+    if only is None:
+        return list(chain)
+    for layer in chain:
+        if layer.name == only:
+            return [layer]
+    raise UsageError(f"--only {only}: no such layer", fix=f"use one of: {', '.join(x.name for x in chain)}")
+
+
+def payload_files(chain: Iterable[LayerSpec]) -> list[str]:
+    """Every payload file name the chain needs, once, in chain order."""
+    return list(dict.fromkeys(name for layer in chain for name in layer.payload))
+
+
+def serving_dir(model: str | Path) -> str:
+    return f"{str(model).rstrip('/')}/serving"
+
+
+# ------------------------------------------------------------------------------------ hashing
+
+
+def parent_key(image: Image) -> str:
+    """What a child's content hash says of its parent: the parent's content hash if sparkctl built it
+    (the same on every rank), else its image ID (a base pulled or loaded: the same on every rank too)."""
+    return image.labels.get(LABEL_CONTENT_HASH) or image.id
+
+
+def content_hash(layer: LayerSpec, digests: Mapping[str, str], parent_id: str) -> str:
+    """sha256 over the Dockerfile, each staged file (name + bytes, as their SHA-256) and the parent key."""
+    h = hashlib.sha256()
+
+    def put(kind: str, name: str, value: str) -> None:
+        h.update(f"{kind}\0{name}\0{value}\n".encode())
+
+    put("scheme", HASH_SCHEME, "")
+    put("file", "Dockerfile", layer.dockerfile_sha256)
+    for name in sorted(layer.payload):
+        if name not in digests:
+            raise UsageError(f"layer {layer.name}: payload file {name} has no digest (missing from serving/)")
+        put("file", name, digests[name])
+    put("parent", "", parent_id)
+    return "sha256:" + h.hexdigest()
+
+
+def missing_payload_error(missing: Mapping[str, Sequence[str]], chain: Sequence[LayerSpec], model: str) -> UsageError:
+    """One error for every node that lacks payload files: which file, which layer, which node."""
+    by_file = {name: layer.name for layer in reversed(chain) for name in layer.payload}
+    lines = []
+    for node, names in missing.items():
+        for name in names:
+            lines.append(f"{node}: {serving_dir(model)}/{name} (payload of layer {by_file.get(name, '?')}) is missing")
+    return UsageError(
+        "payload files missing, nothing was built:\n  " + "\n  ".join(lines),
+        fix="put the checkpoint's serving/ files in place on those nodes (same MODEL path everywhere; "
+            "an NFS server node must bind-mount its own export at that path)",
+    )
+
+
+# ------------------------------------------------------------------------------------ node facts
+
+# One round trip per rank: tools, payload digests, engine, and the chain's images.
+PROBE_SCRIPT = r"""# sparkctl build probe. $1 = serving dir, $2 = number of payload files, then the files, then image refs.
+set -u
+serving=$1; n=$2; shift 2
+echo "@@tools"
+for t in zstd pigz gzip tar sha256sum mktemp; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
+echo "@@payload"
+i=0
+while [ "$i" -lt "$n" ]; do
+  f=$1; shift; i=$((i + 1))
+  if [ -f "$serving/$f" ] && sum=$(sha256sum < "$serving/$f" 2>/dev/null); then
+    echo "${sum%% *} $f"
+  else
+    echo "missing $f"
+  fi
+done
+echo "@@engine"
+if v=$(docker version --format '{{.Server.Version}}' 2>&1); then
+  echo "ok $v"
+else
+  echo "down $(printf '%s' "$v" | tr '\n' ' ' | cut -c1-400)"
+fi
+echo "@@images"
+if [ "$#" -gt 0 ]; then docker image inspect "$@" 2>/dev/null; fi
+echo "@@end"
+"""
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What the probe found on one rank."""
+
+    tools: frozenset[str]
+    digests: dict[str, str]  # payload file -> sha256 hex
+    missing: tuple[str, ...]  # payload files not there
+    engine_ok: bool
+    engine: str  # server version, or why the engine is not reachable
+    images: tuple[Image, ...] = ()
+
+    def image(self, ref: str) -> Image | None:
+        from .facts import find_image
+
+        return find_image(self.images, ref)
+
+
+def probe_argv(model: str, files: Sequence[str], refs: Sequence[str]) -> list[str]:
+    return ["sh", "-c", PROBE_SCRIPT, "sparkctl-probe", serving_dir(model), str(len(files)), *files, *refs]
+
+
+def parse_probe(text: str) -> RankFacts:
+    """Parse PROBE_SCRIPT's output (sections start with `@@name`)."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("@@") and " " not in line:
+            current = sections.setdefault(line[2:], [])
+        elif current is not None:
+            current.append(line)
+    if "end" not in sections:
+        raise ParseError("the build probe's output is cut short (no @@end)")
+    digests: dict[str, str] = {}
+    missing: list[str] = []
+    for line in sections.get("payload", []):
+        word, _, name = line.partition(" ")
+        if word == "missing":
+            missing.append(name)
+        elif re.fullmatch(r"[0-9a-f]{64}", word):
+            digests[name] = word
+    engine_line = " ".join(sections.get("engine", [])).strip()
+    status, _, detail = engine_line.partition(" ")
+    images_text = "\n".join(sections.get("images", [])).strip()
+    images = tuple(parse_image_inspect(images_text)) if images_text else ()
+    return RankFacts(
+        tools=frozenset(x.strip() for x in sections.get("tools", []) if x.strip()),
+        digests=digests,
+        missing=tuple(missing),
+        engine_ok=status == "ok",
+        engine=detail.strip() or "no answer from `docker version`",
+        images=images,
+    )
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class Step:
+    layer: str
+    action: str  # build | skip | keep (--only: not touched) | stale (--only: parent changes) | blocked
+    reason: str
+    content_hash: str | None = None  # None: the parent is built first, so its ID is not known yet
+
+
+def decide(layer: LayerSpec, digests: Mapping[str, str], parent_id: str | None, existing: Image | None,
+           *, no_cache: bool = False) -> Step:
+    """Build or skip one layer, given the parent's image ID (None: the parent is about to be rebuilt)."""
+    if parent_id is None:
+        return Step(layer.name, "build", "its parent is rebuilt first")
+    want = content_hash(layer, digests, parent_id)
+    if no_cache:
+        return Step(layer.name, "build", "--no-cache", want)
+    if existing is None:
+        return Step(layer.name, "build", f"{layer.tag} is not on the node", want)
+    have = existing.labels.get(LABEL_CONTENT_HASH)
+    if have == want:
+        return Step(layer.name, "skip", "content hash matches", want)
+    if not have:
+        return Step(layer.name, "build", f"{layer.tag} was not built by sparkctl (no content-hash label)", want)
+    return Step(layer.name, "build", "content changed (Dockerfile, payload or parent image)", want)
+
+
+def plan_build(chain: Sequence[LayerSpec], facts: RankFacts, base_ref: str, *, only: str | None = None,
+               no_cache: bool = False) -> list[Step]:
+    """What a build on this rank will do, layer by layer. Layers after a rebuilt one show as rebuilt
+    (their parent's ID is only known once it is built); the build itself re-decides with real IDs."""
+    base = facts.image(base_ref)
+    parent_id: str | None = parent_key(base) if base else None
+    rebuilt = False  # an earlier layer is (re)built: every later one gets a new parent
+    steps: list[Step] = []
+    for layer in chain:
+        existing = facts.image(layer.tag)
+        if only is not None and layer.name != only:
+            if rebuilt:
+                steps.append(Step(layer.name, "stale", f"--only {only} gives it a new parent; run `sparkctl build`"))
+            else:
+                steps.append(Step(layer.name, "keep", f"--only {only}"))
+                parent_id = parent_key(existing) if existing else None
+            continue
+        if layer.index == 0 and base is None:
+            step = Step(layer.name, "build", f"base image {base_ref} is not on the node: it is pulled first")
+        elif parent_id is None and not rebuilt:
+            prev = chain[layer.index - 1].tag
+            step = Step(layer.name, "blocked", f"its parent {prev} is not on the node: build the chain first")
+        else:
+            step = decide(layer, facts.digests, None if rebuilt else parent_id, existing, no_cache=no_cache)
+        steps.append(step)
+        if step.action == "skip" and existing is not None:
+            parent_id = parent_key(existing)
+        else:
+            rebuilt = True
+    return steps
+
+
+# ------------------------------------------------------------------------------------ build argv
+
+# Runs on the node: stage the context (Dockerfile from stdin + the listed payload files, checked against
+# the digests that were hashed), then `docker build` in it. The context folder is always removed.
+BUILD_SCRIPT = r"""# sparkctl build: $1 = serving dir, $2 = number of payload files, then (name sha256) pairs, then argv.
+set -eu
+serving=$1; n=$2; shift 2
+ctx=$(mktemp -d "${TMPDIR:-/tmp}/sparkctl-build.XXXXXX")
+trap 'rm -rf "$ctx"' EXIT
+trap 'exit 130' INT TERM HUP
+cat > "$ctx/Dockerfile"
+i=0
+while [ "$i" -lt "$n" ]; do
+  name=$1; want=$2; shift 2; i=$((i + 1))
+  cp -- "$serving/$name" "$ctx/$name"
+  got=$(sha256sum < "$ctx/$name"); got=${got%% *}
+  if [ "$got" != "$want" ]; then
+    echo "sparkctl: $serving/$name changed while building (sha256 $got, planned $want); run sparkctl build again" >&2
+    exit 65
+  fi
+done
+cd "$ctx"
+"$@"
+"""
+
+
+def build_argv(recipe: Recipe, layer: LayerSpec, model: str, digests: Mapping[str, str], parent_id: str,
+               chash: str, *, no_cache: bool = False) -> list[str]:
+    """The remote command that stages this layer's context on the node and builds it (stdin: Dockerfile).
+
+    The classic builder is used on purpose (DOCKER_BUILDKIT=0): it takes the parent by image ID,
+    so the image built is exactly the one the content hash names, and it needs no buildx plugin.
+    """
+    labels = image_labels(recipe.name, layer.name, chash)
+    docker = docker_build_argv(layer.tag, parent_id, labels, ".", no_cache=no_cache)
+    docker = [*docker[:-1], "--force-rm", docker[-1]]
+    pairs = [x for name in layer.payload for x in (name, digests[name])]
+    return ["sh", "-c", BUILD_SCRIPT, "sparkctl-build", serving_dir(model), str(len(layer.payload)), *pairs,
+            "env", "DOCKER_BUILDKIT=0", *docker]
+
+
+_STEP_RE = re.compile(r"^Step (\d+)/(\d+) :")
+
+
+def build_step(line: str) -> tuple[int, int] | None:
+    """`Step 3/5 : RUN ...` (the classic builder's progress) -> (3, 5)."""
+    m = _STEP_RE.match(line)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+# ------------------------------------------------------------------------------------ shipping
+
+
+def chain_ids(diff_ids: Sequence[str]) -> list[str]:
+    """The chain ID of every prefix of a layer list (the key the engine stores layers under)."""
+    out: list[str] = []
+    for i, diff in enumerate(diff_ids):
+        if i == 0:
+            out.append(diff)
+        else:
+            out.append("sha256:" + hashlib.sha256(f"{out[-1]} {diff}".encode()).hexdigest())
+    return out
+
+
+def held_chain_ids(images: Iterable[Image]) -> set[str]:
+    """Every chain ID a rank is known to hold: all prefixes of the images it reported."""
+    held: set[str] = set()
+    for img in images:
+        held.update(chain_ids(img.layers))
+    return held
+
+
+@dataclass
+class Selection:
+    """What one rank needs from the head's `docker save`: manifest entries (one per image whose ID
+    differs there) and the members to send (configs + only the layers it lacks)."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    members: list[str] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)  # the diff IDs sent
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries
+
+    def key(self) -> str:
+        """Ranks with the same key get byte-identical streams (one stream from the head, fanned out)."""
+        return json.dumps([self.entries, self.members], sort_keys=True)
+
+
+def select_for_rank(manifest: Sequence[Mapping[str, Any]], head: Mapping[str, Image],
+                    rank_images: Iterable[Image], tags: Sequence[str]) -> Selection:
+    """Pick what a rank lacks. `manifest` is the head's `docker save` manifest.json for `tags` (in chain
+    order); `head` maps each tag to the head's image; `rank_images` is what the rank reported."""
+    rank_images = list(rank_images)
+    rank_tags = {t: img for img in rank_images for t in img.repo_tags}
+    held = held_chain_ids(rank_images)
+    by_tag = {t: entry for entry in manifest for t in (entry.get("RepoTags") or [])}
+    sel = Selection()
+    sent: set[str] = set()
+    for tag in tags:
+        img = head[tag]
+        entry = by_tag.get(tag)
+        if entry is None:
+            raise ValueError(f"{tag} is not in the head's docker save manifest")
+        have = rank_tags.get(tag)
+        if have is not None and have.id == img.id:
+            continue  # the rank already has this very image under this tag
+        layers_paths = list(entry.get("Layers") or [])
+        if len(layers_paths) != len(img.layers):
+            raise ValueError(f"{tag}: manifest lists {len(layers_paths)} layers, the image has {len(img.layers)}")
+        _check_member(str(entry["Config"]))
+        sel.entries.append({"Config": entry["Config"], "RepoTags": [tag], "Layers": layers_paths})
+        sel.members.append(str(entry["Config"]))  # the loader reads every entry's config
+        for path, cid, diff in zip(layers_paths, chain_ids(img.layers), img.layers, strict=True):
+            if cid in held or cid in sent:
+                continue  # the loader finds it by chain ID and never opens the file
+            _check_member(path)
+            sent.add(cid)
+            sel.members.append(path)
+            sel.layers.append(diff)
+    sel.members = list(dict.fromkeys(sel.members))
+    return sel
+
+
+def _check_member(path: str) -> None:
+    if not _MEMBER_RE.match(path):
+        raise ValueError(f"unexpected member {path!r} in docker save output")
+
+
+# Runs on the head: save the chain's tags into a private folder and print it and the manifest.
+SAVE_SCRIPT = r"""# sparkctl ship: docker save $@ into a fresh folder; print the folder, then manifest.json.
+set -eu
+dir=$(mktemp -d "${TMPDIR:-/var/tmp}/sparkctl-ship.XXXXXX")
+if ! docker save "$@" | tar -x -C "$dir" -f -; then rm -rf "$dir"; exit 1; fi
+echo "$dir"
+cat "$dir/manifest.json"
+"""
+
+# Runs on the head, once per distinct selection: the manifest arrives on stdin, the members come from the
+# saved folder (-h: docker save writes a layer shared by two images once and links the other), and the
+# stream leaves compressed.
+PACK_SCRIPT = r"""# sparkctl ship: $1 = saved folder, $2 = compressor, then members. stdin = manifest.json
+set -eu
+dir=$1; codec=$2; shift 2
+sel=$(mktemp -d "$dir/sel.XXXXXX")
+cat > "$sel/manifest.json"
+case "$codec" in
+  zstd) z="zstd -q -3 -T0 -c" ;;
+  pigz) z="pigz -c -3" ;;
+  *) z="gzip -c -3" ;;
+esac
+tar -c -h -f - -C "$sel" manifest.json -C "$dir" -- "$@" | $z
+"""
+
+# Runs on a rank: decompress (when docker load cannot) and load.
+LOAD_SCRIPT = r"""set -eu
+case "$1" in
+  zstd) zstd -q -d -c | docker load ;;
+  *) docker load ;;
+esac
+"""
+
+
+def save_argv(tags: Sequence[str]) -> list[str]:
+    return ["sh", "-c", SAVE_SCRIPT, "sparkctl-save", *tags]
+
+
+def pack_argv(saved: str, codec: str, members: Sequence[str]) -> list[str]:
+    for m in members:
+        _check_member(m)
+    return ["sh", "-c", PACK_SCRIPT, "sparkctl-pack", saved, codec, *members]
+
+
+def load_argv(codec: str) -> list[str]:
+    return ["sh", "-c", LOAD_SCRIPT, "sparkctl-load", codec]
+
+
+def cleanup_argv(saved: str) -> list[str]:
+    if not re.fullmatch(r"/[A-Za-z0-9._/-]*/sparkctl-ship\.[A-Za-z0-9]+", saved):
+        raise ValueError(f"refusing to remove {saved!r}: not a sparkctl-ship folder")
+    return ["rm", "-rf", "--", saved]
+
+
+def pick_codec(head_tools: Iterable[str], rank_tools: Iterable[Iterable[str]]) -> str:
+    """zstd when the head and every receiving rank have it; else gzip (pigz on the head when there):
+    docker load reads gzip itself, so the ranks need nothing for it."""
+    head = set(head_tools)
+    if "zstd" in head and all("zstd" in set(t) for t in rank_tools):
+        return "zstd"
+    return "pigz" if "pigz" in head else "gzip"
+
+
+def parse_saved(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """SAVE_SCRIPT's output: the folder on the first line, then manifest.json."""
+    first, _, rest = text.partition("\n")
+    try:
+        manifest = json.loads(rest)
+    except json.JSONDecodeError as exc:
+        raise ParseError(f"docker save manifest.json is not JSON ({exc.msg})") from None
+    if not isinstance(manifest, list):
+        raise ParseError("docker save manifest.json is not a list")
+    return first.strip(), manifest

@@ -1,0 +1,479 @@
+"""The image chain's pure parts: staging, content hashes, the plan, shipping selection, the bake file."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkctl import images as im
+from sparkctl.builders import LABEL_CONTENT_HASH
+from sparkctl.ckptgen import SERVING
+from sparkctl.commands.bake import render_bake, stage_contexts
+from sparkctl.errors import UsageError
+from sparkctl.facts import Image
+from sparkctl.recipes import available_recipes, load_recipe
+from sparkctl.resources import data_dir
+
+DIGESTS = {name: f"{i:064x}" for i, name in enumerate(SERVING)}
+BASE_ID = "sha256:" + "b" * 64
+
+
+def lab_chain() -> list[im.LayerSpec]:
+    return im.load_chain(load_recipe("lab"))
+
+
+def facts(images: list[Image], digests: dict[str, str] | None = None) -> im.RankFacts:
+    return im.RankFacts(tools=frozenset({"gzip"}), digests=dict(DIGESTS if digests is None else digests),
+                        missing=(), engine_ok=True, engine="20.10", images=tuple(images))
+
+
+def img(ref: str, id_: str, labels: dict[str, str] | None = None, layers: tuple[str, ...] = ()) -> Image:
+    return Image(id=id_, repo_tags=(ref,), labels=labels or {}, layers=layers)
+
+
+def built_chain(chain: list[im.LayerSpec], digests: dict[str, str] = DIGESTS) -> list[Image]:
+    """Images as a previous sparkctl build left them: each labelled with its content hash."""
+    out = [img("sparkctl-lab/base:bookworm", BASE_ID, layers=("sha256:" + "0" * 64,))]
+    parent = BASE_ID  # the base's key is its ID; a built layer's key is its own content hash
+    for layer in chain:
+        id_ = "sha256:" + hashlib_hex(layer.name)
+        h = im.content_hash(layer, digests, parent)
+        out.append(img(layer.tag, id_, {LABEL_CONTENT_HASH: h}))
+        parent = h
+    return out
+
+
+def test_content_hash_is_the_same_on_every_rank_whatever_the_image_ids() -> None:
+    """A build on each rank gives each image its own ID (creation times); the hashes still agree."""
+    chain = lab_chain()
+    rank_a = built_chain(chain)
+    rank_b = [img(i.repo_tags[0], "sha256:" + hashlib_hex("other" + i.id), dict(i.labels), i.layers)
+              if i.labels else i for i in rank_a]
+    assert [i.id for i in rank_a[1:]] != [i.id for i in rank_b[1:]]
+    for facts_ in (facts(rank_a), facts(rank_b)):
+        steps = im.plan_build(chain, facts_, "sparkctl-lab/base:bookworm")
+        assert [s.action for s in steps] == ["skip"] * 5
+    assert im.parent_key(rank_b[0]) == BASE_ID and im.parent_key(rank_b[3]) == rank_a[3].labels[LABEL_CONTENT_HASH]
+
+
+def hashlib_hex(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ the chain on disk
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
+def test_every_recipe_layer_has_a_dockerfile_that_copies_exactly_its_payload(recipe: str) -> None:
+    r = load_recipe(recipe)
+    chain = im.load_chain(r)
+    assert [x.name for x in chain] == ["dcp", "mul1", "v145", "keys", "keys3"]
+    for layer in chain:
+        text = layer.dockerfile.decode()
+        assert text.startswith("#"), f"{layer.dockerfile_path}: no header comment"
+        assert "ARG BASE\nFROM ${BASE}" in text
+        copied = [w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()[1:-1]]
+        assert sorted(copied) == sorted(layer.payload), layer.dockerfile_path
+        assert re.search(r"^RUN .*", text, re.M), "no self-test"
+
+
+def test_a_missing_dockerfile_names_the_layer_and_the_path(tmp_path: Path) -> None:
+    root = tmp_path / "images"
+    shutil.copytree(data_dir("images"), root)
+    (root / "lab" / "keys" / "Dockerfile").unlink()
+    with pytest.raises(UsageError, match=r"layer keys: .*lab/keys/Dockerfile not found"):
+        im.load_chain(load_recipe("lab"), root)
+
+
+def test_payload_names_must_be_plain_file_names() -> None:
+    r = load_recipe("lab")
+    bad = replace(r, layers=(replace(r.layers[0], payload=("../etc/passwd",)), *r.layers[1:]))
+    with pytest.raises(UsageError, match="plain file name"):
+        im.load_chain(bad)
+
+
+def test_only_names_a_layer() -> None:
+    chain = lab_chain()
+    assert [x.name for x in im.select_layers(chain, "v145")] == ["v145"]
+    with pytest.raises(UsageError, match="use one of: dcp, mul1, v145, keys, keys3"):
+        im.select_layers(chain, "v146")
+
+
+def test_tags_follow_the_recipe_prefix() -> None:
+    assert [x.tag for x in lab_chain()][-1] == "sparkctl-lab/chain:keys3"
+    assert im.load_chain(load_recipe("glm53-exl3-tp4"))[-1].tag == "sparkctl/glm53-exl3:keys3"
+
+
+# ------------------------------------------------------------------------------ content hash
+
+
+def test_content_hash_is_stable_and_sensitive_to_each_input() -> None:
+    v145 = lab_chain()[2]
+    h = im.content_hash(v145, DIGESTS, BASE_ID)
+    assert h == im.content_hash(v145, dict(reversed(list(DIGESTS.items()))), BASE_ID)  # order-free
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", h)
+    changed_df = replace(v145, dockerfile=v145.dockerfile + b"# edit\n")
+    assert im.content_hash(changed_df, DIGESTS, BASE_ID) != h
+    for name in v145.payload:
+        assert im.content_hash(v145, {**DIGESTS, name: "f" * 64}, BASE_ID) != h, name
+    assert im.content_hash(v145, DIGESTS, "sha256:" + "c" * 64) != h
+    # files the layer does not stage do not matter
+    assert im.content_hash(v145, {**DIGESTS, "patch_keys3.py": "f" * 64}, BASE_ID) == h
+    # a renamed file is a different context, even with the same bytes
+    renamed = replace(v145, payload=("build_v145.sh", "patch_arm64.py"))
+    assert im.content_hash(renamed, {**DIGESTS, "patch_arm64.py": DIGESTS["patch_aarch64.py"]}, BASE_ID) != h
+
+
+def test_missing_payload_error_names_file_layer_and_node() -> None:
+    err = im.missing_payload_error({"spark2": ["patch_keys3.py"]}, lab_chain(), "/models/lab")
+    assert "spark2: /models/lab/serving/patch_keys3.py (payload of layer keys3) is missing" in str(err)
+    assert "nothing was built" in str(err)
+    assert err.exit_code == 2
+
+
+# ------------------------------------------------------------------------------ probe output
+
+
+def test_parse_probe() -> None:
+    inspect = json.loads(Path("tests/fixtures/docker/image-inspect.json").read_text())
+    text = "\n".join([
+        "@@tools", "zstd", "gzip", "@@payload", f"{'a' * 64} patch_dcp.py", "missing exl3.py",
+        "@@engine", "ok 20.10.24+dfsg1", "@@images", json.dumps(inspect), "@@end",
+    ])
+    f = im.parse_probe(text)
+    assert f.tools == {"zstd", "gzip"}
+    assert f.digests == {"patch_dcp.py": "a" * 64} and f.missing == ("exl3.py",)
+    assert f.engine_ok and f.engine == "20.10.24+dfsg1"
+    assert len(f.images) == len(inspect)
+
+
+def test_parse_probe_engine_down_and_cut_short() -> None:
+    f = im.parse_probe("@@tools\n@@payload\n@@engine\ndown Cannot connect to the Docker daemon\n@@images\n@@end\n")
+    assert not f.engine_ok and "Cannot connect" in f.engine
+    from sparkctl.facts import ParseError
+
+    with pytest.raises(ParseError, match="cut short"):
+        im.parse_probe("@@tools\n@@payload\n")
+
+
+def test_probe_runs_locally_against_a_serving_folder(tmp_path: Path) -> None:
+    serving = tmp_path / "serving"
+    serving.mkdir()
+    (serving / "patch_dcp.py").write_text("x = 1\n")
+    argv = im.probe_argv(str(tmp_path), ["patch_dcp.py", "exl3.py"], [])
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin",
+                         "DOCKER_HOST": "unix:///nonexistent.sock"})
+    f = im.parse_probe(res.stdout)
+    import hashlib
+
+    assert f.digests == {"patch_dcp.py": hashlib.sha256(b"x = 1\n").hexdigest()}
+    assert f.missing == ("exl3.py",)
+    assert not f.engine_ok
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def test_plan_fresh_node_builds_everything() -> None:
+    chain = lab_chain()
+    steps = im.plan_build(chain, facts([img("sparkctl-lab/base:bookworm", BASE_ID)]), "sparkctl-lab/base:bookworm")
+    assert [s.action for s in steps] == ["build"] * 5
+    assert "not on the node" in steps[0].reason and "parent is rebuilt" in steps[1].reason
+
+
+def test_plan_no_change_skips_everything() -> None:
+    chain = lab_chain()
+    steps = im.plan_build(chain, facts(built_chain(chain)), "sparkctl-lab/base:bookworm")
+    assert [s.action for s in steps] == ["skip"] * 5
+
+
+def test_plan_a_changed_layer_rebuilds_it_and_those_after_it_only() -> None:
+    chain = lab_chain()
+    images = built_chain(chain)
+    changed = [*chain[:2], replace(chain[2], dockerfile=chain[2].dockerfile + b"#\n"), *chain[3:]]
+    steps = im.plan_build(changed, facts(images), "sparkctl-lab/base:bookworm")
+    assert [s.action for s in steps] == ["skip", "skip", "build", "build", "build"]
+    assert "content changed" in steps[2].reason
+    # a payload change does the same
+    digests = {**DIGESTS, "ablit_runtime.py": "e" * 64}
+    steps = im.plan_build(chain, facts(images, digests), "sparkctl-lab/base:bookworm")
+    assert [s.action for s in steps] == ["skip", "skip", "skip", "build", "build"]
+
+
+def test_plan_new_base_rebuilds_all_and_no_cache_too() -> None:
+    chain = lab_chain()
+    images = built_chain(chain)
+    moved = [img("sparkctl-lab/base:bookworm", "sha256:" + "d" * 64), *images[1:]]
+    assert [s.action for s in im.plan_build(chain, facts(moved), "sparkctl-lab/base:bookworm")] == ["build"] * 5
+    steps = im.plan_build(chain, facts(images), "sparkctl-lab/base:bookworm", no_cache=True)
+    assert steps[0].reason == "--no-cache" and [s.action for s in steps] == ["build"] * 5
+
+
+def test_plan_base_missing_and_unlabelled_images() -> None:
+    chain = lab_chain()
+    steps = im.plan_build(chain, facts([]), "sparkctl-lab/base:bookworm")
+    assert "pulled first" in steps[0].reason
+    foreign = [img("sparkctl-lab/base:bookworm", BASE_ID), img(chain[0].tag, "sha256:" + "1" * 64)]
+    assert "not built by sparkctl" in im.plan_build(chain, facts(foreign), "sparkctl-lab/base:bookworm")[0].reason
+
+
+def test_plan_only() -> None:
+    chain = lab_chain()
+    images = built_chain(chain)
+    steps = im.plan_build(chain, facts(images), "sparkctl-lab/base:bookworm", only="v145", no_cache=True)
+    assert [s.action for s in steps] == ["keep", "keep", "build", "stale", "stale"]
+    steps = im.plan_build(chain, facts(images[:2]), "sparkctl-lab/base:bookworm", only="v145")
+    assert steps[2].action == "blocked" and "sparkctl-lab/chain:mul1" in steps[2].reason
+
+
+def test_decide_uses_the_label() -> None:
+    layer = lab_chain()[0]
+    want = im.content_hash(layer, DIGESTS, BASE_ID)
+    assert im.decide(layer, DIGESTS, BASE_ID, img(layer.tag, "x", {LABEL_CONTENT_HASH: want})).action == "skip"
+    assert im.decide(layer, DIGESTS, None, None).reason == "its parent is rebuilt first"
+
+
+# ------------------------------------------------------------------------------ build argv
+
+
+def test_build_argv_stages_on_the_node_and_labels_the_image() -> None:
+    recipe = load_recipe("lab")
+    layer = lab_chain()[2]
+    argv = im.build_argv(recipe, layer, "/models/lab", DIGESTS, BASE_ID, "sha256:" + "9" * 64)
+    assert argv[:2] == ["sh", "-c"] and argv[2] == im.BUILD_SCRIPT
+    rest = argv[3:]
+    assert rest[:3] == ["sparkctl-build", "/models/lab/serving", "2"]
+    assert rest[3:7] == ["build_v145.sh", DIGESTS["build_v145.sh"], "patch_aarch64.py", DIGESTS["patch_aarch64.py"]]
+    docker = rest[7:]
+    assert docker[:4] == ["env", "DOCKER_BUILDKIT=0", "docker", "build"]
+    assert ["--tag", "sparkctl-lab/chain:v145"] == docker[4:6]
+    assert f"BASE={BASE_ID}" in docker
+    for label in ("sparkctl.recipe=lab", "sparkctl.layer=v145", "sparkctl.content-hash=sha256:" + "9" * 64):
+        assert label in docker
+    assert any(x.startswith("sparkctl.version=") for x in docker)
+    assert docker[-2:] == ["--force-rm", "."]
+
+
+def test_build_script_stages_only_the_listed_files_and_checks_them(tmp_path: Path) -> None:
+    """Run BUILD_SCRIPT locally with a fake `docker build` that lists its context."""
+    import hashlib
+
+    serving = tmp_path / "serving"
+    serving.mkdir()
+    for name, text in SERVING.items():
+        (serving / name).write_text(text)
+    digests = {n: hashlib.sha256(t.encode()).hexdigest() for n, t in SERVING.items()}
+    recipe = load_recipe("lab")
+    layer = lab_chain()[2]
+    argv = im.build_argv(recipe, layer, str(tmp_path), digests, BASE_ID, "sha256:" + "9" * 64)
+    cut = argv.index("env")
+    fake = [*argv[:cut], "sh", "-c", 'ls; cat Dockerfile | head -1']
+    res = subprocess.run(fake, input=layer.dockerfile, capture_output=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    listing = res.stdout.decode().splitlines()
+    assert listing[:3] == ["Dockerfile", "build_v145.sh", "patch_aarch64.py"]
+    (serving / "build_v145.sh").write_text("changed\n")
+    res = subprocess.run(fake, input=layer.dockerfile, capture_output=True, timeout=30)
+    assert res.returncode == 65 and b"changed while building" in res.stderr
+
+
+def test_build_step() -> None:
+    assert im.build_step("Step 3/5 : RUN python3 -c 1") == (3, 5)
+    assert im.build_step(" ---> Running in abc") is None
+
+
+# ------------------------------------------------------------------------------ shipping
+
+
+def _save(tags: list[str], layer_lists: list[list[str]]) -> tuple[list[dict[str, Any]], dict[str, Image]]:
+    manifest, head = [], {}
+    for tag, layers in zip(tags, layer_lists, strict=True):
+        cfg = hashlib_hex("cfg" + tag)
+        manifest.append({"Config": f"{cfg}.json", "RepoTags": [tag],
+                         "Layers": [f"{hashlib_hex(tag + d)}/layer.tar" for d in layers]})
+        head[tag] = Image(id="sha256:" + cfg, repo_tags=(tag,), labels={}, layers=tuple(layers))
+    return manifest, head
+
+
+def test_chain_ids_match_dockers_definition() -> None:
+    a, b = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    import hashlib
+
+    assert im.chain_ids([a, b]) == [a, "sha256:" + hashlib.sha256(f"{a} {b}".encode()).hexdigest()]
+
+
+def test_select_for_rank_sends_only_what_is_missing() -> None:
+    d = ["sha256:" + c * 64 for c in "0123"]
+    tags = ["p:one", "p:two"]
+    manifest, head = _save(tags, [d[:2], d[:4]])
+    base = Image(id="sha256:base", repo_tags=("base:x",), labels={}, layers=(d[0],))
+    # a rank with only the base gets both images and layers 1..3 once (layer 1 is shared by both)
+    sel = im.select_for_rank(manifest, head, [base], tags)
+    assert [e["RepoTags"] for e in sel.entries] == [["p:one"], ["p:two"]]
+    assert sel.layers == d[1:]
+    assert len([m for m in sel.members if m.endswith(".json")]) == 2
+    assert len([m for m in sel.members if m.endswith("layer.tar")]) == 3
+    # a rank with the first image gets only the second, and only its two new layers
+    sel = im.select_for_rank(manifest, head, [base, head["p:one"]], tags)
+    assert [e["RepoTags"] for e in sel.entries] == [["p:two"]] and sel.layers == d[2:]
+    # a rank with everything gets nothing
+    assert im.select_for_rank(manifest, head, [base, *head.values()], tags).empty
+    # a rank with an old top (same prefix) gets only the new top layer
+    old = Image(id="sha256:old", repo_tags=("p:two",), labels={}, layers=(*d[:3], "sha256:" + "9" * 64))
+    sel = im.select_for_rank(manifest, head, [base, head["p:one"], old], tags)
+    assert sel.layers == [d[3]]
+
+
+def test_identical_needs_share_one_stream() -> None:
+    d = ["sha256:" + c * 64 for c in "01"]
+    manifest, head = _save(["p:one"], [d])
+    base = Image(id="sha256:base", repo_tags=("base:x",), labels={}, layers=(d[0],))
+    a = im.select_for_rank(manifest, head, [base], ["p:one"])
+    b = im.select_for_rank(manifest, head, [base], ["p:one"])
+    assert a.key() == b.key()
+
+
+def test_select_refuses_odd_member_names() -> None:
+    manifest = [{"Config": "../../etc/passwd", "RepoTags": ["p:one"], "Layers": []}]
+    head = {"p:one": Image(id="sha256:x", repo_tags=("p:one",), labels={}, layers=())}
+    with pytest.raises(ValueError, match="unexpected member"):
+        im.select_for_rank(manifest, head, [], ["p:one"])
+
+
+def test_codec_and_scripts() -> None:
+    assert im.pick_codec({"zstd", "gzip"}, [{"zstd"}, {"zstd", "gzip"}]) == "zstd"
+    assert im.pick_codec({"zstd", "gzip"}, [{"zstd"}, {"gzip"}]) == "gzip"
+    assert im.pick_codec({"pigz", "gzip"}, [{"gzip"}]) == "pigz"
+    assert im.load_argv("zstd") == ["sh", "-c", im.LOAD_SCRIPT, "sparkctl-load", "zstd"]
+    assert im.cleanup_argv("/var/tmp/sparkctl-ship.AbC123") == ["rm", "-rf", "--", "/var/tmp/sparkctl-ship.AbC123"]
+    with pytest.raises(ValueError):
+        im.cleanup_argv("/")
+    with pytest.raises(ValueError):
+        im.pack_argv("/var/tmp/sparkctl-ship.x", "gzip", ["-rf"])
+
+
+def test_parse_saved() -> None:
+    folder, manifest = im.parse_saved('/var/tmp/sparkctl-ship.x\n[{"Config": "a.json"}]\n')
+    assert folder == "/var/tmp/sparkctl-ship.x" and manifest == [{"Config": "a.json"}]
+
+
+def test_pack_script_builds_a_loadable_archive(tmp_path: Path) -> None:
+    """PACK_SCRIPT, run locally: manifest from stdin first, then the members, links followed."""
+    import tarfile
+
+    saved = tmp_path / "sparkctl-ship.abc"
+    a, b = "a" * 64, "b" * 64
+    (saved / a).mkdir(parents=True)
+    (saved / a / "layer.tar").write_bytes(b"layer-bytes")
+    (saved / b).mkdir()
+    (saved / b / "layer.tar").symlink_to(f"../{a}/layer.tar")
+    (saved / f"{'c' * 64}.json").write_text("{}")
+    argv = im.pack_argv(str(saved), "gzip", [f"{'c' * 64}.json", f"{b}/layer.tar"])
+    res = subprocess.run(argv, input=b'[{"Config": "x"}]', capture_output=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "out.tgz"
+    out.write_bytes(res.stdout)
+    with tarfile.open(out) as tf:
+        names = tf.getnames()
+        assert names[0] == "manifest.json"
+        assert f"{b}/layer.tar" in names
+        member = tf.getmember(f"{b}/layer.tar")
+        assert member.isfile()  # dereferenced
+        assert tf.extractfile(member).read() == b"layer-bytes"  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------------------ bake
+
+
+def _unq(value: Any) -> Any:
+    """python-hcl2 keeps the quotes of string literals and keys; strip them for comparisons."""
+    if isinstance(value, str):
+        return value[1:-1] if len(value) >= 2 and value[0] == value[-1] == '"' else value
+    if isinstance(value, list):
+        return [_unq(v) for v in value]
+    if isinstance(value, dict):
+        return {_unq(k): _unq(v) for k, v in value.items() if k != "__is_block__"}
+    return value
+
+
+def parse_bake(text: str) -> dict[str, Any]:
+    import hcl2
+
+    doc = _unq(hcl2.loads(text))
+    targets = {name: body for block in doc["target"] for name, body in block.items()}
+    groups = {name: body for block in doc["group"] for name, body in block.items()}
+    variables = {name: body for block in doc.get("variable", []) for name, body in block.items()}
+    return {"targets": targets, "groups": groups, "variables": variables}
+
+
+@pytest.mark.parametrize("recipe_name", ["glm53-exl3-tp4", "lab"])
+def test_bake_file_structure_matches_the_recipe(recipe_name: str, tmp_path: Path) -> None:
+    recipe = load_recipe(recipe_name)
+    chain = im.load_chain(recipe)
+    serving = tmp_path / "serving"
+    serving.mkdir()
+    for name, text in SERVING.items():
+        (serving / name).write_text(text)
+    staged = stage_contexts(chain, serving, tmp_path / "bake")
+    text = render_bake(recipe, chain, base_image=str(recipe.defaults["BASE_IMAGE"]),
+                       contexts={k: str(v) for k, v in staged.items()}, registry="ghcr.io/acme")
+    bake = parse_bake(text)
+    names = recipe.layer_names()
+    assert bake["groups"]["default"]["targets"] == names
+    assert bake["variables"]["BASE_IMAGE"]["default"] == recipe.defaults["BASE_IMAGE"]
+    common = bake["targets"]["_chain"]
+    assert common["platforms"] == ["linux/arm64"]
+    assert common["labels"]["sparkctl.recipe"] == recipe_name
+    assert "output" not in common
+    parent = "docker-image://${BASE_IMAGE}"
+    for layer in chain:
+        t = bake["targets"][layer.name]
+        assert t["inherits"] == ["_chain"]
+        assert t["args"] == {"BASE": "parent"}
+        assert t["contexts"] == {"parent": parent}
+        assert t["labels"] == {"sparkctl.layer": layer.name}
+        assert t["tags"] == [f"ghcr.io/acme/{recipe.tag_prefix}:{layer.name}"]
+        ctx = Path(t["context"])
+        assert sorted(p.name for p in ctx.iterdir()) == sorted(["Dockerfile", *layer.payload])
+        assert (ctx / "Dockerfile").read_bytes() == layer.dockerfile
+        parent = f"target:{layer.name}"
+    pushed = parse_bake(render_bake(recipe, chain, base_image="x/y:z", contexts={k: str(v) for k, v in staged.items()},
+                                    registry="ghcr.io/acme", push=True))
+    assert pushed["targets"]["_chain"]["output"] == ["type=registry"]
+
+
+def test_bake_stage_refuses_missing_payload(tmp_path: Path) -> None:
+    chain = lab_chain()
+    (tmp_path / "serving").mkdir()
+    with pytest.raises(UsageError, match=r"patch_dcp.py \(payload of layer dcp\)"):
+        stage_contexts(chain, tmp_path / "serving", tmp_path / "bake")
+    assert not (tmp_path / "bake").exists()
+
+
+def test_bake_command_writes_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from sparkctl.cli import cli
+
+    serving = tmp_path / "m" / "serving"
+    serving.mkdir(parents=True)
+    for name, text in SERVING.items():
+        (serving / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NODES", raising=False)
+    res = CliRunner().invoke(cli, ["--recipe", "lab", "--model", str(tmp_path / "m"), "bake", "--out", "out/b.hcl"])
+    assert res.exit_code == 0, res.output
+    bake = parse_bake((tmp_path / "out" / "b.hcl").read_text())
+    assert list(bake["targets"]) == ["_chain", *load_recipe("lab").layer_names()]
+    assert (tmp_path / "out" / "keys3" / "patch_keys3.py").is_file()
+    res = CliRunner().invoke(cli, ["--recipe", "lab", "--model", str(tmp_path / "m"), "bake", "--push"])
+    assert res.exit_code != 0
