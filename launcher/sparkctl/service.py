@@ -21,9 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import requests
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
-
 from .builders import (
     LABEL_CLUSTER,
     LABEL_CONFIG_HASH,
@@ -123,6 +120,11 @@ def image_id(node: Node, ref: str) -> str | None:
     return r.stdout.strip() if r.ok and r.stdout.strip() else None
 
 
+def node_state(node: Node, cluster: str, image: str) -> tuple[list[ContainerState], str | None]:
+    """This cluster's containers on the node and the ID of the image the service runs there."""
+    return inspect_cluster(node, cluster), image_id(node, image)
+
+
 def remove_cluster(node: Node, cluster: str) -> None:
     r = node.run(["sh", "-c", _REMOVE, "sparkctl-remove", f"{LABEL_CLUSTER}={cluster}", state_dir(cluster)],
                  timeout=60)
@@ -211,15 +213,17 @@ def up(
     *,
     recreate: bool = False,
     say: Callable[[str], None] = lambda s: None,
-    settle_s: float = 0.5,
+    settle_s: float = 0.25,
+    gathered: dict[str, tuple[list[ContainerState], str | None] | NodeError] | None = None,
 ) -> UpOutcome:
     """Start the service (workers, then the head) or leave an identical one alone."""
     name = settings.cluster_name
     nodes = settings.nodes
     image = str(settings.get("IMAGE"))
-
-    states = cluster.run_all(lambda n: inspect_cluster(n, name), nodes=nodes)
-    images = cluster.run_all(lambda n: image_id(n, image), nodes=nodes)
+    if gathered is None:
+        gathered = cluster.run_all(lambda n: node_state(n, name, image), nodes=nodes)
+    states = {n: g if isinstance(g, NodeError) else g[0] for n, g in gathered.items()}
+    images = {n: g if isinstance(g, NodeError) else g[1] for n, g in gathered.items()}
     failed = _failures(states) | _failures(images)
     if failed:
         _raise_nodes("cannot start: nodes not ready", failed)
@@ -241,7 +245,6 @@ def up(
             if any(ok_states.values()):
                 say("replacing the running service: " + "; ".join(reasons))
                 _down_all(cluster, settings, say)
-            _write_env_files(cluster, settings, specs)
             by_rank = {s.rank: s for s in specs}
             workers = [s for s in specs if s.rank > 0]
             _start(cluster, settings, workers, cfg_hash, started, say)
@@ -250,6 +253,12 @@ def up(
     except BaseException as exc:
         say(f"rolling back: removing this cluster's containers ({type(exc).__name__})")
         problems = _rollback(cluster, settings)
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc).splitlines()[0][:300]
+        try:
+            audit(cluster, nodes, name, {n: [audit_line(action="up-rolled-back", config_hash=cfg_hash, detail=why)]
+                                         for n in nodes})
+        except Exception:  # the audit must never hide the failure being reported
+            pass
         if isinstance(exc, KeyboardInterrupt):
             raise CheckFailed("interrupted: every container `up` started was removed" +
                               (f"; but {'; '.join(problems)}" if problems else "")) from None
@@ -293,31 +302,26 @@ def _settled(call: Callable[[], T]) -> T:
     return result
 
 
-def _write_env_files(cluster: Cluster, settings: Settings, specs: list[RankSpec]) -> None:
-    name = settings.cluster_name
-
-    def one(spec: RankSpec) -> Callable[[Node], None]:
-        def write(node: Node) -> None:
-            r = node.run(["mkdir", "-p", "-m", "700", state_dir(name)], timeout=20)
-            if not r.ok:
-                raise NodeError(node.name, "state", f"cannot create {state_dir(name)}: {r.stderr.strip()[:200]}")
-            node.put_bytes(remote_env_file(name, spec.rank), env_file_text(spec.env).encode(), mode=0o600)
-        return write
-
-    by_node = {s.node: one(s) for s in specs}
-    results = _settled(lambda: cluster.run_all(lambda n: by_node[n.name](n), nodes=list(by_node)))
-    failed = _failures(results)
-    if failed:
-        _raise_nodes("cannot write the rank env files", failed)
+# Write the rank's env file (mode 0600, from stdin: secrets never touch a command line) and start its
+# container, in one round trip. Every value is a positional argument.
+_WRITE_AND_RUN = r'''d="$1"; f="$2"; shift 2
+umask 077 && mkdir -p -- "$d" && cat > "$f" || exit 97
+exec "$@"'''
 
 
 def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash: str, started: list[str],
            say: Callable[[str], None]) -> None:
-    argv = {s.node: docker_run_argv(settings, s, cfg_hash) for s in specs}
+    name = settings.cluster_name
+    argv = {s.node: ["sh", "-c", _WRITE_AND_RUN, "sparkctl-start", state_dir(name), remote_env_file(name, s.rank),
+                     *docker_run_argv(settings, s, cfg_hash)] for s in specs}
+    env_text = {s.node: env_file_text(s.env).encode() for s in specs}
     rank = {s.node: s.rank for s in specs}
 
     def one(node: Node) -> str:
-        r = node.run(argv[node.name], timeout=120)
+        r = node.run(argv[node.name], stdin=env_text[node.name], timeout=120)
+        if r.exit_code == 97:
+            raise NodeError(node.name, "state", f"cannot write {remote_env_file(name, rank[node.name])}: "
+                            f"{r.stderr.strip()[:200]}", f"check that the SSH user can write ~/{state_dir(name)}")
         if not r.ok:
             first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
             raise NodeError(node.name, "docker-run", f"rank {rank[node.name]}'s container did not start: {first[:400]}",
@@ -394,25 +398,7 @@ def down(cluster: Cluster, settings: Settings, say: Callable[[str], None] = lamb
     return failed
 
 
-# ------------------------------------------------------------------------------------ logs, wait
-
-PHASES: list[tuple[str, re.Pattern[str]]] = [
-    ("rendezvous", re.compile(r"rendezvous|init_process_group|world_size=|Initializing a V1 LLM engine", re.I)),
-    ("loading weights", re.compile(r"Loading (model )?weights|Starting to load model|Loading safetensors", re.I)),
-    ("graph capture", re.compile(r"Capturing CUDA graph|Graph capturing|capturing cudagraph", re.I)),
-    ("ready", re.compile(r"Application startup complete", re.I)),
-]
-
-
-def phase_of(lines: Sequence[str]) -> str:
-    """The furthest phase these log lines have reached ("starting" before any)."""
-    best = -1
-    for line in lines:
-        for i, (_, rx) in enumerate(PHASES):
-            if i > best and rx.search(line):
-                best = i
-    return PHASES[best][0] if best >= 0 else "starting"
-
+# ------------------------------------------------------------------------------------------ logs
 
 def _log_tail(node: Node, container: str, n: int) -> list[str]:
     try:
@@ -431,150 +417,6 @@ def log_argv(container: str, *, tail: int | None, follow: bool, since: str | Non
     if follow:
         argv.append("--follow")
     return argv + [container]
-
-
-@dataclass
-class HeadApi:
-    base_url: str
-    api_key: str | None = None
-    timeout: float = 5.0
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def health(self) -> int | None:
-        try:
-            return requests.get(f"{self.base_url}/health", timeout=self.timeout, headers=self._headers()).status_code
-        except requests.RequestException:
-            return None
-
-    def models(self) -> list[str]:
-        r = requests.get(f"{self.base_url}/v1/models", timeout=self.timeout, headers=self._headers())
-        r.raise_for_status()
-        data = r.json().get("data") or []
-        return [str(m.get("id")) for m in data if isinstance(m, dict)]
-
-    def chat(self, model: str, prompt: str, max_tokens: int = 32, timeout: float = 120.0) -> tuple[str, float]:
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}}
-        start = time.monotonic()
-        r = requests.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=timeout, headers=self._headers())
-        latency = time.monotonic() - start
-        r.raise_for_status()
-        choice = (r.json().get("choices") or [{}])[0]
-        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
-        return str(text), latency
-
-    def metrics(self) -> str | None:
-        try:
-            r = requests.get(f"{self.base_url}/metrics", timeout=self.timeout, headers=self._headers())
-        except requests.RequestException:
-            return None
-        return r.text if r.ok else None
-
-
-@dataclass
-class RankWatch:
-    rank: int
-    node: str
-    phase: str = "starting"
-    phase_since: float = field(default_factory=time.monotonic)
-    history: list[tuple[str, float]] = field(default_factory=list)
-
-
-class RankDied(CheckFailed):
-    pass
-
-
-def wait_ready(
-    cluster: Cluster,
-    settings: Settings,
-    api: HeadApi,
-    *,
-    timeout: float,
-    on_phase: Callable[[RankWatch], None] = lambda w: None,
-    poll_s: float = 0.5,
-    prompt: str = "Say hello in five words.",
-) -> dict[str, Any]:
-    """Until /health is 200, /v1/models lists the served name and a real chat completion answers.
-
-    Every poll also inspects every rank's container: a rank that died fails the wait at once, with
-    its last log lines. Polls back off from 0.2 s to `poll_s`; nothing busy-waits.
-    """
-    name = settings.cluster_name
-    served = str(settings.get("SERVED_MODEL_NAME"))
-    watches = {r: RankWatch(r, n) for r, n in enumerate(settings.nodes)}
-    start = time.monotonic()
-    seen: dict[str, float] = {}  # when /health first answered 200 (wall clock, for benchmarks)
-
-    def poll_rank(node: Node) -> tuple[list[ContainerState], list[str]]:
-        rank = settings.nodes.index(node.name)
-        states = inspect_cluster(node, name)
-        lines = _log_tail(node, container_name(name, rank), 200)
-        return states, lines
-
-    def once() -> dict[str, Any] | None:
-        results = cluster.run_all(poll_rank, nodes=settings.nodes)
-        failed = _failures(results)
-        if failed:
-            _raise_nodes("lost contact while waiting", failed)
-        for rank, w in watches.items():
-            res = results[w.node]
-            assert not isinstance(res, NodeError)
-            states, lines = res
-            mine = [c for c in states if c.rank == rank]
-            if not mine or not mine[0].running:
-                status = f"{mine[0].status}, exit code {mine[0].exit_code}" if mine else "no container"
-                tail = "\n    ".join(lines[-15:]) or "(no log output)"
-                raise RankDied(f"rank {rank} on {w.node} died ({status}) after {time.monotonic() - start:.1f}s; "
-                               f"its last log lines:\n    {tail}",
-                               fix=f"read `sparkctl logs --rank {rank}`; then `sparkctl down` and fix the cause")
-            phase = phase_of(lines)
-            if phase != w.phase:
-                now = time.monotonic()
-                w.history.append((w.phase, now - w.phase_since))
-                w.phase, w.phase_since = phase, now
-                on_phase(w)
-        if api.health() != 200:
-            return None
-        seen.setdefault("health_ok_at", time.time())
-        models = api.models()
-        if served not in models:
-            return None
-        text, latency = api.chat(served, prompt)
-        return {"models": models, "completion": text, "latency_s": latency, "health_ok_at": seen["health_ok_at"],
-                "elapsed_s": time.monotonic() - start,
-                "phases": {w.rank: [*w.history, (w.phase, time.monotonic() - w.phase_since)]
-                           for w in watches.values()}}
-
-    retry = Retrying(
-        stop=stop_after_delay(timeout),
-        wait=wait_exponential(multiplier=0.1, min=0.2, max=poll_s),
-        retry=retry_if_result(lambda r: r is None),
-        retry_error_callback=lambda state: None,
-        reraise=True,
-    )
-    result = retry(_guard_http(once))
-    if result is None:
-        phases = ", ".join(f"rank {w.rank}: {w.phase}" for w in watches.values())
-        raise CheckFailed(f"the service was not ready within {timeout:g}s ({phases})",
-                          fix="`sparkctl logs` shows what each rank is doing; raise --timeout for a slow load")
-    return result
-
-
-def _guard_http(fn: Callable[[], dict[str, Any] | None]) -> Callable[[], dict[str, Any] | None]:
-    """A refused/timed-out HTTP call while the head loads is 'not ready yet', not a failure."""
-    def wrapped() -> dict[str, Any] | None:
-        try:
-            return fn()
-        except (requests.ConnectionError, requests.Timeout):
-            return None
-        except requests.HTTPError as exc:
-            status = exc.response.status_code if exc.response is not None else 0
-            if status in (502, 503, 504):
-                return None
-            raise CheckFailed(f"the head answered HTTP {status}: {str(exc)[:200]}") from None
-    return wrapped
 
 
 def stream_logs(cluster: Cluster, settings: Settings, ranks: Sequence[int], *, tail: int | None, follow: bool,

@@ -16,7 +16,8 @@ from sparkctl.lock import (
     release_argv,
     show_argv,
 )
-from sparkctl.service import ContainerState, diff_running, phase_of
+from sparkctl.readiness import phase_of
+from sparkctl.service import ContainerState, diff_running
 from sparkctl.settings import RankPins
 
 

@@ -6,6 +6,7 @@ Each command opens one Cluster (one SSH connection per node) for its whole run. 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 import threading
@@ -18,11 +19,12 @@ from rich.table import Table
 
 from .. import service
 from ..cli import Globals
-from ..cluster import Cluster, NodeError
+from ..cluster import Cluster, Node, NodeError, RunResult
 from ..errors import CheckFailed, UsageError
 from ..lock import audit_tail_argv, cluster_lock, lock_status
 from ..lock import force_unlock as break_lock
 from ..output import console, emit_json, warn, warn_console
+from ..pins import live_pins, pins_from_facts, probe_node
 from ..plan import REMOTE_READER, checkpoint_from_listing, make_plan, require_fit
 from ..render import Rendered, render_all, write_private
 from ..settings import Settings
@@ -54,9 +56,13 @@ def _require_all(cluster: Cluster, what: str) -> None:
                           + "\n  ".join(lines))
 
 
-def _plan(cluster: Cluster, s: Settings) -> Any:
+def _read_checkpoint_on_head(node: Node, s: Settings) -> RunResult:
+    return node.run(["python3", "-", str(s.model)], stdin=REMOTE_READER, timeout=60)
+
+
+def _plan(cluster: Cluster, s: Settings, r: RunResult | None = None) -> Any:
     """The memory plan from the checkpoint as the head sees it (the nodes' view is the one that runs)."""
-    r = cluster.node(s.head).run(["python3", "-", str(s.model)], stdin=REMOTE_READER, timeout=60)
+    r = r or _read_checkpoint_on_head(cluster.node(s.head), s)
     if not r.ok:
         raise CheckFailed(f"cannot read the checkpoint on {s.head}: {r.stderr.strip()[:300]}",
                           fix=f"check that python3 exists on {s.head} and MODEL={s.model} is readable there")
@@ -70,8 +76,6 @@ def _plan(cluster: Cluster, s: Settings) -> Any:
 
 
 def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
-    from ..pins import live_pins
-
     plan = _plan(cluster, s)
     pins = live_pins(cluster, s)
     return render_all(s, plan, pins, source=source)
@@ -93,13 +97,34 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
         _require_all(cluster, "up refused")
         head = cluster.node(s.head)
         with cluster_lock(head, s.head, s.cluster_name, "up"):
-            rendered = _render(cluster, s, "sparkctl up")
+            # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
+            # GID index drifts), its containers and its image; the head also reads the checkpoint.
+            image = str(s.get("IMAGE"))
+
+            def preflight(node: Node) -> tuple[Any, Any, RunResult | None]:
+                # Channels on the node's one connection run side by side: probe, docker, checkpoint.
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    state = pool.submit(service.node_state, node, s.cluster_name, image)
+                    reader = pool.submit(_read_checkpoint_on_head, node, s) if node.name == s.head else None
+                    facts = probe_node(node, s)
+                    return facts, state.result(), reader.result() if reader else None
+
+            rounds = cluster.run_all(preflight, nodes=s.nodes)
+            failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
+            if failed:
+                raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
+                    f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
+            ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
+            plan = _plan(cluster, s, ok[s.head][2])
+            pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
+            rendered = render_all(s, plan, pins, source="sparkctl up")
             try:
                 write_private(ENV_TP4, rendered.env_tp4)
             except OSError as exc:
                 warn([f"could not write {ENV_TP4}: {exc}"])
             outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate,
-                                 say=lambda m: out.print(m, markup=False))
+                                 say=lambda m: out.print(m, markup=False),
+                                 gathered={n: r[1] for n, r in ok.items()})
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
     if g.json:
@@ -122,6 +147,8 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
 @click.pass_context
 def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -> None:
     """Wait until /health is 200, the model is listed and a real chat completion comes back."""
+    from .. import readiness  # the HTTP client is imported only by the commands that talk HTTP
+
     g = _globals(ctx)
     s = _settings(g)
     if timeout <= 0:
@@ -129,13 +156,13 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
     out = console(g.json)
     with _cluster(g, s) as cluster:
         _require_all(cluster, "wait")
-        api = service.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"))
+        api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"))
 
-        def on_phase(w: service.RankWatch) -> None:
+        def on_phase(w: readiness.RankWatch) -> None:
             took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
             out.print(f"rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
 
-        result = service.wait_ready(cluster, s, api, timeout=timeout, on_phase=on_phase, prompt=prompt)
+        result = readiness.wait_ready(cluster, s, api, timeout=timeout, on_phase=on_phase, prompt=prompt)
     if g.json:
         emit_json({"ready": True, **result})
         return
@@ -168,6 +195,8 @@ def _metrics_summary(text: str | None) -> dict[str, float]:
 @click.pass_context
 def status_cmd(ctx: click.Context, url: str | None) -> None:
     """Every rank's container (state, uptime, restarts, image, config) and the head's health."""
+    from .. import readiness
+
     g = _globals(ctx)
     s = _settings(g)
     problems: list[str] = []
@@ -178,7 +207,7 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
             current = _render(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
         except (UsageError, CheckFailed) as exc:
             problems.append(f"current config unknown: {exc.message}")
-        api = service.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
+        api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
         health = api.health()
         models: list[str] = []
         if health == 200:
