@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import facts as F
-from .cluster import Cluster, Node, NodeError, RunResult
+from .cluster import Cluster, Node, NodeError
 from .plan import GB, INDEX_NAME, CheckpointInfo, Plan, Shard, gb, make_plan
 from .settings import RankPins, Settings
 
@@ -51,6 +51,7 @@ CHECKS = (
 DISK_FAIL_BYTES = 10 * GB  # below this the image chain cannot even be unpacked
 DISK_WARN_BYTES = 50 * GB  # a production chain (vLLM + CUDA) is tens of GB per rank
 DF_PATHS = ("/var/lib/docker",)
+DOCKER_TIMEOUT = 20.0  # a wedged engine must not hold the whole check for the command timeout
 PROBES = Path(__file__).resolve().parent / "probes"
 
 
@@ -136,7 +137,8 @@ def rule_ssh(node: str, error: NodeError | None) -> Finding:
         "auth": "auth failed",
         "dns": "no such host",
     }.get(error.kind, error.kind)
-    return _f(node, "ssh", FAIL, short, error.message, error.fix or "")
+    fix = error.fix or f"check that `ssh {node} true` works from here, then run check again"
+    return _f(node, "ssh", FAIL, short, error.message, fix)
 
 
 def rule_docker(node: str, facts: F.NodeFacts) -> Finding:
@@ -170,7 +172,10 @@ def _version_tuple(text: str) -> tuple[int, ...]:
         return (0,)
 
 
-def rule_gpu(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
+def rule_gpu(node: str, facts: F.NodeFacts, needs: Needs, head: F.NodeFacts | None = None) -> Finding:
+    """GPUs present, with name, driver and CUDA version. Only the head is asked for the CUDA version
+    (plain `nvidia-smi`): it follows from the driver, so a rank on the head's driver has the head's;
+    a rank on another driver is a warning (ranks of one service should run the same driver)."""
     if not facts.gpus:
         why = facts.problems.get("gpu", "nvidia-smi listed no GPU")
         return _f(
@@ -182,7 +187,10 @@ def rule_gpu(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
             f"install the NVIDIA driver on {node} and check that `nvidia-smi` works there",
         )
     gpu = facts.gpus[0]
+    head_gpu = head.gpus[0] if head is not None and head is not facts and head.gpus else None
     cuda = facts.gpu_banner.cuda_version if facts.gpu_banner else None
+    if cuda is None and head_gpu is not None and head_gpu.driver_version == gpu.driver_version:
+        cuda = head.gpu_banner.cuda_version if head is not None and head.gpu_banner else None
     desc = f"{gpu.name} ×{len(facts.gpus)}, driver {gpu.driver_version}" + (f", CUDA {cuda}" if cuda else "")
     if len(facts.gpus) < needs.gpus_per_node:
         return _f(
@@ -192,6 +200,15 @@ def rule_gpu(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
             f"{len(facts.gpus)} GPU(s)",
             f"{node}: {desc}; GPUS_PER_NODE is {needs.gpus_per_node}",
             f"check {node}'s GPUs with nvidia-smi, or lower GPUS_PER_NODE",
+        )
+    if head_gpu is not None and head_gpu.driver_version != gpu.driver_version:
+        return _f(
+            node,
+            "gpu",
+            WARN,
+            f"driver {gpu.driver_version}",
+            f"{node}: {desc}; the head runs driver {head_gpu.driver_version}",
+            f"install the head's driver ({head_gpu.driver_version}) on {node}: ranks of one service should match",
         )
     return _f(node, "gpu", OK, (gpu.name or "GPU").replace("NVIDIA ", ""), f"{node}: {desc}")
 
@@ -346,7 +363,8 @@ def rule_reach(node: str, outcome: Mapping[str, str] | NodeError | None, peers: 
     if outcome is None:
         return _f(node, "reach", SKIP, "-", f"{node}: not tested (its own fabric address is unknown)")
     if isinstance(outcome, NodeError):
-        return _f(node, "reach", FAIL, "probe failed", outcome.message, outcome.fix or "")
+        fix = outcome.fix or f"run check again; if it repeats, run probes/reach.sh on {node} by hand"
+        return _f(node, "reach", FAIL, "probe failed", outcome.message, fix)
     bad = {ip: why for ip, why in outcome.items() if why != "ok"}
     untested = [ip for ip in peers if ip not in outcome]
     if bad:
@@ -466,7 +484,14 @@ def rule_model(
     present = {n: lst for n, lst in listings.items() if lst is not None and lst.exists}
     for n, lst in listings.items():
         if lst is None:
-            out[n] = _f(n, "model", FAIL, "unreadable", f"{n}: could not list MODEL: {problems.get(n, '?')}")
+            out[n] = _f(
+                n,
+                "model",
+                FAIL,
+                "unreadable",
+                f"{n}: could not list MODEL={model}: {problems.get(n) or 'no answer'}",
+                f"check that {model} is readable on {n} (`ls -l {model}` there)",
+            )
         elif not lst.exists:
             out[n] = _f(
                 n,
@@ -521,15 +546,22 @@ def rule_model(
 def rule_image(
     images: Mapping[str, list[F.Image] | None], head: str, ref: str, problems: Mapping[str, str]
 ) -> dict[str, Finding]:
-    """The image every rank runs (the chain's top layer, IMAGE) is on every node with the same ID.
-    A missing image is a warning (`sparkctl build` makes it); a different one is a failure."""
+    """The image every rank runs (the chain's top layer, IMAGE) is the same on every node: the same
+    sparkctl content hash when sparkctl built it (a build on each rank gives each copy its own ID, from
+    creation times, for the same inputs), else the same image ID. A missing image is a warning
+    (`sparkctl build` makes it); a different one is a failure."""
     out: dict[str, Finding] = {}
     ids: dict[str, F.Image] = {}
     for n, imgs in images.items():
         img = F.find_image(imgs or [], ref) if imgs is not None else None
         if imgs is None:
             out[n] = _f(
-                n, "image", FAIL, "unreadable", f"{n}: could not inspect images: {problems.get(n, '?')}"
+                n,
+                "image",
+                FAIL,
+                "unreadable",
+                f"{n}: could not inspect images: {problems.get(n) or 'no answer'}",
+                f"check the Docker engine on {n} (`docker image inspect {ref}` there)",
             )
         elif img is None:
             out[n] = _f(n, "image", WARN, "missing", f"{n}: image {ref} is not there", "run `sparkctl build`")
@@ -537,16 +569,20 @@ def rule_image(
             ids[n] = img
     if not ids:
         return out
-    counts = Counter(i.id for i in ids.values())
+    def identity(img: F.Image) -> str:
+        return img.labels.get("sparkctl.content-hash") or img.id
+
+    counts = Counter(identity(i) for i in ids.values())
     top = max(counts.values())
     best = [i for i, c in counts.items() if c == top]
-    ref_id = ids[head].id if head in ids and ids[head].id in best else best[0]
+    ref_id = identity(ids[head]) if head in ids and identity(ids[head]) in best else best[0]
     for n, img in ids.items():
         short_id = img.id.removeprefix("sha256:")[:12]
-        if img.id == ref_id:
-            out[n] = _f(n, "image", OK, short_id, f"{n}: {ref} = {short_id}")
+        if identity(img) == ref_id:
+            how = "" if img.id == ref_id else f" (content {ref_id.removeprefix('sha256:')[:12]})"
+            out[n] = _f(n, "image", OK, short_id, f"{n}: {ref} = {short_id}{how}")
         else:
-            same_layers = img.layers == next(i.layers for i in ids.values() if i.id == ref_id)
+            same_layers = img.layers == next(i.layers for i in ids.values() if identity(i) == ref_id)
             detail = "same layers, different image config" if same_layers else "different layers"
             out[n] = _f(
                 n,
@@ -577,7 +613,8 @@ def rule_checkpoint(report: Any, error: str | None) -> list[Finding]:
         return []
     errors = [f for f in report.findings if f.severity == "error"]
     warns = [f for f in report.findings if f.severity == "warn"]
-    out = [_f(CLUSTER_ROW, "checkpoint", FAIL, "invalid", e.message, e.fix) for e in errors]
+    details = "run `sparkctl verify-model` for the details"
+    out = [_f(CLUSTER_ROW, "checkpoint", FAIL, "invalid", e.message, e.fix or details) for e in errors]
     out += [_f(CLUSTER_ROW, "checkpoint", WARN, "warning", w.message, w.fix) for w in warns]
     if not out:
         s = report.summary
@@ -699,46 +736,80 @@ def _parse_reach(text: str) -> dict[str, str]:
 def gather(
     cluster: Cluster, needs: Needs, *, head: str, layout: bool = True, timeout: float = 60.0
 ) -> dict[str, tuple[F.NodeFacts | NodeError, Any]]:
-    """Round 1: node_facts.sh on every node; on the head, ckpt_scan.py at the same time on a second
-    channel. Returns node -> (facts or NodeError, head scan dict / error string / None)."""
+    """Round 1, all at once on every node's one connection (a channel each):
+      - node_facts.sh (every read-only fact but Docker's; plain `nvidia-smi`, for the CUDA version
+        that the driver version decides, on the head only),
+      - `docker system dial-stdio` with three pipelined API requests (version, this cluster's
+        containers, the image): one docker process per node instead of three CLI runs,
+      - on the head, ckpt_scan.py (header-level checkpoint verification and the planner's input).
+    Returns node -> (facts or NodeError, head scan dict / error string / None)."""
     facts_script, scan_script = _script("node_facts.sh"), _script("ckpt_scan.py") if layout else b""
     nonce = secrets.token_hex(8)
-    args = F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image], df_paths=DF_PATHS)
+    args = F.probe_args(model=needs.model, cluster=needs.cluster, df_paths=DF_PATHS, docker=False)
+    no_banner = F.probe_args(model=needs.model, cluster=needs.cluster, df_paths=DF_PATHS, docker=False,
+                             banner=False)  # fmt: skip
+    requests = F.docker_api_requests(needs.cluster, needs.image)
+    docker_timeout = min(timeout, DOCKER_TIMEOUT)
 
-    def probe(node: Node) -> tuple[F.NodeFacts | NodeError, Any]:
-        scan_future = None
-        if node.name == head and layout:
-            pool = concurrent.futures.ThreadPoolExecutor(1)
-            scan_future = pool.submit(
-                node.run,
-                ["python3", "-", needs.model, "--headers", "zlib"],
-                stdin=scan_script,
-                timeout=timeout,
-            )
-            pool.shutdown(wait=False)
-        res = node.run_script(facts_script, [nonce, *args], timeout=timeout)
-        facts = F.node_facts_from_probe(res.stdout, nonce)
-        scan: Any = None
-        if scan_future is not None:
-            try:
-                r: RunResult = scan_future.result()
-                if r.exit_code == 127:
-                    scan = "python3 is not installed on the head"
-                elif not r.ok:
-                    scan = f"ckpt_scan failed on {node.name}: {r.stderr.strip().splitlines()[-1:] or r.exit_code}"
-                else:
-                    scan = json.loads(r.stdout)
-            except NodeError as exc:
-                scan = exc.message
-            except json.JSONDecodeError as exc:
-                scan = f"ckpt_scan printed something that is not JSON ({exc.msg})"
-        return facts, scan
+    def node_facts(node: Node) -> F.NodeFacts:
+        on_head = node.name == head
+        res = node.run_script(facts_script, [nonce, *(args if on_head else no_banner)], timeout=timeout)
+        return F.node_facts_from_probe(res.stdout, nonce, expect_docker=False, expect_banner=on_head)
 
-    results = cluster.run_all(probe)
-    return {
-        n: (r if isinstance(r, NodeError) else r[0], None if isinstance(r, NodeError) else r[1])
-        for n, r in results.items()
-    }
+    def docker(node: Node) -> F.DockerFacts:
+        try:
+            r = node.run(["docker", "system", "dial-stdio"], stdin=requests, close_stdin=False,
+                         timeout=docker_timeout)  # fmt: skip
+        except NodeError as exc:
+            if exc.kind != "command-timeout":
+                raise
+            why = f"the Docker engine did not answer within {docker_timeout:g}s"
+            return F.DockerFacts(None, None, None, dict.fromkeys(F.DOCKER_SECTIONS, why))
+        return F.docker_facts_from_api(r.stdout_bytes, r.stderr, r.exit_code)
+
+    def scan(node: Node) -> dict[str, Any] | str:
+        try:
+            r = node.run(["python3", "-", needs.model, "--headers", "zlib"], stdin=scan_script, timeout=timeout)
+        except NodeError as exc:
+            return exc.message
+        if r.exit_code == 127:
+            return "python3 is not installed on the head"
+        if not r.ok:
+            last = r.stderr.strip().splitlines()[-1:] or [f"exit status {r.exit_code}"]
+            return f"ckpt_scan failed on {node.name}: {last[0][:300]}"
+        try:
+            doc = json.loads(r.stdout)
+        except json.JSONDecodeError as exc:
+            return f"ckpt_scan printed something that is not JSON ({exc.msg})"
+        return doc if isinstance(doc, dict) else "ckpt_scan printed something that is not a JSON object"
+
+    def guarded(name: str, job: Callable[[Node], Any]) -> Any:
+        try:
+            return job(cluster.node(name))
+        except NodeError as exc:
+            return exc
+        except Exception as exc:  # a bug here must cost one node's facts, not the whole check
+            return NodeError(name, "error", f"{type(exc).__name__}: {exc}", "run with -vv and report this bug")
+
+    names = cluster.names
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, 2 * len(names) + 1)) as pool:
+        probes = {n: pool.submit(guarded, n, node_facts) for n in names}
+        engines = {n: pool.submit(guarded, n, docker) for n in names}
+        head_scan = pool.submit(guarded, head, scan) if layout and head in names else None
+    out: dict[str, tuple[F.NodeFacts | NodeError, Any]] = {}
+    for n in names:
+        facts: F.NodeFacts | NodeError = probes[n].result()
+        engine = engines[n].result()
+        if isinstance(facts, F.NodeFacts):
+            if isinstance(engine, NodeError):
+                engine = F.DockerFacts(None, None, None, dict.fromkeys(F.DOCKER_SECTIONS, engine.reason))
+            facts.docker, facts.containers, facts.images = engine.version, engine.containers, engine.images
+            facts.problems.update(engine.problems)
+        scan_result = head_scan.result() if head_scan is not None and n == head else None
+        if isinstance(scan_result, NodeError):
+            scan_result = scan_result.message
+        out[n] = (facts, scan_result)
+    return out
 
 
 def reach(
@@ -787,7 +858,7 @@ def evaluate(
         plan, why = plan_for_node(facts)
         findings += [
             rule_docker(n, facts),
-            rule_gpu(n, facts, needs),
+            rule_gpu(n, facts, needs, good.get(head)),
             rule_memory(n, facts),
             rule_limits(n, facts, needs),
             fabric,

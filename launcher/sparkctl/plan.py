@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import CheckFailed, UsageError
 from .settings import Settings
@@ -88,6 +88,27 @@ if out["is_dir"]:
 out["sizes"] = sizes
 json.dump(out, sys.stdout)
 """ % MAX_JSON_BYTES
+
+
+class _Runs(Protocol):
+    name: str
+
+    def run(self, argv: list[str], *, stdin: bytes | None = ..., timeout: float | None = ...) -> Any: ...
+
+
+def read_checkpoint_on(node: _Runs, model: Path) -> CheckpointInfo:
+    """The checkpoint as `node` sees it (MODEL is on the nodes' shared storage, maybe not here)."""
+    r = node.run(["python3", "-", str(model)], stdin=REMOTE_READER, timeout=60)
+    if r.exit_code != 0:
+        raise CheckFailed(f"cannot read the checkpoint on {node.name}: {r.stderr.strip()[-300:]}",
+                          fix=f"check that python3 exists on {node.name} and MODEL={model} is readable there")
+    try:
+        listing = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}") from None
+    if not isinstance(listing, dict):
+        raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}")
+    return checkpoint_from_listing(model, listing, node.name)
 
 
 def checkpoint_from_listing(model: Path, listing: dict[str, Any], where: str) -> CheckpointInfo:

@@ -19,13 +19,13 @@ from rich.table import Table
 
 from .. import service
 from ..cli import Globals
-from ..cluster import Cluster, Node, NodeError, RunResult
+from ..cluster import Cluster, Node, NodeError
 from ..errors import CheckFailed, UsageError
 from ..lock import audit_tail_argv, cluster_lock, lock_status
 from ..lock import force_unlock as break_lock
 from ..output import console, emit_json, warn, warn_console
 from ..pins import live_pins, pins_from_facts, probe_node
-from ..plan import REMOTE_READER, checkpoint_from_listing, make_plan, require_fit
+from ..plan import CheckpointInfo, Plan, make_plan, read_checkpoint_on, require_fit
 from ..render import Rendered, render_all, write_private
 from ..settings import Settings
 
@@ -56,21 +56,9 @@ def _require_all(cluster: Cluster, what: str) -> None:
                           + "\n  ".join(lines))
 
 
-def _read_checkpoint_on_head(node: Node, s: Settings) -> RunResult:
-    return node.run(["python3", "-", str(s.model)], stdin=REMOTE_READER, timeout=60)
-
-
-def _plan(cluster: Cluster, s: Settings, r: RunResult | None = None) -> Any:
+def _plan(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None) -> Plan:
     """The memory plan from the checkpoint as the head sees it (the nodes' view is the one that runs)."""
-    r = r or _read_checkpoint_on_head(cluster.node(s.head), s)
-    if not r.ok:
-        raise CheckFailed(f"cannot read the checkpoint on {s.head}: {r.stderr.strip()[:300]}",
-                          fix=f"check that python3 exists on {s.head} and MODEL={s.model} is readable there")
-    try:
-        listing = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        raise CheckFailed(f"unexpected answer reading the checkpoint on {s.head}") from None
-    plan = make_plan(s, checkpoint_from_listing(s.model, listing, s.head))
+    plan = make_plan(s, ckpt or read_checkpoint_on(cluster.node(s.head), s.model))
     require_fit(plan)
     return plan
 
@@ -101,11 +89,11 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
             # GID index drifts), its containers and its image; the head also reads the checkpoint.
             image = str(s.get("IMAGE"))
 
-            def preflight(node: Node) -> tuple[Any, Any, RunResult | None]:
+            def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
                 # Channels on the node's one connection run side by side: probe, docker, checkpoint.
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:
                     state = pool.submit(service.node_state, node, s.cluster_name, image)
-                    reader = pool.submit(_read_checkpoint_on_head, node, s) if node.name == s.head else None
+                    reader = pool.submit(read_checkpoint_on, node, s.model) if node.name == s.head else None
                     facts = probe_node(node, s)
                     return facts, state.result(), reader.result() if reader else None
 

@@ -7,20 +7,22 @@ from rich.table import Table
 
 from ..errors import CheckFailed
 from ..output import console, emit_json, warn
-from ..plan import GIB, gb, plan_for
+from ..plan import GIB, gb, make_plan
+from ._checkpoint import checkpoint_for
 
 
 @click.command("plan")
 @click.option("--node-memory", type=int, metavar="BYTES", help="Plan for this node memory (default NODE_MEMORY_BYTES).")
+@click.option("--local", "local_only", is_flag=True, help="Read MODEL on this machine only (never over SSH).")
 @click.pass_obj
-def command(g: object, node_memory: int | None) -> None:
+def command(g: object, node_memory: int | None, local_only: bool) -> None:
     """Plan weights, KV cache and overhead per rank; refuse a plan that does not fit (exit 1)."""
     from ..cli import Globals
 
     assert isinstance(g, Globals)
     s = g.settings()
     warn(s.warnings)
-    plan = plan_for(s, node_memory)
+    plan = make_plan(s, checkpoint_for(g, s, local_only=local_only), node_memory)
     if g.json:
         emit_json({"model": str(s.model), "recipe": s.recipe.name, "plan": plan.to_dict()})
     else:

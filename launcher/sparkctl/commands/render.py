@@ -9,9 +9,10 @@ from typing import Any
 import click
 
 from ..output import console, emit_json, warn
-from ..plan import plan_for, require_fit
+from ..plan import make_plan, require_fit
 from ..render import render_all, resolve_pins, write_private
 from ..settings import REDACTED, is_secret
+from ._checkpoint import checkpoint_for
 
 DEFAULT_OUT = Path("env/env.tp4")
 
@@ -20,15 +21,16 @@ DEFAULT_OUT = Path("env/env.tp4")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True,
               help="Where to write env.tp4.")
 @click.option("--print-env", is_flag=True, help="Also print env.tp4 itself.")
+@click.option("--local", "local_only", is_flag=True, help="Read MODEL on this machine only (never over SSH).")
 @click.pass_obj
-def command(g: object, out: Path, print_env: bool) -> None:
+def command(g: object, out: Path, print_env: bool, local_only: bool) -> None:
     """Render env.tp4 and print each rank's `docker run ... vllm serve ...` (pins from the env file)."""
     from ..cli import Globals
 
     assert isinstance(g, Globals)
     s = g.settings()
     warn(s.warnings)
-    plan = plan_for(s)
+    plan = make_plan(s, checkpoint_for(g, s, local_only=local_only))
     require_fit(plan)
     rendered = render_all(s, plan, resolve_pins(s))
     write_private(out, rendered.env_tp4)
