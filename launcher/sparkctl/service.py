@@ -369,12 +369,12 @@ def _down_all(cluster: Cluster, settings: Settings, say: Callable[[str], None]) 
     name = settings.cluster_name
     head, workers = settings.nodes[0], settings.nodes[1:]
     failed: dict[str, NodeError] = {}
-    def remove(node: Node) -> None:
-        remove_cluster(node, name)
+
+    def remove_on(group: list[str]) -> Callable[[], dict[str, None | NodeError]]:
+        return lambda: cluster.run_all(lambda n: remove_cluster(n, name), nodes=group)
 
     for group in ([head], workers):
-        results = _settled(lambda g=group: cluster.run_all(remove, nodes=g))  # type: ignore[misc]
-        failed |= _failures(results)
+        failed |= _failures(_settled(remove_on(group)))
     return failed
 
 

@@ -210,7 +210,7 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
         st = states[node]
         if isinstance(st, NodeError):
             ranks.append({"rank": rank, "node": node, "state": "unreachable", "error": st.reason})
-            problems.append(f"rank {rank} ({node}) unreachable: {st.reason}")
+            problems.append(f"rank {rank} ({node}) unreachable: {st.reason}" + (f" (fix: {st.fix})" if st.fix else ""))
             continue
         mine = [c for c in st if c.rank == rank]
         if not mine:
