@@ -65,7 +65,9 @@ def bench_headers(root: Path, pack: str, layout: str, limit_s: float, repeat: in
     best = min(times)
     ok = best <= limit_s and 0 <= read < 64 * MB and report.ok
     s = report.summary
-    print(f"{pack:8s} {s.shards} shards, {s.tensors:,} tensors, {s.bytes / 2**30:.1f} GiB (generated in {gen:.1f} s)")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{pack:8s} {s.shards} shards, {s.tensors:,} tensors, {s.bytes / 2**30:.1f} GiB (generated in {gen:.1f} s); "
+          f"{os.cpu_count()} CPUs, load average {load}")
     print(f"         verify: best {best:.3f} s, median {statistics.median(times):.3f} s, cpu best {min(cpu):.3f} s "
           f"(target <= {limit_s} s); read {read / MB:.1f} MB (target < 64 MB); "
           f"verdict {'OK' if report.ok else 'FAILED'} -> {'PASS' if ok else 'MISS'}")

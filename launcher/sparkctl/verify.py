@@ -32,22 +32,27 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from itertools import compress, repeat
+from operator import add, itemgetter
 from pathlib import Path
 from typing import Any
 
 from .probes.ckpt_scan import decode_blob
 from .probes.ckpt_scan import scan as scan_dir
 from .resources import recipes_dir
-from .safetensors import Header, HeaderError, TensorInfo, parse_header
+from .safetensors import Header, HeaderError, TensorKind, parse_header
 
 INDEX = "model.safetensors.index.json"
 EXL3_PARTS = ("trellis", "suh", "svh")
 MARKERS = ("mcg", "mul1")
-EXAMPLES = 3
-_PART_SUFFIXES = (".suh", ".svh", ".mcg", ".mul1")  # how many offending names a grouped finding quotes
+EXAMPLES = 3  # how many offending names a grouped finding quotes
+_PART_SUFFIXES = (".suh", ".svh", ".mcg", ".mul1")
+_Group = tuple[str, int | None, int, str]  # (class, layer, bits, codebook marker) of EXL3 linears
+_Groups = dict[_Group, int]  # how many linears per group
 
 
 @dataclass(frozen=True)
@@ -254,20 +259,13 @@ def _shard_header(name: str, entry: Mapping[str, Any], findings: list[Finding]) 
     return header
 
 
-def _check_abi(tensors: Mapping[str, TensorInfo], rules: Mapping[str, Any], layout: Mapping[str, Any],
-               issues: _Issues, summary: Summary, codebook_layers: dict[int, set[str]],
-               mtp_layer: int | None) -> tuple[set[str], dict[str, int]]:
-    """EXL3 ABI and scope per module class. Returns (modules present, out-width per kv_a module).
-
-    Structural checks run per module; the scope/bits/codebook rules run once per group of
-    (class, layer, bits, codebook), which keeps 57,600 expert linears cheap.
-    """
-    reload = "re-quantize or re-download the affected layers: a loader cannot guess the missing part"
-    trellis_mods = [n[:-8] for n in tensors if n.endswith(".trellis")]
-    n_parts = sum(1 for n in tensors if n.endswith(_PART_SUFFIXES))
+def _exl3_modules(tensors: Mapping[str, TensorKind], trellis_mods: list[str], mtp_layer: int | None,
+                  issues: _Issues, reload: str) -> tuple[_Groups, dict[_Group, str], dict[str, int], int]:
+    """The per-module EXL3 checks, module by module: every structural problem becomes an issue.
+    Returns (modules per group, first module per group, kv_a widths, parts accounted for)."""
     accounted = 0
-    groups: dict[tuple[str, int | None, int, str], int] = {}
-    example: dict[tuple[str, int | None, int, str], str] = {}
+    groups: _Groups = {}
+    example: dict[_Group, str] = {}
     widths: dict[str, int] = {}
     get = tensors.get
     for mod in trellis_mods:
@@ -304,6 +302,80 @@ def _check_abi(tensors: Mapping[str, TensorInfo], rules: Mapping[str, Any], layo
         key = (cls, layer, bits, marker)
         groups[key] = groups.get(key, 0) + 1
         example.setdefault(key, mod)
+    return groups, example, widths, accounted
+
+
+# classify() reads only the first six components of a name, and nothing after an "experts"
+# component decides anything; so every name is classified like its text up to the first
+# ".experts." (a routed expert linear like its layer's "model.layers.L.mlp.experts.").
+# (A literal replacement: a template like r"\1" would call Python code per match.)
+_EXPERT_TAIL = re.compile(r"\.experts\.[^\n]*")
+
+
+def _exl3_groups(tensors: Mapping[str, TensorKind], trellis_mods: list[str],
+                 mtp_layer: int | None) -> tuple[_Groups, dict[_Group, str], dict[str, int]] | None:
+    """_exl3_modules for the usual case, in bulk: None when any module has a structural problem
+    (the caller then runs _exl3_modules, which says which and why). The caller has checked that
+    no module has both .trellis and .weight.
+
+    Modules are counted by (class key, the kinds of their parts), a few hundred distinct values
+    for 57,600 experts, so the checks and classify() run per distinct value, not per module.
+    """
+    get, has = tensors.get, tensors.__contains__
+
+    def part(suffix: str) -> Iterator[str]:
+        return map(add, trellis_mods, repeat(suffix))
+
+    keys = _EXPERT_TAIL.sub(".experts.", "\n".join(trellis_mods)).split("\n")
+    if len(keys) != len(trellis_mods):
+        return None  # a name with a newline in it: let the per-module loop have it
+    pairs = list(zip(keys, zip(map(tensors.__getitem__, part(".trellis")), map(get, part(".suh")),
+                               map(get, part(".svh")), map(has, part(".mcg")), map(has, part(".mul1")),
+                               strict=True), strict=True))
+    first = dict(zip(reversed(pairs), reversed(trellis_mods), strict=True))  # the first module of each pair
+    groups: _Groups = {}
+    example: dict[_Group, str] = {}
+    classes: dict[str, tuple[str, int | None]] = {}
+    for (key, (tr, suh, svh, mcg, mul1)), count in Counter(pairs).items():  # in first-seen order
+        shape = tr.shape
+        if (suh is None or svh is None or mcg == mul1 or tr.dtype != "I16" or len(shape) != 3
+                or shape[2] % 16 or not shape[2] or suh.shape != (shape[0] * 16,) or svh.shape != (shape[1] * 16,)):
+            return None
+        cls_layer = classes.get(key)
+        if cls_layer is None:
+            cls_layer = classes[key] = classify(key, mtp_layer)
+        group = (*cls_layer, shape[2] >> 4, "mcg" if mcg else "mul1")
+        groups[group] = groups.get(group, 0) + count
+        example.setdefault(group, first[(key, (tr, suh, svh, mcg, mul1))])
+    widths = {mod: tensors[mod + ".trellis"].shape[1] * 16 for mod in trellis_mods
+              if mod.endswith("kv_a_proj_with_mqa")}
+    return groups, example, widths
+
+
+def _with_suffix(names: list[str], suffix: str) -> list[str]:
+    """The names ending in `suffix`, without it (C-level passes: this runs over 232k names)."""
+    return list(map(itemgetter(slice(None, -len(suffix))), compress(names, map(str.endswith, names, repeat(suffix)))))
+
+
+def _check_abi(tensors: Mapping[str, TensorKind], rules: Mapping[str, Any], layout: Mapping[str, Any],
+               issues: _Issues, summary: Summary, codebook_layers: dict[int, set[str]],
+               mtp_layer: int | None) -> tuple[set[str], dict[str, int]]:
+    """EXL3 ABI and scope per module class. Returns (modules present, out-width per kv_a module).
+
+    Structural checks run per module; the scope/bits/codebook rules run once per group of
+    (class, layer, bits, codebook), which keeps 57,600 expert linears cheap.
+    """
+    reload = "re-quantize or re-download the affected layers: a loader cannot guess the missing part"
+    names = list(tensors)
+    trellis_mods = _with_suffix(names, ".trellis")
+    native = _with_suffix(names, ".weight")
+    n_parts = sum(map(str.endswith, names, repeat(_PART_SUFFIXES)))
+    fast = _exl3_groups(tensors, trellis_mods, mtp_layer) if set(native).isdisjoint(trellis_mods) else None
+    if fast is not None:
+        groups, example, widths = fast
+        accounted = 3 * len(trellis_mods)  # suh, svh and one marker each
+    else:
+        groups, example, widths, accounted = _exl3_modules(tensors, trellis_mods, mtp_layer, issues, reload)
 
     if n_parts > accounted:  # some .suh/.svh/marker belongs to no trellis: find which (rare, slow path)
         has_trellis = set(trellis_mods)
@@ -355,7 +427,6 @@ def _check_abi(tensors: Mapping[str, TensorInfo], rules: Mapping[str, Any], layo
                        f"the overlay needs one width for all {cls.replace('_', ' ')} linears: use the "
                        "checkpoint this recipe is for")
 
-    native = [n[:-7] for n in tensors if n.endswith(".weight")]
     present = set(trellis_mods)
     for mod in native:
         t = tensors[mod + ".weight"]
@@ -447,18 +518,21 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
 
     # -- index -> shard tensor presence, duplicates, total size
     data_total = sum(h.data_len for h in headers.values())
-    summary.tensors = sum(len(h.tensors) for h in headers.values())
-    merged: dict[str, TensorInfo] = {}
+    summary.tensors = sum(len(h.kinds) for h in headers.values())
+    merged: dict[str, TensorKind] = {}
     for h in headers.values():
-        merged.update(h.tensors)
-    # tensor -> shard as the headers say; equal to the index in the usual case (one C-level compare),
-    # and only when it is not are the per-tensor loops below run to say what differs.
-    located: dict[str, str] = {}
-    for sname, h in headers.items():
-        located.update(dict.fromkeys(h.tensors, sname))
-    consistent = located == weight_map
+        merged.update(h.kinds)
+    # The index agrees with the headers iff it names as many tensors as they hold and puts each in
+    # the shard that holds it: C-level passes in the usual case, and only when it does not are the
+    # per-tensor loops below run to say what differs.
+    wm_get = weight_map.get
+    consistent = len(weight_map) == summary.tensors and all(
+        list(map(wm_get, h.kinds)).count(sname) == len(h.kinds) for sname, h in headers.items())
+    located: dict[str, str] = {}  # tensor -> shard as the headers say
+    for sname, h in ([] if consistent else headers.items()):
+        located.update(dict.fromkeys(h.kinds, sname))
     absent: dict[str, list[str]] = defaultdict(list)
-    tensors_of = {s: h.tensors for s, h in headers.items()}
+    tensors_of = {s: h.kinds for s, h in headers.items()}
     for tname, sname in ([] if consistent else weight_map.items()):
         held = tensors_of.get(sname)
         if held is not None and tname not in held:
@@ -474,16 +548,16 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
     if len(merged) != summary.tensors:  # some name is in two shards
         seen: dict[str, str] = {}
         for sname, h in headers.items():
-            dup = [t for t in h.tensors if t in seen]
+            dup = [t for t in h.kinds if t in seen]
             if dup:
                 findings.append(Finding("error", "tensor-duplicate",
                                         f"{len(dup):,} tensors of {sname} are also stored in another shard, "
                                         f"e.g. {dup[0]} (also in {seen[dup[0]]})",
                                         "the folder mixes two revisions: re-download it", sname))
-            seen.update(dict.fromkeys(h.tensors, sname))
+            seen.update(dict.fromkeys(h.kinds, sname))
     if weight_map:
         for sname, h in ([] if consistent else headers.items()):
-            unindexed = set(h.tensors).difference(weight_map)  # not keys()-keys(): that walks weight_map
+            unindexed = set(h.kinds).difference(weight_map)  # not keys()-keys(): that walks weight_map
             if unindexed:
                 findings.append(Finding("warn", "tensor-not-in-index",
                                         f"{len(unindexed):,} tensors of {sname} are not in the index, "
@@ -611,7 +685,7 @@ def _optional_files(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], mai
             continue
         issues = _Issues()
         sub = Summary()
-        _check_abi(header.tensors, spec.get("classes") or {}, {**layout, "default_format": "any"},
+        _check_abi(header.kinds, spec.get("classes") or {}, {**layout, "default_format": "any"},
                    issues, sub, {}, mtp_layer)
         findings.extend(issues.findings(rel))
         desc = ", ".join(f"{c} {'/'.join(map(str, sorted(b)))}-bit" for c, b in sub.quantized_by_class.items())

@@ -6,6 +6,7 @@ import io
 import json
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,11 @@ from hypothesis import strategies as st
 
 from sparkctl.safetensors import (
     DTYPE_SIZE,
+    Header,
     HeaderError,
+    TensorKind,
+    _fast_parse,
+    _validate,
     encode_header,
     nbytes,
     parse_header,
@@ -140,3 +145,92 @@ def test_fuzz_read_header_bytes(prefix_tail: bytes, length: int, body: bytes) ->
         read_header_bytes(io.BytesIO(prefix_tail), len(prefix_tail))
     except HeaderError:
         pass
+
+
+# -- the column-wise fast path must accept exactly what json.loads + _validate accept, with the same result
+
+def _slow(raw: bytes) -> object:
+    try:
+        return _validate(json.loads(raw), len(raw))
+    except (ValueError, RecursionError, HeaderError) as exc:
+        return type(exc)
+
+
+def _same(raw: bytes) -> None:
+    fast = _fast_parse(raw)
+    if fast is not None:
+        slow = _slow(raw)
+        assert isinstance(slow, Header), (raw, slow)
+        assert (fast.tensors, fast.metadata, fast.data_len, fast.header_len) == (
+            slow.tensors, slow.metadata, slow.data_len, slow.header_len)
+        assert fast.kinds == slow.kinds and list(fast.kinds) == list(slow.kinds)
+
+
+def test_fast_path_takes_the_writers_form() -> None:
+    raw, layout = encode_header({"a.trellis": ("I16", (4, 4, 48)), "a.suh": ("F16", (64,)), "a.mcg": ("I32", ()),
+                                 "z": ("F4", (3,))}, {"format": "pt"})
+    h = _fast_parse(raw)
+    assert h is not None and h.tensors == layout and h.data_len == layout["z"].end
+    assert h.kinds["a.suh"] == TensorKind("F16", (64,), 128)
+    assert h.kinds["a.suh"] is not h.kinds["a.trellis"] and h.kinds["a.mcg"].nbytes == 4
+    _same(raw)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s.replace('"a":', '"a\\u0062":'),                  # an escape in a name
+    lambda s: s.replace('"a":', '"a\x01":'),                     # a control character (json.loads refuses it)
+    lambda s: s.replace('[0,4]', '[0,04]'),                      # a leading zero (not JSON)
+    lambda s: s.replace('[0,4]', '[0, 4]'),                      # a space (JSON, but not the writer's form)
+    lambda s: s.replace('[0,4]', '[-0,4]'),
+    lambda s: s.replace('"shape":[2]', '"shape":[2.0]'),
+    lambda s: s.replace('"shape":[2]', '"shape":[+2]'),
+    lambda s: s.replace('"shape":[2]', '"shape":[true]'),
+    lambda s: s.replace('[0,4]', '[0,4,5]'),
+    lambda s: s.replace('[0,4]', '[0]'),
+    lambda s: s.replace('"F16"', '"Q7"'),
+    lambda s: s.replace('"b":', '"a":'),                         # a duplicate name
+    lambda s: s.replace('"b":', '"__metadata__":'),
+    lambda s: s.replace('"dtype":"F16","shape":[2]', '"shape":[2],"dtype":"F16"'),  # another key order
+    lambda s: s.replace('[4,8]', '[5,9]').replace('"shape":[2],"data_offsets":[8,12]', '"shape":[2],"data_offsets":[9,13]'),
+    lambda s: s.replace('[0,4]', '[4,8]', 1).replace('[4,8]}', '[0,4]}', 1),  # out of file order: still valid
+    lambda s: s,
+])
+def test_fast_path_edits_agree_with_the_slow_path(edit: Any) -> None:
+    raw = edit('{"__metadata__":{"format":"pt"},"a":{"dtype":"F16","shape":[2],"data_offsets":[0,4]},'
+               '"b":{"dtype":"F16","shape":[2],"data_offsets":[4,8]},'
+               '"c":{"dtype":"F16","shape":[2],"data_offsets":[8,12]}}').encode()
+    _same(raw)
+    try:
+        via_parse = parse_header(raw)
+    except HeaderError:
+        assert not isinstance(_slow(raw), Header)
+    else:
+        assert via_parse == _slow(raw)
+
+
+_names = st.text(alphabet=st.sampled_from(list('ab.:,{}[]"\\\x01 ') + ["é"]), max_size=6)
+_num = st.sampled_from(["0", "1", "2", "4", "8", "01", "-1", "1.0", "+1", " 2", "", "1e1", "99999"])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(_names, st.sampled_from(["F16", "I32", "U8", "BF16", "Q", "F4"]),
+                          st.lists(_num, max_size=3), _num, _num), max_size=5),
+       st.booleans())
+def test_fuzz_fast_path_agrees_with_slow_path(entries: list[tuple[str, str, list[str], str, str]], meta: bool) -> None:
+    # Build compact text directly (not via json.dumps) so that non-JSON numbers and odd names occur.
+    body = ",".join(f'"{n}":{{"dtype":"{d}","shape":[{",".join(s)}],"data_offsets":[{b},{e}]}}'
+                    for n, d, s, b, e in entries)
+    text = "{" + ('"__metadata__":{"format":"pt"}' + ("," if body else "") if meta else "") + body + "}"
+    _same(text.encode("utf-8"))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["F16", "I32", "U8", "F4", "I16"]),
+                          st.lists(st.integers(0, 40), max_size=3)), min_size=1, max_size=8),
+       st.randoms(use_true_random=False))
+def test_fuzz_valid_headers_take_the_fast_path(specs: list[tuple[str, list[int]]], rnd: Any) -> None:
+    tensors = {f"t{i}.{rnd.choice(['trellis', 'suh', 'weight'])}": (d, tuple(s)) for i, (d, s) in enumerate(specs)}
+    raw, layout = encode_header(tensors, {"format": "pt"} if rnd.random() < 0.5 else None)
+    h = _fast_parse(raw)
+    assert h is not None and h.tensors == layout
+    _same(raw)

@@ -15,7 +15,19 @@ from click.testing import CliRunner
 from sparkctl import ckptgen
 from sparkctl.cli import cli
 from sparkctl.probes import ckpt_scan, source
-from sparkctl.verify import Report, compare_nodes, load_layout, ranges, verify_dir
+from sparkctl.safetensors import _validate, read_header
+from sparkctl.verify import (
+    _EXPERT_TAIL,
+    Report,
+    _exl3_groups,
+    _exl3_modules,
+    _Issues,
+    classify,
+    compare_nodes,
+    load_layout,
+    ranges,
+    verify_dir,
+)
 
 TINY = load_layout("tiny")
 
@@ -198,3 +210,62 @@ def test_cli_human_output_and_cluster_fallback(tmp_path: Path, monkeypatch: pyte
     res = CliRunner().invoke(cli, ["verify-model", "--local", str(d), "--layout", "nope"])
     from sparkctl.errors import UsageError
     assert isinstance(res.exception, UsageError) and res.exception.exit_code == 2
+
+
+# -- the bulk EXL3 checks must give what the per-module loop gives
+
+
+def _merged(d: Path) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for p in sorted(d.glob("model-*.safetensors")):
+        merged.update(read_header(p).kinds)
+    return merged
+
+
+def _both(tensors: dict[str, Any], mtp_layer: int) -> tuple[Any, Any, _Issues]:
+    mods = [n[: -len(".trellis")] for n in tensors if n.endswith(".trellis")]
+    issues = _Issues()
+    return _exl3_groups(tensors, mods, mtp_layer), _exl3_modules(tensors, mods, mtp_layer, issues, "fix"), issues
+
+
+def test_bulk_exl3_checks_match_the_per_module_loop(full300: Path, tmp_path: Path) -> None:
+    fast, (groups, example, widths, accounted), issues = _both(_merged(full300), 78)
+    assert fast == (groups, example, widths) and not issues.items
+    assert accounted == 3 * sum(groups.values()) == 3 * 57_600
+    d = ckptgen.make_checkpoint(tmp_path / "p275", "2.75bpw", serving=False)
+    fast, (groups, example, widths, _), issues = _both(_merged(d), 78)
+    assert fast == (groups, example, widths) and not issues.items
+    assert set(widths.values()) == {640} and list(fast[0]) == list(groups)  # same groups, same order
+
+
+@pytest.mark.parametrize("fault", [ckptgen.drop_marker, ckptgen.add_marker,
+                                   lambda d: ckptgen.set_expert_bits(d, 7, layer=4)])
+def test_bulk_exl3_checks_defer_to_the_loop_on_a_broken_module(tmp_path: Path, fault: Fault) -> None:
+    d = tiny(tmp_path)
+    fault(d)
+    fast, (groups, example, widths, _), issues = _both(_merged(d), 6)
+    if issues.items:  # a structural problem: the bulk path must not decide it
+        assert fast is None
+    else:  # 7-bit experts are well-formed: a scope rule, decided per group
+        assert fast == (groups, example, widths)
+
+
+@pytest.mark.parametrize("name", [
+    "model.layers.5.mlp.experts.7.up_proj", "model.layers.78.mlp.experts.0.down_proj", "model.layers.5.experts.7.x",
+    "model.layers.5.self_attn.indexer.experts.3", "model.layers.5.self_attn.experts.wq_b", "model.layers.experts.1",
+    "lm_head.experts.1", "model.embed_tokens.experts.2", "model.embed.experts.tokens", "experts.3.x",
+    "model.layers.5.mlp.experts.", "model.layers.5.mlp.shared_experts.gate_proj", "a.experts.b.experts.c",
+])
+def test_classify_only_reads_up_to_experts(name: str) -> None:
+    key = _EXPERT_TAIL.sub(".experts.", name)
+    for mtp in (None, 5, 78):
+        assert classify(key, mtp) == classify(name, mtp)
+
+
+def test_lazy_offsets_match_the_json_reading(full300: Path) -> None:
+    p = next(full300.glob("model-00007-*.safetensors"))
+    h = read_header(p)
+    with open(p, "rb") as f:
+        raw = f.read(8 + h.header_len)[8:]
+    assert h.tensors == _validate(json.loads(raw), len(raw)).tensors
+    assert read_header(p) == h
