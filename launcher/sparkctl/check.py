@@ -4,9 +4,11 @@ The rules (top half) are pure functions: facts in, `Finding`s out, each with a s
 ! warn), a short cell text for the table, a full reason and a one-line fix. The orchestration
 (bottom half, `run_check`) opens one SSH connection per node and does two parallel round trips:
 
-  1. every node runs probes/node_facts.sh (all read-only facts at once); the head also runs
-     probes/ckpt_scan.py on a second channel of the same connection (header-level verification);
+  1. every node runs probes/node_facts.sh (all read-only facts at once, the Docker engine's over
+     its API with one curl); the head also runs probes/ckpt_scan.py on a second channel of the
+     same connection (header-level verification);
   2. every node tries to reach every other rank's discovered fabric address (probes/reach.sh).
+Both rounds start as few processes per node as they can: on the lab all nodes share one machine.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ CHECKS = (
 DISK_FAIL_BYTES = 10 * GB  # below this the image chain cannot even be unpacked
 DISK_WARN_BYTES = 50 * GB  # a production chain (vLLM + CUDA) is tens of GB per rank
 DF_PATHS = ("/var/lib/docker",)
-DOCKER_TIMEOUT = 20.0  # a wedged engine must not hold the whole check for the command timeout
 PROBES = Path(__file__).resolve().parent / "probes"
 
 
@@ -736,36 +737,26 @@ def _parse_reach(text: str) -> dict[str, str]:
 def gather(
     cluster: Cluster, needs: Needs, *, head: str, layout: bool = True, timeout: float = 60.0
 ) -> dict[str, tuple[F.NodeFacts | NodeError, Any]]:
-    """Round 1, all at once on every node's one connection (a channel each):
-      - node_facts.sh (every read-only fact but Docker's; plain `nvidia-smi`, for the CUDA version
-        that the driver version decides, on the head only),
-      - `docker system dial-stdio` with three pipelined API requests (version, this cluster's
-        containers, the image): one docker process per node instead of three CLI runs,
-      - on the head, ckpt_scan.py (header-level checkpoint verification and the planner's input).
+    """Round 1, at once on every node's one connection:
+      - node_facts.sh: every read-only fact, Docker's too (one curl to the engine's API over its
+        local socket: version, this cluster's containers, the image; the docker CLI where that
+        cannot be done). Plain `nvidia-smi`, for the CUDA version that the driver decides, runs on
+        the head only. Few processes per node: on the lab, every node shares one machine's CPUs.
+      - on the head, ckpt_scan.py on a second channel (header-level verification, the planner's input).
     Returns node -> (facts or NodeError, head scan dict / error string / None)."""
     facts_script, scan_script = _script("node_facts.sh"), _script("ckpt_scan.py") if layout else b""
     nonce = secrets.token_hex(8)
-    args = F.probe_args(model=needs.model, cluster=needs.cluster, df_paths=DF_PATHS, docker=False)
-    no_banner = F.probe_args(model=needs.model, cluster=needs.cluster, df_paths=DF_PATHS, docker=False,
-                             banner=False)  # fmt: skip
-    requests = F.docker_api_requests(needs.cluster, needs.image)
-    docker_timeout = min(timeout, DOCKER_TIMEOUT)
+
+    def args(banner: bool) -> list[str]:
+        return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image], df_paths=DF_PATHS,
+                            api=True, banner=banner)  # fmt: skip
+
+    head_args, other_args = args(True), args(False)
 
     def node_facts(node: Node) -> F.NodeFacts:
         on_head = node.name == head
-        res = node.run_script(facts_script, [nonce, *(args if on_head else no_banner)], timeout=timeout)
-        return F.node_facts_from_probe(res.stdout, nonce, expect_docker=False, expect_banner=on_head)
-
-    def docker(node: Node) -> F.DockerFacts:
-        try:
-            r = node.run(["docker", "system", "dial-stdio"], stdin=requests, close_stdin=False,
-                         timeout=docker_timeout)  # fmt: skip
-        except NodeError as exc:
-            if exc.kind != "command-timeout":
-                raise
-            why = f"the Docker engine did not answer within {docker_timeout:g}s"
-            return F.DockerFacts(None, None, None, dict.fromkeys(F.DOCKER_SECTIONS, why))
-        return F.docker_facts_from_api(r.stdout_bytes, r.stderr, r.exit_code)
+        res = node.run_script(facts_script, [nonce, *(head_args if on_head else other_args)], timeout=timeout)
+        return F.node_facts_from_probe(res.stdout, nonce, expect_banner=on_head)
 
     def scan(node: Node) -> dict[str, Any] | str:
         try:
@@ -792,19 +783,12 @@ def gather(
             return NodeError(name, "error", f"{type(exc).__name__}: {exc}", "run with -vv and report this bug")
 
     names = cluster.names
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, 2 * len(names) + 1)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, len(names) + 1)) as pool:
         probes = {n: pool.submit(guarded, n, node_facts) for n in names}
-        engines = {n: pool.submit(guarded, n, docker) for n in names}
         head_scan = pool.submit(guarded, head, scan) if layout and head in names else None
     out: dict[str, tuple[F.NodeFacts | NodeError, Any]] = {}
     for n in names:
         facts: F.NodeFacts | NodeError = probes[n].result()
-        engine = engines[n].result()
-        if isinstance(facts, F.NodeFacts):
-            if isinstance(engine, NodeError):
-                engine = F.DockerFacts(None, None, None, dict.fromkeys(F.DOCKER_SECTIONS, engine.reason))
-            facts.docker, facts.containers, facts.images = engine.version, engine.containers, engine.images
-            facts.problems.update(engine.problems)
         scan_result = head_scan.result() if head_scan is not None and n == head else None
         if isinstance(scan_result, NodeError):
             scan_result = scan_result.message
@@ -842,6 +826,7 @@ def evaluate(
     findings: list[Finding] = []
     pins: dict[int, RankPins] = {}
     good: dict[str, F.NodeFacts] = {}
+    engine_down: set[str] = set()
     for rank, n in enumerate(nodes):
         error = connect_errors.get(n)
         got = gathered.get(n)
@@ -856,15 +841,20 @@ def evaluate(
         if pin is not None:
             pins[rank] = pin
         plan, why = plan_for_node(facts)
+        docker = rule_docker(n, facts)
+        if docker.status == FAIL:  # one failure with one fix, not three: image and containers wait
+            engine_down.add(n)
         findings += [
-            rule_docker(n, facts),
+            docker,
             rule_gpu(n, facts, needs, good.get(head)),
             rule_memory(n, facts),
             rule_limits(n, facts, needs),
             fabric,
             rule_ports(n, facts, needs, is_head=n == head),
             rule_disk(n, facts),
-            rule_containers(n, facts, needs),
+            _f(n, "containers", SKIP, "-", f"{n}: not checked (Docker engine)")
+            if n in engine_down
+            else rule_containers(n, facts, needs),
             rule_plan(n, facts, plan, why),
         ]
     findings += rule_model(
@@ -874,11 +864,12 @@ def evaluate(
         {n: f.problems.get("model", "") for n, f in good.items()},
     ).values()
     findings += rule_image(
-        {n: f.images for n, f in good.items()},
+        {n: f.images for n, f in good.items() if n not in engine_down},
         head,
         needs.image,
         {n: f.problems.get("docker-images", "") for n, f in good.items()},
     ).values()
+    findings += [_f(n, "image", SKIP, "-", f"{n}: not checked (Docker engine)") for n in engine_down]
     if verify_scan is not None and head in gathered and head in good:
         scan = gathered[head][1]
         if isinstance(scan, dict):

@@ -16,6 +16,7 @@ import functools
 import ipaddress
 import json
 import re
+import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, ParamSpec, TypeVar
@@ -542,6 +543,109 @@ def parse_docker_ps(text: str) -> list[Container]:
     return out
 
 
+# ------------------------------------------------------------- docker API (the probe's docker-api)
+
+DOCKER_SECTIONS: Final = ("docker-version", "docker-ps", "docker-images")
+"""The problem keys of the three Docker facts, whether they came from the CLI or from the API."""
+
+
+def docker_api_paths(cluster: str, image: str | None) -> list[str]:
+    """Engine API paths the probe asks (with curl over the engine's unix socket): the version, this
+    cluster's containers, the image. Percent-encoded here, so nothing in them is URL syntax."""
+    filters = urllib.parse.quote(json.dumps({"label": [f"sparkctl.cluster={cluster}"]}), safe="")
+    paths = ["/version", f"/containers/json?all=1&filters={filters}"]
+    if image:
+        paths.append(f"/images/{urllib.parse.quote(image, safe='/:@')}/json")
+    return paths
+
+
+@dataclass(frozen=True)
+class DockerFacts:
+    version: DockerVersion | None
+    containers: list[Container] | None
+    images: list[Image] | None
+    problems: dict[str, str]
+
+
+def docker_facts_from_api(sec: Section, nonce: str) -> DockerFacts:
+    """The probe's docker-api section: 'socket unix://PATH', then per request curl's body followed by
+    '@@sparkctl NONCE http CODE' (000: no answer). Never raises: what went wrong goes to .problems."""
+    head, _, rest = sec.stdout.partition("\n")
+    where = head.removeprefix("socket ").strip()[:200] or "its socket"
+    parts = re.split(rf"\n?@@sparkctl {re.escape(nonce)} http (\d{{3}})\n", rest)
+    replies = [(int(code), body) for body, code in zip(parts[0::2], parts[1::2], strict=False)]
+    if not replies or any(code == 0 for code, _ in replies):
+        err = next((ln.strip() for ln in sec.stderr.splitlines() if ln.strip()), f"exit status {sec.rc}")
+        why = f"cannot connect to the Docker engine at {where} ({err[:200]})"
+        return DockerFacts(None, None, None, dict.fromkeys(DOCKER_SECTIONS, why))
+    problems: dict[str, str] = {}
+
+    def body_json(i: int, key: str) -> Any:
+        code, body = replies[i] if i < len(replies) else (0, "")
+        if code != 200:
+            problems[key] = _api_message(code, body)
+            return None
+        try:
+            return _json(body)
+        except ParseError as exc:
+            problems[key] = str(exc)
+            return None
+
+    version: DockerVersion | None = None
+    v = body_json(0, "docker-version")
+    if isinstance(v, dict):
+        version = DockerVersion(None, _opt_str(v.get("Version")), _opt_str(v.get("ApiVersion")),
+                                _opt_str(v.get("Os")), _opt_str(v.get("Arch")))  # fmt: skip
+    containers: list[Container] | None = None
+    c = body_json(1, "docker-ps")
+    if c is not None:
+        try:
+            containers = _containers_from_api(c)
+        except ParseError as exc:
+            problems["docker-ps"] = str(exc)
+    images: list[Image] | None = None
+    if len(replies) > 2 and replies[2][0] == 404:
+        images = []
+    elif len(replies) > 2:
+        i = body_json(2, "docker-images")
+        if i is not None:
+            try:
+                images = parse_image_inspect(json.dumps([i]))
+            except ParseError as exc:
+                problems["docker-images"] = str(exc)
+    return DockerFacts(version, containers, images, problems)
+
+
+def _api_message(code: int, body: str) -> str:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    msg = doc.get("message") if isinstance(doc, dict) else None
+    return f"HTTP {code}: {str(msg)[:300]}" if msg else f"HTTP {code}"
+
+
+def _containers_from_api(data: Any) -> list[Container]:
+    """GET /containers/json: [{"Id", "Names": ["/name"], "Image", "State", "Status", "Labels": {}}]."""
+    if not isinstance(data, list):
+        raise ParseError("the container list is not a list")
+    out = []
+    for item in data:
+        if not isinstance(item, dict) or not isinstance(item.get("Id"), str):
+            raise ParseError("container without Id")
+        out.append(
+            Container(
+                id=item["Id"],
+                names=",".join(str(n).lstrip("/") for n in _list(item.get("Names"))),
+                image=str(item.get("Image", "")),
+                state=str(item.get("State", "")),
+                status=str(item.get("Status", "")),
+                labels={str(k): str(v) for k, v in _dict(item.get("Labels")).items()},
+            )
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------------- disks
 
 
@@ -695,14 +799,24 @@ _PARSERS: dict[str, tuple[str, Callable[[str], Any]]] = {
 _PARTIAL_OK = {"docker-version", "docker-images"}
 
 
-def node_facts_from_probe(text: str, nonce: str, *, expect_model: bool = True) -> NodeFacts:
-    """Parse the whole probe output into NodeFacts. Never raises: what went wrong goes to .problems."""
+def node_facts_from_probe(
+    text: str, nonce: str, *, expect_model: bool = True, expect_docker: bool = True, expect_banner: bool = True
+) -> NodeFacts:
+    """Parse the whole probe output into NodeFacts. Never raises: what went wrong goes to .problems.
+    expect_docker/expect_banner=False: the probe ran with probe_args(docker=False / banner=False),
+    so those sections are not missing, just not asked for."""
     facts = NodeFacts()
     try:
         sections = parse_probe_sections(text, nonce)
     except ParseError as exc:
         facts.problems["probe"] = str(exc)
         return facts
+    api = sections.get("docker-api")
+    if api is not None:  # the engine was asked over its socket: the CLI sections were not run
+        expect_docker = False
+        d = docker_facts_from_api(api, nonce)
+        facts.docker, facts.containers, facts.images = d.version, d.containers, d.images
+        facts.problems.update(d.problems)
     host = sections.get("host")
     if host and host.rc == 0 and host.stdout.split():
         words = host.stdout.split()
@@ -710,7 +824,10 @@ def node_facts_from_probe(text: str, nonce: str, *, expect_model: bool = True) -
     for name, (attr, parser) in _PARSERS.items():
         sec = sections.get(name)
         if sec is None:
-            if name != "model" or expect_model:
+            asked = {"model": expect_model, "gpu-banner": expect_banner}.get(name, True) and (
+                name not in DOCKER_SECTIONS or expect_docker
+            )
+            if asked:
                 facts.problems[name] = "no output (the probe was cut short)"
             continue
         if sec.rc != 0:
@@ -730,9 +847,18 @@ def probe_args(
     cluster: str = "sparkctl",
     images: Iterable[str] = (),
     df_paths: Iterable[str] = (),
+    docker: bool = True,
+    banner: bool = True,
+    api: bool = False,
 ) -> list[str]:
-    """The key=value arguments node_facts.sh takes (after its nonce); each becomes one quoted word."""
-    args = [f"cluster={cluster}"]
+    """The key=value arguments node_facts.sh takes (after its nonce); each becomes one quoted word.
+    docker=False leaves out the Docker sections; api=True asks the engine's API over its local
+    socket with one curl (the three docker CLI runs where that cannot be done); banner=False leaves
+    out plain `nvidia-smi` (its CUDA version; check asks the head only)."""
+    images = list(images)
+    args = [f"cluster={cluster}"] + ([] if docker else ["docker=no"]) + ([] if banner else ["banner=no"])
+    if docker and api:
+        args += [f"api={p}" for p in docker_api_paths(cluster, images[0] if images else None)]
     if model:
         args.append(f"model={model}")
     args += [f"df={p}" for p in df_paths]

@@ -1,6 +1,8 @@
 # sparkctl node facts probe: every read-only fact `check` needs, in ONE round trip.
 #
-# Run on the node as:   sh -s -- NONCE [model=DIR] [cluster=NAME] [df=PATH]... [image=REF]... < node_facts.sh
+# Run on the node as:
+#   sh -s -- NONCE [model=DIR] [cluster=NAME] [docker=no] [banner=no] [df=PATH]... [api=PATH]...
+#              [image=REF]... < node_facts.sh
 # Prints one section per fact, framed by lines that carry the caller's random NONCE (so nothing a
 # node prints -- a file name, a container label -- can forge a section boundary):
 #   @@sparkctl NONCE begin NAME      then the command's stdout
@@ -15,36 +17,47 @@ NONCE=$1
 shift
 MODEL=
 CLUSTER=sparkctl
+DOCKER=yes
+BANNER=yes
 DF_PATHS=
+API_PATHS=
 # Split key=value arguments; the image references are rebuilt into "$@" (sh has no arrays).
 for a do
     shift
     case $a in
         model=*) MODEL=${a#model=} ;;
         cluster=*) CLUSTER=${a#cluster=} ;;
+        docker=no) DOCKER=no ;;
+        banner=no) BANNER=no ;;
         df=*) DF_PATHS="$DF_PATHS
 ${a#df=}" ;;
+        api=*) API_PATHS="$API_PATHS
+${a#api=}" ;;
         image=*) set -- "$@" "${a#image=}" ;;
     esac
 done
 
-ERR=$(mktemp 2>/dev/null || echo "/tmp/sparkctl-probe.$$")
-trap 'rm -f "$ERR"' EXIT
 # A wedged nvidia-smi or docker engine must not hang the whole check.
 if command -v timeout >/dev/null 2>&1; then T="timeout -k 2 20"; else T=; fi
+NL='
+'
+exec 3>&1 # the probe's stdout, for commands whose stderr is being captured
 
+# Few processes: every node of a check runs this at once (on the lab, all on one machine's CPUs),
+# so stderr is captured in the shell (no temp file) and simple reads use builtins.
 section() {
     _name=$1
     shift
     printf '@@sparkctl %s begin %s\n' "$NONCE" "$_name"
-    "$@" 2>"$ERR"
+    _err=$("$@" 2>&1 1>&3 3>&-)
     _rc=$?
     printf '\n@@sparkctl %s stderr %s\n' "$NONCE" "$_name"
     _n=0
-    while [ $_n -lt 20 ] && IFS= read -r _line; do
-        printf '%s\n' "$_line"
+    while [ -n "$_err" ] && [ $_n -lt 20 ]; do
+        printf '%s\n' "${_err%%"$NL"*}"
+        case $_err in *"$NL"*) _err=${_err#*"$NL"} ;; *) _err= ;; esac
         _n=$((_n + 1))
-    done <"$ERR"
+    done
     printf '@@sparkctl %s end %s %d\n' "$NONCE" "$_name" "$_rc"
 }
 
@@ -113,18 +126,69 @@ images() {
     $T docker image inspect "$@"
 }
 
+read_file() {
+    while IFS= read -r _l || [ -n "$_l" ]; do printf '%s\n' "$_l"; done <"$1"
+}
+
 section host uname -nm
-section meminfo cat /proc/meminfo
+section meminfo read_file /proc/meminfo
 section nofile ulimit -Hn
 section memlock ulimit -Hl
 section gpu $T nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,count --format=csv,noheader,nounits
-section gpu-banner $T nvidia-smi
+# The banner only carries the CUDA version, which the driver version decides: check asks the head
+# for it (banner=no on the other nodes), one nvidia-smi run per node less.
+[ "$BANNER" = yes ] && section gpu-banner $T nvidia-smi
 section ip-addr ip -j addr show
 section infiniband ib_walk
 section listening ss -Hltn
 section df df_paths
-section docker-version $T docker version --format '{{json .}}'
-section docker-ps $T docker ps -a --no-trunc --filter "label=sparkctl.cluster=$CLUSTER" --format '{{json .}}'
-section docker-images images "$@"
+# The engine's API paths the caller gave (api=..., already percent-encoded) are asked with ONE curl
+# over the engine's unix socket -- the socket the docker CLI would use: DOCKER_HOST=unix://..., or
+# the default one when neither DOCKER_HOST, DOCKER_CONTEXT nor a current context in the CLI's
+# config says otherwise. Anything else (tcp://, ssh://, contexts, no curl): the docker CLI, 3 runs.
+engine_socket() {
+    case ${DOCKER_HOST-} in
+        unix://*) SOCK=${DOCKER_HOST#unix://} ;;
+        "")
+            [ -z "${DOCKER_CONTEXT-}" ] || return 1
+            _cfg=${DOCKER_CONFIG:-$HOME/.docker}/config.json
+            if [ -e "$_cfg" ]; then
+                while IFS= read -r _l || [ -n "$_l" ]; do
+                    case $_l in *'"currentContext"'*) return 1 ;; esac
+                done <"$_cfg"
+            fi
+            SOCK=/var/run/docker.sock
+            ;;
+        *) return 1 ;;
+    esac
+}
+
+docker_api() {
+    printf 'socket unix://%s\n' "$SOCK"
+    # curl says only "Couldn't connect to server"; say why first, as the docker CLI would
+    if [ ! -S "$SOCK" ]; then
+        echo "no socket at $SOCK: is the Docker engine running?" >&2
+    elif [ ! -w "$SOCK" ] || [ ! -r "$SOCK" ]; then
+        echo "permission denied on $SOCK: is this user in the docker group?" >&2
+    fi
+    set -f
+    _old=$IFS
+    IFS=$NL
+    # shellcheck disable=SC2086 # one URL per line of $API_PATHS
+    set -- $(for p in $API_PATHS; do [ -n "$p" ] && printf 'http://docker%s\n' "$p"; done)
+    IFS=$_old
+    set +f
+    curl -sS -g --max-time 20 --unix-socket "$SOCK" -w "\n@@sparkctl $NONCE http %{http_code}\n" "$@"
+}
+
+if [ "$DOCKER" = yes ]; then
+    if [ -n "$API_PATHS" ] && command -v curl >/dev/null 2>&1 && engine_socket; then
+        section docker-api docker_api
+    else
+        section docker-version $T docker version --format '{{json .}}'
+        section docker-ps $T docker ps -a --no-trunc --filter "label=sparkctl.cluster=$CLUSTER" --format '{{json .}}'
+        section docker-images images "$@"
+    fi
+fi
 [ -n "$MODEL" ] && section model model_listing
 exit 0

@@ -1,0 +1,694 @@
+"""The rules of `sparkctl check` (facts in, findings out) and the command's table, JSON and exit codes.
+
+Facts are built from real captured output where the parsers are involved (tests/fixtures/), and as
+plain dataclasses where a rule only needs one value. Every failing finding must carry a one-line fix.
+Fabric discovery (check.discover_fabric) is mostly covered in test_pins.py; this file adds the rest.
+"""
+
+from __future__ import annotations
+
+import http.server
+import ipaddress
+import json
+import os
+import shutil
+import socketserver
+import subprocess
+import threading
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkctl import check as C
+from sparkctl import facts as F
+from sparkctl.check import FAIL, OK, SKIP, WARN, CheckReport, Finding, Needs
+from sparkctl.cluster import NodeError
+from sparkctl.plan import GB, CheckpointInfo, Plan, Shard, make_plan
+from sparkctl.probes.ckpt_scan import _encode
+from sparkctl.settings import RankPins, Settings, load_settings
+from sparkctl.verify import Finding as VerifyFinding
+from sparkctl.verify import Report, Summary
+from tests.conftest import GLM53_CONFIG
+
+FIX = Path(__file__).resolve().parent.parent / "fixtures"
+PROBE = Path(C.__file__).resolve().parent / "probes" / "node_facts.sh"
+NODES = ["spark1", "spark2", "spark3", "spark4"]
+SHARDS = {f"model-0000{i}-of-00003.safetensors": 1_000_000 * i for i in (1, 2, 3)}
+
+
+def fixture(path: str) -> str:
+    return (FIX / path).read_text()
+
+
+def needs(**overrides: Any) -> Needs:
+    base: dict[str, Any] = dict(
+        nofile=1048576, memlock_bytes=-1, gpus_per_node=1, port=8888, master_port=29501,
+        fabric_subnet=ipaddress.IPv4Network("10.232.0.0/24"), image="sparkctl-lab/engine:latest",
+        cluster="sparkctl", model="/models/lab", given_pins=(RankPins(),) * 4,
+    )  # fmt: skip
+    base.update(overrides)
+    return Needs(**base)
+
+
+def healthy() -> F.NodeFacts:
+    """A node as the probe sees a good one: captured docker/meminfo/ss/df output, a GB10 nvidia-smi."""
+    return F.NodeFacts(
+        hostname="spark1",
+        arch="aarch64",
+        meminfo=F.parse_meminfo(fixture("host/proc-meminfo.txt")),
+        nofile_hard=1048576,
+        memlock_hard_kib=F.UNLIMITED,
+        gpus=F.parse_nvidia_smi_query("NVIDIA GB10, 580.95.05, [N/A], 12.1, 1\n"),
+        gpu_banner=F.parse_nvidia_smi_banner(fixture("nvidia-smi-gb10/plain.txt")),
+        listeners=F.parse_listening_ports("LISTEN 0 128 0.0.0.0:22 0.0.0.0:*\n"),
+        disks=[F.DiskUsage("/dev/nvme0n1p2", 4000 * GB, 1000 * GB, 3000 * GB, "/")],
+        docker=F.parse_docker_version(fixture("docker/version.json")),
+        containers=[],
+        images=[],
+        model=F.ModelListing(True, {**SHARDS, "config.json": 900}),
+    )
+
+
+def fails_with_fix(f: Finding, *words: str) -> None:
+    """A failure: it says what and where, and carries a one-line fix."""
+    assert f.status == FAIL, f
+    assert f.fix and "\n" not in f.fix, f"no one-line fix: {f}"
+    for w in words:
+        assert w in f.text, f"{w!r} not in {f.text!r}"
+
+
+# -------------------------------------------------------------------------------------------- ssh
+
+
+@pytest.mark.parametrize(
+    ("kind", "short"),
+    [("hostkey-changed", "HOST KEY CHANGED"), ("hostkey-unknown", "unknown host key"), ("refused", "refused"),
+     ("timeout", "timeout"), ("auth", "auth failed"), ("dns", "no such host"), ("lost", "lost")],
+)  # fmt: skip
+def test_ssh_failure_kinds(kind: str, short: str) -> None:
+    f = C.rule_ssh("spark2", NodeError("spark2", kind, "it broke", "do the thing"))
+    fails_with_fix(f, "spark2", "it broke")
+    assert f.short == short and f.fix == "do the thing"
+
+
+def test_ssh_ok_and_a_failure_without_a_fix_still_gets_one() -> None:
+    assert C.rule_ssh("spark1", None).status == OK
+    fails_with_fix(C.rule_ssh("spark1", NodeError("spark1", "error", "boom")), "spark1", "boom")
+
+
+def test_changed_host_key_shows_the_fingerprint() -> None:
+    err = NodeError("spark3", "hostkey-changed", "HOST KEY CHANGED ... offered ssh-ed25519 SHA256:abc",
+                    "verify it, then run `sparkctl trust spark3`", key_type="ssh-ed25519", fingerprint="SHA256:abc")
+    f = C.rule_ssh("spark3", err)
+    fails_with_fix(f, "SHA256:abc")
+    assert "sparkctl trust spark3" in f.fix
+
+
+# ----------------------------------------------------------------------------------- docker, gpu
+
+
+def test_docker_ok_from_captured_version() -> None:
+    f = C.rule_docker("spark1", healthy())
+    assert (f.status, f.short) == (OK, "20.10.24+dfsg1")
+
+
+def test_docker_engine_down_from_captured_output() -> None:
+    facts = healthy()
+    facts.docker = F.parse_docker_version(fixture("docker/version-daemon-down.json"))
+    facts.problems["docker-version"] = fixture("docker/version-daemon-down.stderr").strip().splitlines()[0]
+    f = C.rule_docker("spark2", facts)
+    fails_with_fix(f, "spark2", "not reachable", "Cannot connect")
+    assert f.short == "engine down"
+
+
+def test_docker_missing_and_too_old() -> None:
+    facts = healthy()
+    facts.docker = None
+    facts.problems["docker-version"] = "command not found (sh: docker: not found)"
+    fails_with_fix(C.rule_docker("n", facts), "command not found")
+    facts.docker = F.DockerVersion("18.09", "18.09.1", "1.39", "linux", "arm64")
+    fails_with_fix(C.rule_docker("n", facts), "1.39", "too old")
+
+
+def test_gpu_ok_lists_name_driver_cuda() -> None:
+    f = C.rule_gpu("spark1", healthy(), needs())
+    assert (f.status, f.short) == (OK, "GB10")
+    assert "driver 580.95.05" in f.text and "CUDA 13.0" in f.text
+
+
+def test_gpu_missing_and_too_few() -> None:
+    facts = healthy()
+    facts.gpus = None
+    facts.problems["gpu"] = "command not found (nvidia-smi: not found)"
+    fails_with_fix(C.rule_gpu("spark4", facts, needs()), "spark4", "no GPU", "nvidia-smi")
+    fails_with_fix(C.rule_gpu("spark4", healthy(), needs(gpus_per_node=2)), "GPUS_PER_NODE is 2")
+
+
+# ---------------------------------------------------------------------------------- memory, limits
+
+
+def test_memory_from_meminfo_and_unreadable() -> None:
+    f = C.rule_memory("spark1", healthy())
+    assert f.status == OK and "available" in f.text
+    facts = healthy()
+    facts.meminfo = None
+    facts.problems["meminfo"] = "no MemTotal line in /proc/meminfo"
+    fails_with_fix(C.rule_memory("spark1", facts), "spark1", "no MemTotal")
+
+
+def test_limits_ok_with_unlimited_memlock() -> None:
+    assert C.rule_limits("spark1", healthy(), needs()).status == OK
+
+
+def test_nofile_below_the_recipe() -> None:
+    facts = healthy()
+    facts.nofile_hard = 20000
+    f = C.rule_limits("spark2", facts, needs())
+    fails_with_fix(f, "spark2", "20000 < ULIMIT_NOFILE=1048576", "Too many open files")
+    assert "ULIMIT_NOFILE" in f.fix
+
+
+def test_memlock_below_unlimited_and_below_bytes() -> None:
+    facts = healthy()
+    facts.memlock_hard_kib = 8192
+    fails_with_fix(C.rule_limits("n", facts, needs()), "8192 KiB < ULIMIT_MEMLOCK (unlimited)")
+    assert C.rule_limits("n", facts, needs(memlock_bytes=8192 * 1024)).status == OK
+    fails_with_fix(C.rule_limits("n", facts, needs(memlock_bytes=8192 * 1024 + 1)), "memlock")
+
+
+def test_limits_unreadable() -> None:
+    facts = healthy()
+    facts.nofile_hard = None
+    facts.problems["nofile"] = "exit status 2"
+    fails_with_fix(C.rule_limits("n", facts, needs()), "could not read nofile")
+
+
+# --------------------------------------------------------------------- fabric (beyond test_pins.py)
+
+
+def _fabric_facts(ip: str = "10.232.0.12", gid: int = 5) -> F.NodeFacts:
+    mapped = "0000:0000:0000:0000:0000:ffff:" + "{:02x}{:02x}:{:02x}{:02x}".format(*map(int, ip.split(".")))
+    up = ("BROADCAST", "MULTICAST", "UP", "LOWER_UP")
+    return F.NodeFacts(
+        netdevs=[F.NetDev("enp1s0f0np0", "UP", up, (ipaddress.IPv4Interface(f"{ip}/24"),))],
+        hcas=[F.Hca("rocep1s0f0", ("enp1s0f0np0",), (F.IbPort(1, "ACTIVE", "Ethernet", (
+            F.Gid(gid - 1, mapped, "IB/RoCE v1"), F.Gid(gid, mapped, "RoCE v2"))),))],
+    )  # fmt: skip
+
+
+def test_stale_gid_pin_is_replaced_with_a_warning() -> None:
+    f, pins = C.discover_fabric("spark2", 1, _fabric_facts(), needs(given_pins=(RankPins(), RankPins(gid_index=3))))
+    assert pins is not None and pins.gid_index == 5
+    assert f.status == WARN and "RANK1_GID_INDEX=3" in f.text and "now 5" in f.text and f.fix
+
+
+def test_stale_rdma_pin_and_pinned_fabric_ip() -> None:
+    f, pins = C.discover_fabric("n", 0, _fabric_facts(), needs(given_pins=(RankPins(rdma_dev="mlx5_0"),)))
+    assert pins is not None and f.status == WARN and "RANK0_CX7_IB=mlx5_0" in f.text
+    f, pins = C.discover_fabric("n", 0, _fabric_facts(), needs(given_pins=(RankPins(fabric_ip="10.232.0.99"),)))
+    assert pins is None
+    fails_with_fix(f, "RANK0_FABRIC_IP=10.232.0.99")
+
+
+def test_address_outside_the_fabric_subnet_is_not_taken() -> None:
+    f, pins = C.discover_fabric("n", 0, _fabric_facts("192.168.1.5"), needs())
+    assert pins is None
+    fails_with_fix(f, "FABRIC_SUBNET=10.232.0.0/24", "192.168.1.5/24")
+
+
+# -------------------------------------------------------------------------------------------- reach
+
+
+def test_reach() -> None:
+    peers = {"10.232.0.12": "spark2", "10.232.0.13": "spark3"}
+    assert C.rule_reach("spark1", {"10.232.0.12": "ok", "10.232.0.13": "ok"}, peers).status == OK
+    f = C.rule_reach("spark1", {"10.232.0.12": "ok", "10.232.0.13": "no answer within 3s"}, peers)
+    fails_with_fix(f, "spark1 cannot reach spark3 (10.232.0.13: no answer within 3s)")
+    assert "spark2" not in f.text
+    assert C.rule_reach("spark1", {"10.232.0.12": "ok"}, peers).status == WARN
+    assert C.rule_reach("spark1", None, peers).status == SKIP
+    fails_with_fix(C.rule_reach("spark1", NodeError("spark1", "lost", "SSH connection lost"), peers), "lost")
+
+
+# ------------------------------------------------------------------------------- ports, disk, ...
+
+
+def test_api_port_taken_on_the_head_only() -> None:
+    facts = healthy()
+    facts.listeners = F.parse_listening_ports(fixture("host/ss-Hltn.txt") + "LISTEN 0 5 0.0.0.0:8888 0.0.0.0:*\n")
+    f = C.rule_ports("spark1", facts, needs(), is_head=True)
+    fails_with_fix(f, "spark1", "8888 PORT (the API)")
+    assert "8888" in f.fix and "spark1" in f.fix
+    assert C.rule_ports("spark2", facts, needs(), is_head=False).status == OK  # workers serve no API
+    facts.listeners = F.parse_listening_ports("LISTEN 0 5 [::]:29501 [::]:*\n")
+    fails_with_fix(C.rule_ports("spark1", facts, needs(), is_head=True), "29501 MASTER_PORT")
+    assert C.rule_ports("spark1", healthy(), needs(), is_head=True).status == OK
+
+
+def test_ports_unreadable() -> None:
+    facts = healthy()
+    facts.listeners = None
+    facts.problems["listening"] = "command not found (ss)"
+    fails_with_fix(C.rule_ports("spark1", facts, needs(), is_head=True), "command not found")
+
+
+def test_disk_levels_take_the_fullest_path() -> None:
+    facts = healthy()
+    assert C.rule_disk("n", facts).status == OK
+    facts.disks = [F.DiskUsage("a", 100 * GB, 0, 300 * GB, "/"), F.DiskUsage("b", 100 * GB, 0, 20 * GB, "/var")]
+    f = C.rule_disk("n", facts)
+    assert f.status == WARN and "/var" in f.text and f.fix
+    facts.disks = [F.DiskUsage("b", 100 * GB, 0, 5 * GB, "/var/lib/docker")]
+    fails_with_fix(C.rule_disk("n", facts), "5.0 GB free on /var/lib/docker")
+    facts.disks = None
+    fails_with_fix(C.rule_disk("n", facts), "could not read df")
+
+
+def test_containers_running_stale_none() -> None:
+    facts = healthy()
+    assert C.rule_containers("n", facts, needs()).status == OK
+    facts.containers = F.parse_docker_ps(fixture("docker/ps-a.jsonl"))
+    stale = C.rule_containers("n", facts, needs())
+    assert stale.status == WARN and "sparkctl-rank0" in stale.text and stale.fix
+    facts.containers = [F.Container("abc", "sparkctl-sparkctl-rank0", "img", "running", "Up 2 hours", {})]
+    fails_with_fix(C.rule_containers("spark1", facts, needs()), "spark1", "sparkctl-sparkctl-rank0 (running)")
+    facts.containers = None
+    fails_with_fix(C.rule_containers("n", facts, needs()), "could not read docker-ps")
+
+
+# -------------------------------------------------------------------------------------------- plan
+
+
+def _settings(**env: str) -> Settings:
+    return load_settings(environ={"NODES": " ".join(NODES), "MODEL": "/models/x", **env})
+
+
+def _ckpt(total: int) -> CheckpointInfo:
+    return CheckpointInfo(Path("/models/x"), GLM53_CONFIG, (Shard("a.safetensors", total),), total)
+
+
+def _plan(total: int = 308 * GB, mem: int = 128 * GB, **env: str) -> Plan:
+    return make_plan(_settings(**env), _ckpt(total), mem)
+
+
+def test_plan_fits_does_not_fit_and_not_made() -> None:
+    assert C.rule_plan("n", healthy(), _plan()).status == OK
+    f = C.rule_plan("spark3", healthy(), _plan(mem=64 * GB))
+    fails_with_fix(f, "spark3", "does not fit")
+    assert "MAX_MODEL_LEN" in f.fix
+    assert C.rule_plan("n", healthy(), None, "no config.json").status == WARN
+
+
+def test_gpu_memory_utilization_under_the_cap() -> None:
+    assert C.rule_gpu_memory_utilization(None) is None
+    ok = C.rule_gpu_memory_utilization(_plan())
+    assert ok is not None and ok.status == OK and ok.node == C.CLUSTER_ROW
+    over = C.rule_gpu_memory_utilization(_plan(GPU_MEMORY_UTILIZATION="0.9"))
+    assert over is not None
+    fails_with_fix(over, "GPU_MEMORY_UTILIZATION=0.9", "cap 0.82")
+    assert "0.82" in over.fix
+
+
+# --------------------------------------------------------------------------------- model folder
+
+
+def listing(shards: dict[str, int]) -> F.ModelListing:
+    return F.ModelListing(True, {**shards, "config.json": 900, "serving/exl3.py": 10})
+
+
+def test_same_model_everywhere() -> None:
+    got = C.rule_model({n: listing(SHARDS) for n in NODES}, "spark1", "/models/lab", {})
+    assert [f.status for f in got.values()] == [OK] * 4
+    assert got["spark2"].short == "3 shards"
+
+
+def test_nfs_self_mount_gotcha_names_the_node_and_the_shards() -> None:
+    # spark1 (the NFS server) did not bind-mount its export at MODEL: it sees another folder.
+    other = {"model-00001-of-00003.safetensors": 1_000_000, "model-00002-of-00003.safetensors": 7}
+    got = C.rule_model({"spark1": listing(other), **{n: listing(SHARDS) for n in NODES[1:]}},
+                       "spark1", "/models/lab", {})  # fmt: skip
+    for n in NODES[1:]:
+        assert got[n].status == OK  # the majority is the reference, even against the head
+    f = got["spark1"]
+    fails_with_fix(f, "spark1", "/models/lab", "missing: model-00003-of-00003.safetensors",
+                   "different size: model-00002-of-00003.safetensors")
+    assert "spark1" in f.fix and "mount" in f.fix
+
+
+def test_extra_shard_and_tie_prefers_the_head() -> None:
+    more = {**SHARDS, "model-00004-of-00003.safetensors": 5}
+    got = C.rule_model({"spark1": listing(SHARDS), "spark2": listing(more)}, "spark1", "/m", {})
+    assert got["spark1"].status == OK
+    fails_with_fix(got["spark2"], "extra: model-00004-of-00003.safetensors")
+
+
+def test_model_missing_empty_unreadable() -> None:
+    got = C.rule_model(
+        {"spark1": listing(SHARDS), "spark2": F.ModelListing(False, {}),
+         "spark3": F.ModelListing(True, {"config.json": 3}), "spark4": None},
+        "spark1", "/models/lab", {"spark4": "find: permission denied"},
+    )  # fmt: skip
+    assert got["spark1"].status == OK
+    fails_with_fix(got["spark2"], "spark2", "MODEL=/models/lab does not exist")
+    fails_with_fix(got["spark3"], "no *.safetensors")
+    fails_with_fix(got["spark4"], "spark4", "permission denied")
+
+
+def test_long_differences_are_cut_short() -> None:
+    many = {f"s{i:02d}.safetensors": 1 for i in range(10)}
+    got = C.rule_model({"a": listing(many), "b": listing(many), "c": listing({})}, "a", "/m", {})
+    assert got["c"].status == FAIL  # no shards at all
+    got = C.rule_model({"a": listing(many), "b": listing(many), "c": listing({"s00.safetensors": 1})}, "a", "/m", {})
+    assert "…" in got["c"].text and got["c"].text.count(".safetensors") == 4
+
+
+# --------------------------------------------------------------------------------------- image
+
+
+def image(id_: str, layers: tuple[str, ...] = ("sha256:l1", "sha256:l2")) -> F.Image:
+    return F.Image(f"sha256:{id_}", ("sparkctl-lab/engine:latest",), {}, layers)
+
+
+def test_same_image_on_every_rank() -> None:
+    got = C.rule_image({n: [image("a" * 64)] for n in NODES}, "spark1", "sparkctl-lab/engine:latest", {})
+    assert {f.status for f in got.values()} == {OK} and got["spark3"].short == "a" * 12
+
+
+def test_differing_image_ids_across_ranks() -> None:
+    imgs = {n: [image("a" * 64)] for n in NODES}
+    imgs["spark3"] = [image("b" * 64, ("sha256:l1", "sha256:l9"))]
+    got = C.rule_image(imgs, "spark1", "sparkctl-lab/engine:latest", {})
+    assert [got[n].status for n in NODES] == [OK, OK, FAIL, OK]
+    fails_with_fix(got["spark3"], "spark3", "bbbbbbbbbbbb", "aaaaaaaaaaaa", "different layers")
+    assert "sparkctl build" in got["spark3"].fix
+    imgs["spark3"] = [image("c" * 64)]
+    got = C.rule_image(imgs, "spark1", "sparkctl-lab/engine:latest", {})
+    assert "same layers, different image config" in got["spark3"].text
+
+
+def test_the_head_is_the_odd_one_out() -> None:
+    imgs = {n: [image("a" * 64)] for n in NODES}
+    imgs["spark1"] = [image("d" * 64)]
+    got = C.rule_image(imgs, "spark1", "sparkctl-lab/engine:latest", {})
+    assert got["spark1"].status == FAIL and all(got[n].status == OK for n in NODES[1:])
+
+
+def test_image_missing_or_unreadable() -> None:
+    inspected = F.parse_image_inspect(fixture("docker/image-inspect.json"))
+    got = C.rule_image({"spark1": inspected, "spark2": [], "spark3": None}, "spark1", "nothere:1",
+                       {"spark3": "Cannot connect to the Docker daemon"})  # fmt: skip
+    assert got["spark1"].status == WARN and got["spark2"].status == WARN and "sparkctl build" in got["spark2"].fix
+    fails_with_fix(got["spark3"], "spark3", "Cannot connect")
+
+
+# --------------------------------------------------------------------------------- checkpoint
+
+
+def test_checkpoint_verification() -> None:
+    assert C.rule_checkpoint(None, None) == []
+    (f,) = C.rule_checkpoint(None, "python3 is not installed on the head")
+    assert f.status == WARN and "python3" in f.text and f.fix
+    good = Report([], Summary(shards=3, tensors=120, quantized_by_bits={3: 96}))
+    (f,) = C.rule_checkpoint(good, None)
+    assert f.status == OK and "3 shards" in f.short and "96 × 3-bit" in f.text
+    bad = Report([VerifyFinding("error", "missing-shard", "model-00002 is missing", ""),
+                  VerifyFinding("warn", "codebook", "codebooks are mixed", "use mul1")], Summary())
+    err, warn = C.rule_checkpoint(bad, None)
+    fails_with_fix(err, "model-00002 is missing")  # a verifier finding without a fix still gets one
+    assert warn.status == WARN and warn.fix == "use mul1"
+
+
+def _scan(index: bool = True, **extra: Any) -> dict[str, Any]:
+    def blob(obj: Any) -> dict[str, Any]:
+        return {"data": _encode(json.dumps(obj).encode(), "zlib")}
+
+    files = {**{n: {"size": s, "mtime_ns": 1} for n, s in SHARDS.items()}, "serving/exl3.py": {"size": 3}}
+    js: dict[str, Any] = {"config.json": blob(GLM53_CONFIG), "quantization_config.json": {"missing": True}}
+    js["model.safetensors.index.json"] = (
+        blob({"metadata": {"total_size": 6_000_000}, "weight_map": {f"t{i}": n for i, n in enumerate(SHARDS)}})
+        if index else {"missing": True}
+    )  # fmt: skip
+    return {"files": files, "json": js, **extra}
+
+
+def test_checkpoint_from_scan() -> None:
+    info = C.checkpoint_from_scan(_scan(), "/models/lab")
+    assert info.config["kv_lora_rank"] == 512 and info.index_total_size == 6_000_000
+    assert [(s.name, s.size) for s in info.shards] == sorted(SHARDS.items())
+    no_index = C.checkpoint_from_scan(_scan(index=False), "/models/lab")
+    assert [s.name for s in no_index.shards] == sorted(SHARDS) and no_index.index_total_size is None
+
+
+def test_checkpoint_from_scan_refuses() -> None:
+    with pytest.raises(ValueError, match="not a folder"):
+        C.checkpoint_from_scan({"error": {"code": "dir-missing", "message": "/m is not a folder"}}, "/m")
+    scan = _scan()
+    scan["json"]["config.json"] = {"missing": True}
+    with pytest.raises(ValueError, match="config.json"):
+        C.checkpoint_from_scan(scan, "/m")
+
+
+# ------------------------------------------------------------------------------ every failure
+
+
+def test_evaluate_skips_an_unreachable_node_and_fixes_every_failure() -> None:
+    n1, n2 = healthy(), healthy()
+    n1.images, n2.images, n2.nofile_hard = [image("a" * 64)], [image("b" * 64)], 20000
+    gathered: dict[str, Any] = {
+        "spark1": (n1, None), "spark2": (n2, None), "spark3": (NodeError("spark3", "lost", "gone", "x"), None)
+    }  # fmt: skip
+    nodes = ["spark1", "spark2", "spark3", "spark4"]
+    refused = NodeError("spark4", "refused", "connection refused", "start sshd")
+    findings, pins = C.evaluate(nodes, needs(), gathered, {"spark4": refused}, lambda f: (None, "no ckpt"), None)
+    by = {(f.node, f.check): f for f in findings}
+    assert by[("spark4", "ssh")].status == FAIL and by[("spark4", "docker")].status == SKIP
+    assert by[("spark3", "ssh")].short == "lost"
+    assert by[("spark2", "limits")].status == FAIL
+    assert by[("spark1", "image")].status == OK and by[("spark2", "image")].status == FAIL  # a tie: the head wins
+    assert by[("spark1", "plan")].status == WARN and "no ckpt" in by[("spark1", "plan")].text
+    for f in findings:
+        if f.status == FAIL:
+            assert f.fix and "\n" not in f.fix, f
+
+
+def test_engine_down_is_one_failure_not_three() -> None:
+    down = healthy()
+    down.docker, down.images, down.containers = None, None, None
+    down.problems.update(dict.fromkeys(F.DOCKER_SECTIONS, "cannot connect to the Docker engine"))
+    gathered: dict[str, Any] = {"spark1": (healthy(), None), "spark2": (down, None)}
+    findings, _ = C.evaluate(["spark1", "spark2"], needs(), gathered, {}, lambda f: (None, "-"), None)
+    failed = [(f.node, f.check) for f in findings if f.status == FAIL and f.check != "fabric"]
+    assert failed == [("spark2", "docker")]  # (these facts have no fabric at all)
+    by = {(f.node, f.check): f for f in findings}
+    assert by[("spark2", "image")].status == SKIP and by[("spark2", "containers")].status == SKIP
+
+
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def _report(*, fail: bool, settings: Settings) -> CheckReport:
+    findings = [C._f(n, c, OK, "ok") for n in NODES for c in C.CHECKS]
+    findings.append(C._f("spark2", "disk", WARN, "40.0 GB", "spark2: 40.0 GB free [red]x[/]", "free space"))
+    if fail:
+        findings.append(C._f("spark3", "limits", FAIL, "too low", "spark3: hard nofile limit 20000 < 1048576",
+                             "raise the hard limits on spark3"))  # fmt: skip
+    pins = {
+        r: RankPins(fabric_ip=f"10.232.0.{11 + r}", netdev="enp1s0f1np1" if r == 2 else "enp1s0f0np0",
+                    rdma_dev="rocep1s0f1" if r == 2 else "rocep1s0f0", gid_index=5 if r == 1 else 3)
+        for r in range(4)
+    }  # fmt: skip
+    plan = make_plan(settings, _ckpt(6_000_000), 128 * GB)
+    return CheckReport(list(NODES), findings, pins, plan, {}, {"total": 0.5})
+
+
+@pytest.fixture
+def command_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.chdir(tmp_path)
+    for k in ("SPARKCTL_ENV_FILE", "SPARKCTL_SSH_CONFIG", "NODES", "MODEL", "RECIPE", "TP"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NODES", " ".join(NODES))
+    monkeypatch.setenv("MODEL", "/models/lab")
+    monkeypatch.setenv("RECIPE", "lab")
+    return tmp_path
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
+            fail: bool = False) -> tuple[int, str, str]:  # fmt: skip
+    from sparkctl.cli import main
+    from sparkctl.commands import check as cmd
+
+    monkeypatch.setattr(cmd, "run_check", lambda s, *a, **k: _report(fail=fail, settings=s))
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+def test_command_only_warnings_exits_0_and_writes_env_tp4(command_env: Path, monkeypatch, capsys) -> None:
+    code, out, _ = run_cli(monkeypatch, capsys, ["check"])
+    assert code == 0
+    assert "✓" in out and "! 40.0 GB" in out and "warnings:" in out and "fix: free space" in out
+    assert "[red]x[/]" in out  # node output is data, not markup
+    env = (command_env / "env" / "env.tp4").read_text()
+    assert "enp1s0f1np1" in env and "rocep1s0f1" in env
+    assert oct((command_env / "env" / "env.tp4").stat().st_mode & 0o777) == "0o600"
+
+
+def test_command_failure_exits_1_with_the_fix_and_no_env_tp4(command_env: Path, monkeypatch, capsys) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, ["check"], fail=True)
+    assert code == 1
+    assert "✗ too low" in out and "fix: raise the hard limits on spark3" in out
+    assert "check failed: 1 problem(s) on spark3" in err
+    assert not (command_env / "env" / "env.tp4").exists()
+    code, _, _ = run_cli(monkeypatch, capsys, ["check", "--render"], fail=True)
+    assert code == 1 and (command_env / "env" / "env.tp4").exists()
+
+
+def test_command_json_is_one_document(command_env: Path, monkeypatch, capsys) -> None:
+    code, out, _ = run_cli(monkeypatch, capsys, ["--json", "check"], fail=True)
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False and doc["nodes"] == NODES
+    failed = [f for f in doc["findings"] if f["status"] == "fail"]
+    assert failed == [{"node": "spark3", "check": "limits", "status": "fail", "short": "too low",
+                       "reason": "spark3: hard nofile limit 20000 < 1048576",
+                       "fix": "raise the hard limits on spark3"}]  # fmt: skip
+    assert doc["pins"]["2"] == {"node": "spark3", "fabric_ip": "10.232.0.13", "netdev": "enp1s0f1np1",
+                                "rdma_dev": "rocep1s0f1", "gid_index": 3}  # fmt: skip
+    assert doc["env_tp4"] is None and doc["plan"]["kv_cache_memory_bytes"] > 0
+    code, out, _ = run_cli(monkeypatch, capsys, ["--json", "check"])
+    assert code == 0 and json.loads(out)["env_tp4"] == "env/env.tp4"
+
+
+@pytest.mark.parametrize(
+    "argv_env",
+    [
+        (["check", "--timeout", "0"], {}),
+        (["check"], {"NODES": "spark1 'a;touch /tmp/x' spark3 spark4"}),
+        (["check"], {"NODES": "spark1 $(touch) spark3 spark4"}),
+        (["check"], {"MODEL": "models/relative"}),
+        (["check"], {"NODES": "spark1 spark2"}),  # TP=4 needs four nodes
+    ],
+)
+def test_command_bad_input_exits_2(command_env: Path, monkeypatch, capsys, argv_env) -> None:
+    argv, env = argv_env
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = run_cli(monkeypatch, capsys, argv)
+    assert code == 2 and out == "" and "error" in err.lower()
+
+
+# ----------------------------------------------------- the facts check gathers (docker API, banner)
+
+
+class _Engine(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+def _engine_handler(image_id: str) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def address_string(self) -> str:  # a unix socket has no client address
+            return "local"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            url = urllib.parse.urlsplit(self.path)
+            body: Any
+            if url.path == "/version":
+                code, body = 200, {"Version": "27.5.1", "ApiVersion": "1.47", "Os": "linux", "Arch": "arm64"}
+            elif url.path == "/containers/json":
+                labels = json.loads(urllib.parse.parse_qs(url.query)["filters"][0])["label"]
+                code, body = 200, [{"Id": "c1", "Names": ["/sparkctl-x-rank0"], "Image": "img", "State": "exited",
+                                    "Status": "Exited (0)", "Labels": {"sparkctl.cluster": labels[0].split("=")[1]}}]
+            elif url.path == "/images/lab/engine:1/json":
+                code, body = 200, {"Id": image_id, "RepoTags": ["lab/engine:1"], "RootFS": {"Layers": ["sha256:l"]}}
+            else:
+                code, body = 404, {"message": f"No such image: {url.path}"}
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler
+
+
+@pytest.mark.skipif(not shutil.which("curl"), reason="needs curl")
+def test_probe_asks_the_engine_api_with_one_curl(tmp_path: Path) -> None:
+    sock = tmp_path / "docker.sock"
+    server = _Engine(str(sock), _engine_handler("sha256:" + "e" * 64))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        nonce = "0123456789abcdef"
+        args = F.probe_args(cluster="x", images=["lab/engine:1"], api=True, banner=False, df_paths=["/"])
+        env = dict(os.environ, DOCKER_HOST=f"unix://{sock}", SPARKCTL_SYSFS_ROOT=str(tmp_path / "none"),
+                   PATH=f"{tmp_path}:{os.environ['PATH']}")  # fmt: skip
+        out = subprocess.run(["sh", "-s", "--", nonce, *args], input=PROBE.read_bytes(), capture_output=True,
+                             env=env, timeout=60).stdout.decode()  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert f"@@sparkctl {nonce} begin docker-version" not in out  # no docker CLI runs
+    facts = F.node_facts_from_probe(out, nonce, expect_banner=False, expect_model=False)
+    assert facts.docker == F.DockerVersion(None, "27.5.1", "1.47", "linux", "arm64")
+    assert facts.containers == [F.Container("c1", "sparkctl-x-rank0", "img", "exited", "Exited (0)",
+                                            {"sparkctl.cluster": "x"})]  # fmt: skip
+    assert facts.images and facts.images[0].id == "sha256:" + "e" * 64
+    assert not {k for k in facts.problems if k.startswith("docker")} and "gpu-banner" not in facts.problems
+
+
+def test_docker_api_section_engine_down_missing_image_and_errors() -> None:
+    nonce = "0123456789abcdef"
+
+    def section(stdout: str, rc: int = 0, stderr: str = "") -> F.DockerFacts:
+        return F.docker_facts_from_api(F.Section("docker-api", stdout, stderr, rc), nonce)
+
+    def reply(code: int, body: str) -> str:
+        return f"{body}\n@@sparkctl {nonce} http {code}\n"
+
+    down = section("socket unix:///run/docker.sock\n" + reply(0, "") * 3, 7,
+                   "curl: (7) Failed to connect to docker port 80 after 0 ms: Couldn't connect to server")  # fmt: skip
+    assert down.version is None and down.images is None
+    assert down.problems["docker-version"].startswith("cannot connect to the Docker engine at unix:///run/docker.sock")
+    version = json.dumps({"Version": "20.10.24", "ApiVersion": "1.41"})
+    got = section("socket unix:///s\n" + reply(200, version) + reply(500, '{"message": "boom"}')
+                  + reply(404, '{"message": "No such image"}'))  # fmt: skip
+    assert got.version is not None and got.version.server_version == "20.10.24"
+    assert got.containers is None and got.problems["docker-ps"] == "HTTP 500: boom"
+    assert got.images == []  # missing: a warning for rule_image, not an error
+    forged = reply(200, version).replace(nonce, "f" * 16)  # another nonce is just body text
+    assert section("socket unix:///s\n" + forged + reply(200, "[]")).problems["docker-version"].startswith("not JSON")
+
+
+def test_api_paths_are_percent_encoded() -> None:
+    paths = F.docker_api_paths("c;$(x)", "reg.io:5000/a/b:1@sha256:00")
+    assert paths[0] == "/version"
+    assert "%24%28x%29" in paths[1] and "$(" not in paths[1] and " " not in paths[1]
+    assert paths[2] == "/images/reg.io:5000/a/b:1@sha256:00/json"
+    assert F.probe_args(cluster="c", images=["i:1"], api=True)[1:] == [f"api={p}" for p in F.docker_api_paths("c", "i:1")] + ["image=i:1"]
+
+
+def test_cuda_version_comes_from_the_head_for_the_same_driver() -> None:
+    head, same, other = healthy(), healthy(), healthy()
+    same.gpu_banner = other.gpu_banner = None  # workers are not asked for the banner
+    other.gpus = F.parse_nvidia_smi_query("NVIDIA GB10, 570.10, [N/A], 12.1, 1\n")
+    assert "CUDA 13.0" in C.rule_gpu("spark2", same, needs(), head).text
+    f = C.rule_gpu("spark3", other, needs(), head)
+    assert f.status == WARN and "570.10" in f.text and "580.95.05" in f.fix
+    assert "CUDA" not in C.rule_gpu("spark2", same, needs(), None).text
+
+
+def test_image_content_hash_makes_separate_builds_equal() -> None:
+    def built(id_: str, content: str) -> F.Image:
+        return F.Image(f"sha256:{id_ * 64}", ("c:keys3",), {"sparkctl.content-hash": content}, ("sha256:l",))
+
+    imgs = {"spark1": [built("a", "h1")], "spark2": [built("b", "h1")], "spark3": [built("c", "h2")]}
+    got = C.rule_image(imgs, "spark1", "c:keys3", {})
+    assert got["spark1"].status == OK and got["spark2"].status == OK and "content h1" in got["spark2"].text
+    fails_with_fix(got["spark3"], "spark3", "cccccccccccc")
