@@ -18,11 +18,12 @@ from .settings import RankPins, Settings
 
 
 def probe_node(node: Node, settings: Settings) -> NodeFacts:
-    """node_facts.sh on one node (one round trip), without the model listing."""
+    """node_facts.sh on one node (one round trip), only what pins need: no model listing, no Docker
+    sections (`up` inspects its containers itself), no nvidia-smi banner."""
     nonce = secrets.token_hex(8)
-    args = probe_args(cluster=settings.cluster_name)
+    args = probe_args(cluster=settings.cluster_name, docker=False, banner=False)
     r = node.run_script(probe_script("node_facts.sh"), [nonce, *args], timeout=60)
-    return node_facts_from_probe(r.stdout, nonce, expect_model=False)
+    return node_facts_from_probe(r.stdout, nonce, expect_model=False, expect_docker=False, expect_banner=False)
 
 
 def pins_from_facts(settings: Settings, facts: dict[str, NodeFacts | NodeError]) -> list[RankPins]:
