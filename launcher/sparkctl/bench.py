@@ -1171,6 +1171,15 @@ def load_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("workloads"), dict):
         raise UsageError(f"saved run {p} is not a sparkctl bench run ({SCHEMA})",
                          fix="pass a file written by sparkctl bench --save")
+    try:  # the table and --compare read these fields; a damaged file is bad input, not a crash
+        _, rows = table_rows(doc)
+        numbers = [v for r in rows for v in (*r.cells.values(), r.tokens_per_step, *(r.ttft or ()))]
+        if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in numbers):
+            raise TypeError("a measured value is not a number")
+        render_compare(doc, doc)
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, IndexError) as exc:
+        raise UsageError(f"saved run {p} is damaged ({type(exc).__name__}: {str(exc)[:80]})",
+                         fix="pass a file written by sparkctl bench --save") from None
     return doc
 
 

@@ -94,9 +94,36 @@ def vllm_serve_argv(settings: Settings, plan: Plan, rank: int, pins: list[RankPi
     if spec:
         argv += ["--speculative-config", spec]
     argv += list(settings.recipe.vllm_extra_args)
+    argv += settings.vllm_extra_args()  # validated words, each one argv item (never a shell)
     if rank > 0:
         argv.append("--headless")
     return argv
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def api_bind_host(settings: Settings) -> str:
+    """The address the head's API listens on: the last --host of the recipe or VLLM_EXTRA_ARGS, else
+    vLLM's default, every interface."""
+    host = "0.0.0.0"
+    words = [*settings.recipe.vllm_extra_args, *settings.vllm_extra_args()]
+    for i, word in enumerate(words):
+        if word == "--host" and i + 1 < len(words):
+            host = words[i + 1]
+        elif word.startswith("--host="):
+            host = word.split("=", 1)[1]
+    return host
+
+
+def open_api_warning(settings: Settings) -> str | None:
+    """One line when the API will answer anyone who can reach the head without a key, else None."""
+    host = api_bind_host(settings)
+    if settings.get("VLLM_API_KEY") or host in LOOPBACK_HOSTS or host.startswith("127."):
+        return None
+    return (f"the API on {settings.head}:{settings.getint('PORT')} will listen on {host} without an API key: "
+            "anyone who can reach that port can use the model; set VLLM_API_KEY (env file) or bind it to "
+            "loopback with VLLM_EXTRA_ARGS='--host 127.0.0.1'")
 
 
 def rank_env(settings: Settings, rank: int, pins: RankPins) -> dict[str, str]:

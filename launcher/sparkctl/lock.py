@@ -26,9 +26,10 @@ from .errors import CheckFailed
 
 _ACQUIRE = r'''
 d="$1"; owner="$2"
+umask 077
 mkdir -p "$(dirname "$d")" || exit 3
 if mkdir "$d" 2>/dev/null; then
-  umask 077; printf '%s\n' "$owner" > "$d/owner"; exit 0
+  printf '%s\n' "$owner" > "$d/owner"; exit 0
 fi
 cat "$d/owner" 2>/dev/null; exit 1
 '''
@@ -39,8 +40,11 @@ if [ -n "$me" ] && ! grep -qF -- "$me" "$d/owner" 2>/dev/null; then cat "$d/owne
 rm -rf -- "$d"
 '''
 _SHOW = r'''d="$1"; [ -d "$d" ] || exit 0; cat "$d/owner" 2>/dev/null || echo '{}'; exit 1'''
-_AUDIT_APPEND = r'''f="$1"; shift; mkdir -p "$(dirname "$f")" && umask 077 && printf '%s\n' "$@" >> "$f"'''
+_AUDIT_APPEND = r'''f="$1"; shift; umask 077 && mkdir -p "$(dirname "$f")" && printf '%s\n' "$@" >> "$f"'''
 _AUDIT_TAIL = r'''f="$1"; n="$2"; [ -f "$f" ] && tail -n "$n" -- "$f" || true'''
+
+
+MAX_OWNER_CHARS = 4096  # an owner line is ~200 characters; more is not ours
 
 
 class RunResultLike(Protocol):
@@ -92,11 +96,20 @@ class LockOwner:
 
     @classmethod
     def parse(cls, text: str) -> LockOwner | None:
+        """The owner file as the head printed it (untrusted): None unless it is the JSON object we write."""
+        first = text.lstrip()[:MAX_OWNER_CHARS].split("\n", 1)[0].strip()
         try:
-            d = json.loads(text.strip().splitlines()[0]) if text.strip() else {}
-            return cls(str(d["who"]), int(d["pid"]), str(d["since"]), str(d["command"]), str(d["token"]))
-        except (ValueError, KeyError, TypeError, IndexError):
+            d = json.loads(first) if first else None
+        except (ValueError, RecursionError):
             return None
+        if not isinstance(d, dict):
+            return None
+        fields = [d.get(k) for k in ("who", "since", "command", "token")]
+        pid = d.get("pid")
+        if not all(isinstance(f, str) for f in fields) or isinstance(pid, bool) or not isinstance(pid, int):
+            return None
+        who, since, command, token = (str(f)[:256] for f in fields)
+        return cls(who, pid if 0 <= pid < 2**32 else -1, since, command, token)
 
     def describe(self) -> str:
         return f"{self.who} (pid {self.pid}) since {self.since}, running `{self.command}`"

@@ -24,6 +24,9 @@ from .settings import Settings
 GIB = 1 << 30
 GB = 1000**3
 MAX_JSON_BYTES = 64 << 20  # config.json and the index are small; refuse anything absurd
+MAX_CONFIG_INT = 1 << 24  # layers, heads, widths: far above any real model, far below float overflow
+MAX_SHARD_BYTES = 1 << 50  # 1 PiB: a size above it in a node's listing is not a file size
+MAX_CHECKPOINT_BYTES = 1 << 56
 INDEX_NAME = "model.safetensors.index.json"
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
@@ -62,8 +65,8 @@ def _read_json(path: Path, what: str) -> Any:
         raise UsageError(f"{path}: {size} bytes is too large for a {what}")
     try:
         return json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, a 5,000-digit number, too deep
+        raise UsageError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
 
 
 # Run on a node (`python3 - MODEL < script`) when the checkpoint is not on this machine: config.json,
@@ -104,7 +107,7 @@ def read_checkpoint_on(node: _Runs, model: Path) -> CheckpointInfo:
                           fix=f"check that python3 exists on {node.name} and MODEL={model} is readable there")
     try:
         listing = json.loads(r.stdout)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}") from None
     if not isinstance(listing, dict):
         raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}")
@@ -117,7 +120,16 @@ def checkpoint_from_listing(model: Path, listing: dict[str, Any], where: str) ->
         raise UsageError(f"MODEL={model} is not a folder on {where}",
                          fix="point MODEL at the checkpoint folder, at the same path on every node")
     files = listing.get("files") or {}
-    sizes = {str(k): int(v) for k, v in (listing.get("sizes") or {}).items()}
+    raw_sizes = listing.get("sizes") or {}
+    if not isinstance(files, dict) or not isinstance(raw_sizes, dict) or \
+            not all(isinstance(v, str) for v in files.values()):
+        raise CheckFailed(f"unexpected answer reading the checkpoint on {where}: files/sizes malformed")
+    sizes: dict[str, int] = {}
+    for k, v in raw_sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SHARD_BYTES:
+            raise CheckFailed(f"unexpected answer reading the checkpoint on {where}: size of {str(k)[:80]!r} "
+                              f"is {str(v)[:40]!r}, not a byte count")
+        sizes[str(k)] = v
     if "config.json" not in files:
         raise UsageError(f"config.json not found in {model} on {where}",
                          fix="MODEL must be the checkpoint folder itself")
@@ -131,9 +143,10 @@ def checkpoint_from_listing(model: Path, listing: dict[str, Any], where: str) ->
         if not isinstance(weight_map, dict):
             raise UsageError(f"{where}:{model / INDEX_NAME}: has no weight_map object")
         names = sorted({str(v) for v in weight_map.values()})
-        meta = index.get("metadata")
-        if isinstance(meta, dict) and isinstance(meta.get("total_size"), int):
-            total = meta["total_size"]
+        total = _total_size(index)
+        for name in names:
+            if "/" in name or name.startswith("."):
+                raise UsageError(f"{where}:{model / INDEX_NAME}: shard name {name[:80]!r} must be a plain file name")
     else:
         names = sorted(sizes)
     return CheckpointInfo(model, config, tuple(Shard(n, sizes.get(n)) for n in names), total)
@@ -142,8 +155,16 @@ def checkpoint_from_listing(model: Path, listing: dict[str, Any], where: str) ->
 def _parse_json_text(text: str, where: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{where}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, a 5,000-digit number, nested too deep
+        raise UsageError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
+
+
+def _total_size(index: dict[str, Any]) -> int | None:
+    meta = index.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    if isinstance(total, bool) or not isinstance(total, int) or not 0 <= total <= MAX_CHECKPOINT_BYTES:
+        return None
+    return total
 
 
 def read_checkpoint(model: Path) -> CheckpointInfo:
@@ -162,9 +183,7 @@ def read_checkpoint(model: Path) -> CheckpointInfo:
         if not isinstance(weight_map, dict):
             raise UsageError(f"{index_path}: has no weight_map object")
         names = sorted({str(v) for v in weight_map.values()})
-        meta = index.get("metadata")
-        if isinstance(meta, dict) and isinstance(meta.get("total_size"), int):
-            total = meta["total_size"]
+        total = _total_size(index)
     else:
         names = sorted(p.name for p in model.glob("*.safetensors"))
         if not names:
@@ -255,16 +274,19 @@ def gb(n: int) -> str:
     return f"{n / GB:.1f} GB"
 
 
-def _cfg_int(config: dict[str, Any], key: str, where: Path) -> int:
+def _cfg_int(config: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:
     value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise UsageError(f"{where / 'config.json'}: {key} should be a non-negative integer, got {value!r}")
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_CONFIG_INT:
+        raise UsageError(f"{where / 'config.json'}: {key} should be a non-negative integer "
+                         f"(at most {MAX_CONFIG_INT}), got {str(value)[:40]!r}")
     return value
 
 
 def kv_terms(config: dict[str, Any], kv_dtype: str, tp: int, indexer_extra: int, where: Path) -> list[KvTerm]:
     """Bytes per token of KV cache on one rank, term by term."""
-    layers = _cfg_int(config, "num_hidden_layers", where) + int(config.get("num_nextn_predict_layers") or 0)
+    layers = _cfg_int(config, "num_hidden_layers", where) + _cfg_int(config, "num_nextn_predict_layers", where, 0)
     if kv_dtype == "auto":
         dtype_bytes = _MODEL_DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
     else:
@@ -279,7 +301,7 @@ def kv_terms(config: dict[str, Any], kv_dtype: str, tp: int, indexer_extra: int,
     else:  # ordinary attention: K and V per KV head, heads split across TP ranks
         heads = _cfg_int(config, "num_key_value_heads", where) if "num_key_value_heads" in config else \
             _cfg_int(config, "num_attention_heads", where)
-        head_dim = config.get("head_dim") or _cfg_int(config, "hidden_size", where) // max(
+        head_dim = _cfg_int(config, "head_dim", where, 0) or _cfg_int(config, "hidden_size", where) // max(
             _cfg_int(config, "num_attention_heads", where), 1)
         per_rank_heads = max(1, math.ceil(heads / tp))
         terms.append(KvTerm(f"K+V ({per_rank_heads} heads × {head_dim} × 2 × {dtype_bytes} B)",

@@ -8,6 +8,7 @@ that `up` and `down` do not import an HTTP client.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -41,8 +42,40 @@ def phase_of(lines: Sequence[str]) -> str:
     return PHASES[best][0] if best >= 0 else "starting"
 
 
+MAX_JSON_ANSWER = 4 << 20  # /v1/models and a chat completion are a few KB
+MAX_METRICS_ANSWER = 16 << 20  # vLLM's /metrics is well under 1 MB
+
+
+class BadAnswer(CheckFailed):
+    """The head answered, but not what vLLM answers (not JSON, the wrong shape, too large)."""
+
+
+def _read_capped(r: requests.Response, limit: int, what: str) -> bytes:
+    """The body, refusing to hold more than `limit` bytes of it (the head's answers are untrusted)."""
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in r.iter_content(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise BadAnswer(f"the head's {what} answer is larger than {limit >> 20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(body: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or absurdly nested
+        raise BadAnswer(f"the head's {what} answer is not JSON: {body[:80]!r}") from None
+    if not isinstance(doc, dict):
+        raise BadAnswer(f"the head's {what} answer is JSON but not an object ({type(doc).__name__})")
+    return doc
+
+
 @dataclass
 class HeadApi:
+    """The head's OpenAI API. Every answer is read with a size cap and checked for its shape."""
+
     base_url: str
     api_key: str | None = None
     timeout: float = 5.0
@@ -52,33 +85,52 @@ class HeadApi:
 
     def health(self) -> int | None:
         try:
-            return requests.get(f"{self.base_url}/health", timeout=self.timeout, headers=self._headers()).status_code
+            with requests.get(f"{self.base_url}/health", timeout=self.timeout, headers=self._headers(),
+                              stream=True) as r:
+                return r.status_code
         except requests.RequestException:
             return None
 
     def models(self) -> list[str]:
-        r = requests.get(f"{self.base_url}/v1/models", timeout=self.timeout, headers=self._headers())
-        r.raise_for_status()
-        data = r.json().get("data") or []
-        return [str(m.get("id")) for m in data if isinstance(m, dict)]
+        with requests.get(f"{self.base_url}/v1/models", timeout=self.timeout, headers=self._headers(),
+                          stream=True) as r:
+            r.raise_for_status()
+            doc = _json_object(_read_capped(r, MAX_JSON_ANSWER, "/v1/models"), "/v1/models")
+        data = doc.get("data")
+        if not isinstance(data, list):
+            raise BadAnswer("the head's /v1/models answer has no \"data\" list")
+        ids = [m.get("id") for m in data if isinstance(m, dict)]
+        return [i[:512] for i in ids if isinstance(i, str)]
 
     def chat(self, model: str, prompt: str, max_tokens: int = 32, timeout: float = 120.0) -> tuple[str, float]:
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                 "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}}
         start = time.monotonic()
-        r = requests.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=timeout, headers=self._headers())
+        with requests.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=timeout,
+                           headers=self._headers(), stream=True) as r:
+            r.raise_for_status()
+            doc = _json_object(_read_capped(r, MAX_JSON_ANSWER, "chat completion"), "chat completion")
         latency = time.monotonic() - start
-        r.raise_for_status()
-        choice = (r.json().get("choices") or [{}])[0]
-        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
-        return str(text), latency
+        choices = doc.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+        if choice is None:
+            raise BadAnswer("the head's chat completion has no choices")
+        message = choice.get("message")
+        content = message.get("content") if isinstance(message, dict) else None
+        for text in (content, choice.get("text")):
+            if isinstance(text, str):
+                return text[:4096], latency
+        return "", latency
 
     def metrics(self) -> str | None:
         try:
-            r = requests.get(f"{self.base_url}/metrics", timeout=self.timeout, headers=self._headers())
-        except requests.RequestException:
+            with requests.get(f"{self.base_url}/metrics", timeout=self.timeout, headers=self._headers(),
+                              stream=True) as r:
+                if not r.ok:
+                    return None
+                return _read_capped(r, MAX_METRICS_ANSWER, "/metrics").decode("utf-8", "replace")
+        except (requests.RequestException, BadAnswer):
             return None
-        return r.text if r.ok else None
 
 
 @dataclass
@@ -181,5 +233,11 @@ def _guard_http(fn: Callable[[], dict[str, Any] | None]) -> Callable[[], dict[st
             status = exc.response.status_code if exc.response is not None else 0
             if status in (502, 503, 504):
                 return None
+            if status in (401, 403):
+                raise CheckFailed(f"the head refused the API key (HTTP {status})",
+                                  fix="set VLLM_API_KEY (env file or environment) to the key the service runs "
+                                      "with") from None
             raise CheckFailed(f"the head answered HTTP {status}: {str(exc)[:200]}") from None
+        except requests.RequestException:  # an answer cut off mid-body while the head restarts
+            return None
     return wrapped

@@ -72,23 +72,24 @@ class ContainerState:
 
     @classmethod
     def from_inspect(cls, doc: dict[str, Any]) -> ContainerState:
-        cfg = doc.get("Config") or {}
-        labels = cfg.get("Labels") or {}
-        state = doc.get("State") or {}
-        rank_text = str(labels.get(LABEL_RANK, ""))
+        """From one `docker inspect` object. Node output is untrusted: a field of the wrong type or
+        size becomes a neutral value (unknown rank, exit code 0, ...), never an exception."""
+        cfg = _obj(doc.get("Config"))
+        labels = _obj(cfg.get("Labels"))
+        state = _obj(doc.get("State"))
         return cls(
-            id=str(doc.get("Id", ""))[:64],
-            name=str(doc.get("Name", "")).lstrip("/"),
-            rank=int(rank_text) if rank_text.isdigit() else None,
-            config_hash=labels.get(LABEL_CONFIG_HASH),
-            image_id=str(doc.get("Image", "")),
-            status=str(state.get("Status", "unknown")),
-            running=bool(state.get("Running")),
-            exit_code=int(state.get("ExitCode") or 0),
-            started_at=str(state.get("StartedAt", "")),
-            restarts=int(doc.get("RestartCount") or 0),
-            error=str(state.get("Error") or ""),
-            content_hash=labels.get(LABEL_CONTENT_HASH),
+            id=_text(doc.get("Id"), 64),
+            name=_text(doc.get("Name"), 256).lstrip("/"),
+            rank=_small_int(labels.get(LABEL_RANK)),
+            config_hash=_label(labels, LABEL_CONFIG_HASH),
+            image_id=_text(doc.get("Image"), 256),
+            status=_text(state.get("Status"), 32) or "unknown",
+            running=state.get("Running") is True,
+            exit_code=_small_int(state.get("ExitCode"), signed=True) or 0,
+            started_at=_text(state.get("StartedAt"), 64),
+            restarts=_small_int(doc.get("RestartCount")) or 0,
+            error=_text(state.get("Error"), 500),
+            content_hash=_label(labels, LABEL_CONTENT_HASH),
         )
 
     def uptime_s(self, now: _dt.datetime | None = None) -> float | None:
@@ -96,8 +97,37 @@ class ContainerState:
         m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", self.started_at)
         if not self.running or not m:
             return None
-        started = _dt.datetime.fromisoformat(m.group(1)).replace(tzinfo=_dt.UTC)
+        try:
+            started = _dt.datetime.fromisoformat(m.group(1)).replace(tzinfo=_dt.UTC)
+        except ValueError:  # digits in the right places but not a date (month 13)
+            return None
         return ((now or _dt.datetime.now(_dt.UTC)) - started).total_seconds()
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _text(value: Any, limit: int) -> str:
+    if value is None or isinstance(value, dict | list):
+        return ""
+    return str(value)[:limit]
+
+
+def _label(labels: dict[str, Any], key: str) -> str | None:
+    value = labels.get(key)
+    return value[:128] if isinstance(value, str) and value else None
+
+
+def _small_int(value: Any, *, signed: bool = False) -> int | None:
+    """An integer field from node output: an int, or a string of at most 9 digits; else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if (signed or value >= 0) and abs(value) < 10**9 else None
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9:
+        return int(value)
+    return None
 
 
 def inspect_cluster(node: Node, cluster: str) -> list[ContainerState]:
@@ -110,6 +140,8 @@ def inspect_cluster(node: Node, cluster: str) -> list[ContainerState]:
         docs = json.loads(r.stdout or "[]")
     except json.JSONDecodeError as exc:
         raise NodeError(node.name, "output", f"docker inspect printed something that is not JSON ({exc.msg})") from None
+    except RecursionError:  # absurdly nested JSON
+        raise NodeError(node.name, "output", "docker inspect printed JSON nested too deeply") from None
     if not isinstance(docs, list):
         raise NodeError(node.name, "output", "docker inspect did not print a list")
     return [ContainerState.from_inspect(d) for d in docs if isinstance(d, dict)]
@@ -305,7 +337,7 @@ def _settled(call: Callable[[], T]) -> T:
 # Write the rank's env file (mode 0600, from stdin: secrets never touch a command line) and start its
 # container, in one round trip. Every value is a positional argument.
 _WRITE_AND_RUN = r'''d="$1"; f="$2"; shift 2
-umask 077 && mkdir -p -- "$d" && cat > "$f" || exit 97
+umask 077 && mkdir -p -- "$d" && chmod 700 -- "${d%/*}" "$d" && cat > "$f" || exit 97
 exec "$@"'''
 
 

@@ -14,6 +14,7 @@ import difflib
 import ipaddress
 import os
 import re
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,9 +72,73 @@ def _abs_path(value: Any) -> str | None:
         return None
     if not str(value).startswith("/"):
         return "must be an absolute path"
-    if "," in str(value):
-        return "must not contain ',' (docker --mount cannot bind such a path)"
+    if "," in str(value) or '"' in str(value):
+        return "must not contain ',' or '\"' (docker --mount cannot bind such a path)"
     return _no_control(value)
+
+
+def _served_name(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    if str(value).startswith("-"):
+        return "must not start with '-' (vLLM would read it as a flag)"
+    return _no_control(value)
+
+
+# Flags sparkctl sets itself from knobs (or must never see on a command line): VLLM_EXTRA_ARGS may not
+# repeat them, nor abbreviate them (vLLM's argparse takes any unique prefix of a flag).
+MANAGED_VLLM_FLAGS: dict[str, str] = {
+    "--model": "MODEL", "--served-model-name": "SERVED_MODEL_NAME", "--port": "PORT",
+    "--tensor-parallel-size": "TP", "--decode-context-parallel-size": "DCP",
+    "--dcp-comm-backend": "DCP_COMM_BACKEND", "--nnodes": "NODES", "--node-rank": "NODES",
+    "--master-addr": "MASTER_ADDR", "--master-port": "MASTER_PORT", "--max-model-len": "MAX_MODEL_LEN",
+    "--kv-cache-dtype": "KV_CACHE_DTYPE", "--kv-cache-memory-bytes": "KV_CACHE_MEMORY_BYTES",
+    "--gpu-memory-utilization": "GPU_MEMORY_UTILIZATION", "--speculative-config": "SPEC_METHOD/SPEC_K",
+    "--headless": "NODES (every rank but the head)",
+    "--api-key": "VLLM_API_KEY (it travels in a 0600 env file; on argv every `ps` would show it)",
+}
+_FLAG_RE = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
+MAX_EXTRA_ARGS_CHARS = 8192
+
+
+def parse_vllm_extra_args(text: str) -> list[str]:
+    """VLLM_EXTRA_ARGS as argv words (shell-like quoting, nothing expanded); raises ValueError with the rule.
+
+    Every flag is a full `--long-name` (or `--long-name=value`) of lower-case letters, digits and '-';
+    a word that does not start with '-' is a value and must follow a flag. A value that starts with
+    '-' is written `--flag=-value`. Abbreviations of other flags are the user's risk (vLLM takes them).
+    """
+    if len(text) > MAX_EXTRA_ARGS_CHARS:
+        raise ValueError(f"is longer than {MAX_EXTRA_ARGS_CHARS} characters")
+    try:
+        words = shlex.split(text, comments=False, posix=True)
+    except ValueError as exc:  # an unclosed quote
+        raise ValueError(f"cannot be split into words ({exc})") from None
+    for i, word in enumerate(words):
+        if not word.startswith("-"):
+            if i == 0:
+                raise ValueError(f"starts with the value {word!r}: each value must follow a --flag")
+            continue
+        flag = word.split("=", 1)[0]
+        if not _FLAG_RE.match(flag) or len(flag) < 3:
+            raise ValueError(f"has {flag!r}: flags must be full --long-names of a-z, 0-9 and '-' "
+                             "(short forms and prefixes are ambiguous to vLLM; write --flag=-value for a "
+                             "value that starts with '-')")
+        for managed, knob in MANAGED_VLLM_FLAGS.items():
+            if managed.startswith(flag):
+                what = "sets" if flag == managed else f"would take it as {managed}, which it sets"
+                raise ValueError(f"has {flag}: sparkctl {what} from {knob}; set that instead")
+    return words
+
+
+def _extra_args(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    try:
+        parse_vllm_extra_args(str(value))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _nodes(value: Any) -> str | None:
@@ -147,7 +212,7 @@ KNOBS: dict[str, Knob] = {
         Knob("MASTER_ADDR", "str", "Rendezvous address; default: the head's fabric IP (RANK0_FABRIC_IP).",
              check=_ipv4),
         Knob("MASTER_PORT", "int", "Rendezvous port on the head's fabric address.", minimum=1, maximum=65535),
-        Knob("SERVED_MODEL_NAME", "str", "Model name the API serves.", check=_no_control),
+        Knob("SERVED_MODEL_NAME", "str", "Model name the API serves.", required=True, check=_served_name),
         Knob("SPEC_METHOD", "str", "Speculative decoding: mtp (the checkpoint's MTP block), dspark, or off.",
              choices=("mtp", "dspark", "off")),
         Knob("SPEC_K", "int", "Speculative tokens per step (MTP k).", minimum=1, maximum=16),
@@ -166,6 +231,8 @@ KNOBS: dict[str, Knob] = {
         Knob("ABLIT_HOST_DIR", "path", "Host folder with the load-time abliteration files.", check=_abs_path),
         Knob("LOCAL_MODEL_DIR", "path", "Seed launcher's name for MODEL (used when MODEL is not set).",
              check=_abs_path),
+        Knob("VLLM_EXTRA_ARGS", "str", "More `vllm serve` flags, after the recipe's (full --flag names; "
+             "shell-like quoting, nothing expanded).", check=_extra_args),
         Knob("HF_TOKEN", "str", "Hugging Face token (secret; never shown, passed by file)."),
         Knob("VLLM_API_KEY", "str", "API key the service requires (secret; passed by file, not argv)."),
     ]
@@ -203,7 +270,10 @@ class Value:
 
     @property
     def shown(self) -> str:
-        return REDACTED if is_secret(self.key) and self.raw else self.raw
+        """The value for a message: secrets redacted, control characters escaped (one line, always)."""
+        if is_secret(self.key) and self.raw:
+            return REDACTED
+        return repr(self.raw) if _CONTROL_RE.search(self.raw) else self.raw
 
 
 @dataclass(frozen=True)
@@ -264,6 +334,10 @@ class Settings:
 
     def secrets(self) -> dict[str, str]:
         return {k: str(v.value) for k, v in self.values.items() if is_secret(k) and v.value not in (None, "")}
+
+    def vllm_extra_args(self) -> list[str]:
+        text = self.get("VLLM_EXTRA_ARGS")
+        return parse_vllm_extra_args(str(text)) if text else []
 
     def passthrough_env(self) -> dict[str, str]:
         return {k: str(v.value) for k, v in self.values.items() if PASSTHROUGH_RE.match(k) and k.startswith("STANDIN_")}
@@ -417,8 +491,9 @@ def validate_settings(s: Settings) -> None:
         empty = v is None or v.value in (None, "", [])
         if empty:
             if knob.required:
-                problems.append(f"{key} is not set: {knob.doc} Set it in the env file, the environment or "
-                                f"with --{key.lower()}")
+                where = ("the env file, the environment or with --" + key.lower()) if key in ("NODES", "MODEL") \
+                    else "the env file or the environment"
+                problems.append(f"{key} is not set: {knob.doc} Set it in {where}")
             continue
         assert v is not None
         value = v.value
@@ -432,9 +507,15 @@ def validate_settings(s: Settings) -> None:
             rule = knob.check(value)
             if rule:
                 problems.append(f"{s.describe(key)} {rule}")
+    named = {p.split("=", 1)[0].split(" ", 1)[0] for p in problems}
     for key, v in s.values.items():
+        if key in named:  # its knob's own rule already said what is wrong with it
+            continue
         if isinstance(v.value, str) and _CONTROL_RE.search(v.value) and not is_secret(key):
             problems.append(f"{key} (from {v.source}) must not contain control characters")
+        elif isinstance(v.value, str) and is_secret(key) and re.search(r"[\n\r\x00]", v.value):
+            # A secret reaches the containers as one line of an env file; the value is never shown.
+            problems.append(f"{key} (from {v.source}) must not contain a newline or NUL (value not shown)")
     if problems:
         raise UsageError("\n".join(dict.fromkeys(problems)))
 

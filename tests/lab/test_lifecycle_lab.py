@@ -212,9 +212,16 @@ def test_down_leaves_foreign_containers_alone(clean: Lab) -> None:
         lab.docker("spark1", "rm", "-f", "foreign")
 
 
-def test_model_is_read_only_in_the_container(clean: Lab) -> None:
+def test_model_is_read_only_in_every_container(clean: Lab) -> None:
     lab = clean
     sk(lab, "up", check=True)
-    r = lab.docker("spark1", "exec", "sparkctl-lifecycle-rank0", "sh", "-c", "touch /models/lab/x 2>&1; echo rc=$?")
-    assert "Read-only file system" in r.stdout and "rc=0" not in r.stdout
+    for rank, node in enumerate(NODES):
+        name = f"sparkctl-lifecycle-rank{rank}"
+        # Writing a new file, an existing file and the folder's metadata all fail, even as root.
+        r = lab.docker(node, "exec", name, "sh", "-c",
+                       "for f in /models/lab/x /models/lab/config.json; do (echo x >> $f) 2>&1; echo rc=$?; done; "
+                       "touch /models/lab 2>&1; echo rc=$?")
+        assert r.stdout.count("Read-only file system") == 3 and "rc=0" not in r.stdout, f"{node}: {r.stdout}"
+        mounts = json.loads(lab.docker(node, "inspect", "-f", "{{json .Mounts}}", name).stdout)
+        assert [m["RW"] for m in mounts if m["Destination"] == "/models/lab"] == [False], f"{node}: {mounts}"
 

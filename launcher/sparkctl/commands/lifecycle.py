@@ -18,6 +18,7 @@ import click
 from rich.table import Table
 
 from .. import service
+from ..builders import open_api_warning
 from ..cli import Globals
 from ..cluster import Cluster, Node, NodeError
 from ..errors import CheckFailed, UsageError
@@ -79,6 +80,7 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
     """Start the service: workers, then the head. Changes nothing if an identical service runs."""
     g = _globals(ctx)
     s = _settings(g)
+    warn([w for w in [open_api_warning(s)] if w])
     out = console(g.json)
     t0 = time.monotonic()
     with _cluster(g, s) as cluster:

@@ -1,0 +1,352 @@
+"""Everything a node (or the service it runs) answers is untrusted: fuzz every parser of it.
+
+Each parser gets garbage, wrong types, oversized and truncated input and must give either a result
+(a finding) or a clean SparkctlError: never another exception, never an unbounded allocation. The
+HTTP answers come from a real server on loopback, so `requests`' own failure modes are covered too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparkctl import bench
+from sparkctl.cluster import NodeError, RunResult
+from sparkctl.commands.lifecycle import _metrics_summary
+from sparkctl.errors import SparkctlError
+from sparkctl.lock import LockOwner
+from sparkctl.plan import CheckpointInfo, checkpoint_from_listing, kv_terms
+from sparkctl.readiness import MAX_JSON_ANSWER, PHASES, BadAnswer, HeadApi, phase_of
+from sparkctl.service import ContainerState, inspect_cluster
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# JSON values of every type, nested a little: what a hostile node can print where JSON is expected.
+scalars = st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30) | \
+    st.floats(allow_nan=True) | st.text(max_size=30)
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) |
+                           st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
+# Text with the characters that break naive parsers: control, non-ASCII, digits of other scripts.
+nasty_text = st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from(list("²٣{}[]\":,\n\r\x00 -1e9")),
+                     max_size=200)
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on this, not ValueError
+
+
+# --------------------------------------------------------------------------- docker inspect JSON
+
+
+def inspect_doc() -> st.SearchStrategy[Any]:
+    labels = st.dictionaries(st.sampled_from(["sparkctl.rank", "sparkctl.config-hash", "sparkctl.content-hash",
+                                              "x"]), json_values | nasty_text, max_size=3) | json_values
+    state = st.fixed_dictionaries({}, optional={
+        "Status": json_values, "Running": json_values, "ExitCode": json_values | nasty_text,
+        "StartedAt": json_values | st.sampled_from(["2026-13-99T99:99:99Z", "9999-99-99T00:00:00", "x"]),
+        "Error": json_values}) | json_values
+    return st.fixed_dictionaries({}, optional={
+        "Id": json_values, "Name": json_values, "Image": json_values, "RestartCount": json_values | nasty_text,
+        "Config": st.fixed_dictionaries({}, optional={"Labels": labels}) | json_values, "State": state})
+
+
+@FAST
+@given(inspect_doc())
+def test_container_state_from_any_inspect_object(doc: dict[str, Any]) -> None:
+    c = ContainerState.from_inspect(doc)
+    assert c.rank is None or (isinstance(c.rank, int) and 0 <= c.rank < 10**9)
+    assert isinstance(c.exit_code, int) and abs(c.exit_code) < 10**9
+    assert isinstance(c.restarts, int) and isinstance(c.running, bool)
+    assert c.config_hash is None or isinstance(c.config_hash, str)
+    assert len(c.id) <= 64 and len(c.name) <= 256 and len(c.error) <= 500
+    assert c.uptime_s() is None or isinstance(c.uptime_s(), float)
+
+
+def test_container_state_known_traps() -> None:
+    c = ContainerState.from_inspect({"Config": {"Labels": {"sparkctl.rank": "²"}},  # isdigit() but not int()
+                                     "State": {"ExitCode": "x", "Running": "false", "StartedAt": "2026-13-01T00:00:00"},
+                                     "RestartCount": 10**400})
+    assert (c.rank, c.exit_code, c.running, c.restarts) == (None, 0, False, 0)
+    assert ContainerState.from_inspect({"Config": {"Labels": []}, "State": [], "Id": "a" * 10**6}).id == "a" * 64
+
+
+@dataclass
+class FakeNode:
+    stdout: str
+    exit_code: int = 0
+    name: str = "n1"
+
+    def run(self, argv: list[str], *, timeout: float | None = None, stdin: bytes | None = None) -> RunResult:
+        return RunResult(self.stdout, "boom\n" if self.exit_code else "", self.exit_code, 0.0)
+
+
+@FAST
+@given(st.one_of(nasty_text, json_values.map(json.dumps), st.lists(inspect_doc(), max_size=3).map(json.dumps)))
+def test_inspect_cluster_any_output(out: str) -> None:
+    try:
+        states = inspect_cluster(FakeNode(out), "c")  # type: ignore[arg-type]
+    except NodeError as exc:
+        assert exc.kind == "output" and "\n" not in exc.reason
+        return
+    assert all(isinstance(s, ContainerState) for s in states)
+
+
+def test_inspect_cluster_deep_nesting_and_failure() -> None:
+    with pytest.raises(NodeError, match="nested too deeply"):
+        inspect_cluster(FakeNode(DEEP), "c")  # type: ignore[arg-type]
+    with pytest.raises(NodeError, match="cannot list containers: boom"):
+        inspect_cluster(FakeNode("", exit_code=1), "c")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------- log phases
+
+
+@FAST
+@given(st.lists(st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("latin-1")), max_size=20))
+def test_phase_of_any_lines(lines: list[str]) -> None:
+    assert phase_of(lines) in {"starting", *(name for name, _ in PHASES)}
+
+
+def test_phase_of_huge_lines_is_linear() -> None:
+    lines = ["Loading " * 200_000, "\x00\xff" * 500_000, "Application startup complete" + "x" * 1_000_000]
+    t = time.monotonic()
+    assert phase_of(lines) == "ready"
+    assert time.monotonic() - t < 2.0
+
+
+# ----------------------------------------------------------------------------------- lock owner
+
+
+@FAST
+@given(st.one_of(nasty_text, json_values.map(json.dumps),
+                 st.fixed_dictionaries({"who": json_values, "pid": json_values, "since": json_values,
+                                        "command": json_values, "token": json_values}).map(json.dumps)))
+def test_lock_owner_parse_any_text(text: str) -> None:
+    owner = LockOwner.parse(text)
+    assert owner is None or (isinstance(owner.pid, int) and isinstance(owner.who, str) and len(owner.who) <= 256)
+
+
+def test_lock_owner_known_traps() -> None:
+    assert LockOwner.parse(DEEP) is None
+    assert LockOwner.parse('{"who":"a","pid":1e400,"since":"s","command":"c","token":"t"}') is None  # inf
+    assert LockOwner.parse('{"who":"a","pid":' + "9" * 5000 + ',"since":"s","command":"c","token":"t"}') is None
+    assert LockOwner.parse("x" * 10_000_000) is None
+    ok = LockOwner("me@h", 7, "now", "up", "tok")
+    assert LockOwner.parse(ok.to_json() + "\ntrailing") == ok
+
+
+# -------------------------------------------------------------------------------------- metrics
+
+
+@FAST
+@given(st.lists(st.one_of(nasty_text, st.sampled_from(["vllm:num_requests_running", "vllm:kv_cache_usage_perc"]).map(
+    lambda n: n + ' {a="b"} '), st.from_regex(r"vllm:num_requests_waiting\{[^}]*\} (nan|inf|-inf|1e999|x|7)",
+                                             fullmatch=True)), max_size=20).map("\n".join))
+def test_metrics_summary_any_text(text: str) -> None:
+    out = _metrics_summary(text)
+    assert set(out) <= {"requests_running", "requests_waiting", "kv_cache_usage", "generation_tokens"}
+    assert all(isinstance(v, float) for v in out.values())
+
+
+def test_metrics_summary_bounded_on_a_huge_answer() -> None:
+    t = time.monotonic()
+    _metrics_summary("vllm:num_requests_running 1\n" * 2_000_000)
+    assert time.monotonic() - t < 5.0
+
+
+# --------------------------------------------------------------------------- checkpoint listing
+
+
+def listing() -> st.SearchStrategy[Any]:
+    config = st.fixed_dictionaries({}, optional={
+        k: st.integers(min_value=-5, max_value=10**40) | json_values
+        for k in ("num_hidden_layers", "num_nextn_predict_layers", "kv_lora_rank", "qk_rope_head_dim",
+                  "index_head_dim", "num_key_value_heads", "num_attention_heads", "hidden_size", "head_dim")})
+    index = st.fixed_dictionaries({}, optional={
+        "weight_map": st.dictionaries(st.text(max_size=8), st.sampled_from(["a.safetensors", "../x", ".h"]) |
+                                      json_values, max_size=3) | json_values,
+        "metadata": st.fixed_dictionaries({}, optional={"total_size": json_values}) | json_values})
+    files = st.fixed_dictionaries({}, optional={
+        "config.json": config.map(json.dumps) | nasty_text | st.just(DEEP) | json_values,
+        "model.safetensors.index.json": index.map(json.dumps) | nasty_text | json_values}) | json_values
+    sizes = st.dictionaries(st.sampled_from(["a.safetensors", "b.safetensors"]) | st.text(max_size=5),
+                            st.integers(min_value=-(2**70), max_value=2**70) | json_values | nasty_text,
+                            max_size=3) | json_values
+    return st.fixed_dictionaries({"is_dir": json_values | st.just(True), "files": files, "sizes": sizes})
+
+
+@FAST
+@given(listing())
+def test_checkpoint_from_any_listing(doc: dict[str, Any]) -> None:
+    try:
+        info = checkpoint_from_listing(Path("/m"), doc, "n1")
+    except SparkctlError:
+        return
+    assert isinstance(info, CheckpointInfo)
+    assert all(s.size is None or 0 <= s.size <= 1 << 50 for s in info.shards)
+    assert all("/" not in s.name for s in info.shards)
+    try:  # the planner's reading of a config a node handed over
+        terms = kv_terms(info.config, "fp8", 4, 4, Path("/m"))
+    except SparkctlError:
+        return
+    assert all(0 <= t.bytes_per_token < 2**64 for t in terms)
+
+
+def test_checkpoint_listing_known_traps() -> None:
+    good = {"config.json": json.dumps({"num_hidden_layers": 2})}
+    for bad in [{"is_dir": True, "files": good, "sizes": {"a.safetensors": "12"}},
+                {"is_dir": True, "files": good, "sizes": {"a.safetensors": -1}},
+                {"is_dir": True, "files": good, "sizes": {"a.safetensors": 10**30}},
+                {"is_dir": True, "files": good, "sizes": [1]},
+                {"is_dir": True, "files": {"config.json": "{\"a\": " + "1" * 5000 + "}"}, "sizes": {}},
+                {"is_dir": True, "files": {**good, "model.safetensors.index.json": '{"weight_map": []}'}},
+                {"is_dir": True, "files": {**good, "model.safetensors.index.json":
+                                           '{"weight_map": {"w": "../../etc/passwd"}}'}}]:
+        with pytest.raises(SparkctlError):
+            checkpoint_from_listing(Path("/m"), bad, "n1")
+
+
+# ------------------------------------------------------------------------------ the head's HTTP
+
+
+class Answers:
+    """What the loopback server answers next: (status, content type, body) per path."""
+
+    def __init__(self) -> None:
+        self.by_path: dict[str, tuple[int, bytes]] = {}
+        self.truncate = False
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[tuple[str, Answers]]:
+    answers = Answers()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            if self.command == "POST":
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, body = answers.by_path.get(self.path, (404, b""))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) + (100 if answers.truncate else 0)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+bodies = st.one_of(nasty_text.map(str.encode), st.binary(max_size=100), json_values.map(lambda v: json.dumps(v).encode()),
+                   st.fixed_dictionaries({"data": json_values}).map(lambda v: json.dumps(v).encode()),
+                   st.fixed_dictionaries({"choices": json_values}).map(lambda v: json.dumps(v).encode()))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from([200, 200, 401, 500, 503]), bodies, st.booleans())
+def test_head_api_any_answer(head: tuple[str, Answers], status: int, body: bytes, truncate: bool) -> None:
+    url, answers = head
+    answers.truncate = truncate
+    for path in ("/v1/models", "/v1/chat/completions", "/metrics", "/health"):
+        answers.by_path[path] = (status, body)
+    api = HeadApi(url, "k", timeout=2)
+    try:
+        models = api.models()
+        assert all(isinstance(m, str) for m in models)
+    except (SparkctlError, requests.RequestException):  # wait_ready's guard turns these into findings
+        pass
+    try:
+        text, _ = api.chat("m", "hi", timeout=2)
+        assert isinstance(text, str)
+    except (SparkctlError, requests.RequestException):
+        pass
+    assert api.metrics() is None or isinstance(api.metrics(), str)
+    assert api.health() in (status, None)
+
+
+def test_head_api_shapes_and_caps(head: tuple[str, Answers]) -> None:
+    url, answers = head
+    answers.truncate = False
+    api = HeadApi(url, timeout=5)
+    answers.by_path["/v1/models"] = (200, b"[1, 2]")
+    with pytest.raises(BadAnswer, match="not an object"):
+        api.models()
+    answers.by_path["/v1/models"] = (200, b'{"data": [{"id": 5}, {"id": "m"}, "x"]}')
+    assert api.models() == ["m"]
+    answers.by_path["/v1/models"] = (200, b"{" + b" " * (MAX_JSON_ANSWER + 10) + b"}")
+    with pytest.raises(BadAnswer, match="larger than"):
+        api.models()
+    answers.by_path["/v1/chat/completions"] = (200, b'{"choices": [{"message": {"content": ["x"]}, "text": "t"}]}')
+    assert api.chat("m", "p")[0] == "t"
+    answers.by_path["/v1/chat/completions"] = (200, DEEP.encode())
+    with pytest.raises(BadAnswer, match="not JSON"):
+        api.chat("m", "p")
+
+
+# ----------------------------------------------------------------------------- bench's parsers
+
+
+@FAST
+@given(st.text(max_size=400))
+def test_bench_prometheus_and_error_bodies(text: str) -> None:
+    for s in bench.parse_prometheus(text):
+        assert isinstance(s.value, float) and isinstance(s.labels, dict)
+    assert isinstance(bench._error_message(text.encode("utf-8", "surrogatepass")), str)
+
+
+def test_bench_prometheus_pathological_line_is_fast() -> None:
+    t = time.monotonic()
+    bench.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)
+    assert time.monotonic() - t < 2.0
+
+
+@FAST
+@given(st.lists(st.binary(max_size=80) | json_values.map(lambda v: json.dumps(v).encode()), max_size=8))
+def test_bench_stream_tracker_any_events(events: list[bytes]) -> None:
+    tr = bench._Tracker()
+    tr.feed(events, 1.0)
+    tr.feed_bulk(b"".join(b"data: " + e + b"\n\n" for e in events), 2.0)
+    assert tr.usage_tokens is None or isinstance(tr.usage_tokens, int)
+    assert tr.error is None or len(tr.error) <= 300
+
+
+@FAST
+@given(st.fixed_dictionaries({"schema": st.just(bench.SCHEMA), "workloads": st.dictionaries(
+    st.text(max_size=5), json_values, max_size=2)}))
+def test_bench_saved_run_any_content(tmp_path_factory: pytest.TempPathFactory, doc: dict[str, Any]) -> None:
+    p = tmp_path_factory.mktemp("saved") / "run.json"
+    p.write_text(json.dumps(doc))
+    try:
+        base = bench.load_saved(p)
+    except SparkctlError:
+        return
+    assert isinstance(bench.render_compare(base, base), str) and isinstance(bench.render_table(base), str)
+
+
+def test_bench_saved_run_damaged_level_is_bad_input(tmp_path: Path) -> None:
+    p = tmp_path / "run.json"
+    for levels in ([{"concurrency": "x"}], [{"concurrency": 2, "agg_tok_s": "fast", "ttft_s": {"p50": None}}],
+                   [{"concurrency": 1, "per_stream_tok_s": {"mean": 1.0}, "ttft_s": {"p50": 1.0},
+                     "spec_decode": {"drafts": 1, "accepted": "many"}}], "abc"):
+        p.write_text(json.dumps({"schema": bench.SCHEMA, "workloads": {"prose": levels}}))
+        with pytest.raises(SparkctlError, match="damaged"):
+            bench.load_saved(p)
