@@ -13,11 +13,13 @@ Both rounds start as few processes per node as they can: on the lab all nodes sh
 
 from __future__ import annotations
 
+import binascii
 import concurrent.futures
 import ipaddress
 import json
 import secrets
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import facts as F
+from .builders import open_api_warning
 from .cluster import Cluster, Node, NodeError
 from .plan import GB, INDEX_NAME, CheckpointInfo, Plan, Shard, gb, make_plan
 from .settings import RankPins, Settings
@@ -653,24 +656,47 @@ def rule_gpu_memory_utilization(plan: Plan | None) -> Finding | None:
     )
 
 
+def rule_open_api(warning: str | None) -> Finding | None:
+    """The service would answer anyone who reaches the head's port, with no API key: a warning."""
+    if warning is None:
+        return None
+    return _f(CLUSTER_ROW, "api", WARN, "open, no key", warning,
+              "set VLLM_API_KEY in the env file, or VLLM_EXTRA_ARGS='--host 127.0.0.1'")
+
+
 def checkpoint_from_scan(scan: Mapping[str, Any], model: str) -> CheckpointInfo:
     """What the planner needs (config.json, shard names and sizes) from the head's ckpt_scan,
-    so `check` can plan without the checkpoint on this machine. Raises ValueError when it can't."""
+    so `check` can plan without the checkpoint on this machine. The scan is what a node printed:
+    anything malformed raises ValueError (the check reports it), never another exception."""
     from .probes.ckpt_scan import decode_blob
 
-    if scan.get("error"):
-        raise ValueError(str(scan["error"].get("message")))
+    err = scan.get("error")
+    if err:
+        raise ValueError(str(err.get("message") if isinstance(err, dict) else err)[:300])
     blobs = scan.get("json") or {}
+    files = scan.get("files") or {}
+    if not isinstance(blobs, dict) or not isinstance(files, dict):
+        raise ValueError("the checkpoint scan is malformed (json/files are not objects)")
 
     def load(name: str) -> Any:
         entry = blobs.get(name) or {}
-        raw = decode_blob(entry.get("data")) if not entry.get("missing") else None
-        return json.loads(raw) if raw else None
+        if not isinstance(entry, dict):
+            raise ValueError(f"the checkpoint scan's {name} entry is malformed")
+        try:
+            raw = decode_blob(entry.get("data")) if not entry.get("missing") else None
+            return json.loads(raw) if raw else None
+        except (ValueError, TypeError, RecursionError, zlib.error, binascii.Error) as exc:
+            raise ValueError(f"{name} on the head cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+    def size_of(name: str) -> int | None:
+        entry = files.get(name)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        ok = isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 1 << 50
+        return size if ok else None
 
     config = load("config.json")
     if not isinstance(config, dict):
         raise ValueError("config.json is missing or not a JSON object")
-    files = scan.get("files") or {}
     index = load(INDEX_NAME)
     total = None
     if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
@@ -682,8 +708,8 @@ def checkpoint_from_scan(scan: Mapping[str, Any], model: str) -> CheckpointInfo:
             else None
         )
     else:
-        names = sorted(n for n in files if "/" not in n and n.endswith(".safetensors"))
-    shards = tuple(Shard(n, (files.get(n) or {}).get("size")) for n in names)
+        names = sorted(n for n in files if isinstance(n, str) and "/" not in n and n.endswith(".safetensors"))
+    shards = tuple(Shard(n, size_of(n)) for n in names)
     return CheckpointInfo(Path(model), config, shards, total)
 
 
@@ -957,9 +983,12 @@ def run_check(
     util = rule_gpu_memory_utilization(plan)
     if util is not None:
         findings.append(util)
+    api = rule_open_api(open_api_warning(settings))
+    if api is not None:
+        findings.append(api)
     facts = {n: f for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts)}
     timing["total"] = time.monotonic() - start
-    order = {c: i for i, c in enumerate((*CHECKS, "checkpoint"))}
+    order = {c: i for i, c in enumerate((*CHECKS, "checkpoint", "api"))}
     node_order = {n: i for i, n in enumerate([*nodes, CLUSTER_ROW])}
     findings.sort(key=lambda f: (node_order.get(f.node, 999), order.get(f.check, 999)))
     return CheckReport(list(nodes), findings, pins, plan, facts, timing)

@@ -485,7 +485,7 @@ def load_argv(codec: str) -> list[str]:
 
 
 def cleanup_argv(saved: str) -> list[str]:
-    if not re.fullmatch(r"/[A-Za-z0-9._/-]*/sparkctl-ship\.[A-Za-z0-9]+", saved):
+    if not re.fullmatch(r"/[A-Za-z0-9._/-]*/sparkctl-ship\.[A-Za-z0-9]+", saved) or ".." in saved.split("/"):
         raise ValueError(f"refusing to remove {saved!r}: not a sparkctl-ship folder")
     return ["rm", "-rf", "--", saved]
 

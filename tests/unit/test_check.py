@@ -692,3 +692,20 @@ def test_image_content_hash_makes_separate_builds_equal() -> None:
     got = C.rule_image(imgs, "spark1", "c:keys3", {})
     assert got["spark1"].status == OK and got["spark2"].status == OK and "content h1" in got["spark2"].text
     fails_with_fix(got["spark3"], "spark3", "cccccccccccc")
+
+
+def test_open_api_is_a_cluster_warning_with_a_fix() -> None:
+    from sparkctl.check import CLUSTER_ROW, WARN, rule_open_api
+
+    assert rule_open_api(None) is None
+    f = rule_open_api("the API on spark1:8888 will listen on 0.0.0.0 without an API key")
+    assert f is not None and f.node == CLUSTER_ROW and f.status == WARN and "VLLM_API_KEY" in f.fix
+
+
+def test_checkpoint_from_scan_refuses_hostile_scans_with_value_error() -> None:
+    from sparkctl.check import checkpoint_from_scan
+
+    for scan in ({"error": "boom"}, {"json": [], "files": {}}, {"json": {"config.json": "x"}},
+                 {"json": {"config.json": {"data": 5}}}, {"json": {"config.json": {"data": "!!notbase64"}}}):
+        with pytest.raises(ValueError):
+            checkpoint_from_scan(scan, "/m")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import binascii
 import hashlib
 import json
 import os
@@ -66,8 +67,13 @@ def decode_blob(blob: Any) -> bytes | None:
     if isinstance(blob, (bytes, bytearray)):
         return bytes(blob)
     # zlib.decompress of attacker-ish data could be a bomb; bound the output to the header cap.
-    d = zlib.decompressobj()
-    out = d.decompress(base64.b64decode(blob), MAX_JSON_BYTES + 1)
+    if not isinstance(blob, str):
+        raise ValueError(f"an encoded blob must be a string, not {type(blob).__name__}")
+    try:
+        d = zlib.decompressobj()
+        out = d.decompress(base64.b64decode(blob, validate=True), MAX_JSON_BYTES + 1)
+    except (zlib.error, binascii.Error) as exc:  # what a node printed: a finding, not a crash
+        raise ValueError(f"corrupt encoded blob ({exc})") from None
     if len(out) > MAX_JSON_BYTES:
         raise ValueError("decompressed blob exceeds the cap")
     return out
