@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,53 +39,22 @@ sys.path.insert(0, str(ROOT / "launcher"))
 
 from sparkctl.bench import parse_prometheus  # noqa: E402
 from sparkctl.ckptgen import make_checkpoint  # noqa: E402
+from sparkctl.lab.local import local_standin  # noqa: E402
 
-STANDIN = ROOT / "launcher" / "sparkctl" / "lab" / "standin_vllm.py"
 TOLERANCE = 0.05
 CPU_TARGET_PCT = 5.0
 SPEED, TTFT, K = 40.0, 0.3, 3
 LEVELS = "1,2,4,8"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def standin(model: Path, *, tok_s: float, ttft: float, accept: float | None) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "STANDIN_DECODE_TOK_S": str(tok_s), "STANDIN_TTFT_S": str(ttft),
-           "STANDIN_ACCEPT_RATE": str(accept or 0)}
-    argv = [sys.executable, str(STANDIN), "serve", str(model), "--nnodes", "1", "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", "bench-model", "--max-model-len", "100000",
-            "--disable-uvicorn-access-log"]
+    env = {"STANDIN_DECODE_TOK_S": str(tok_s), "STANDIN_TTFT_S": str(ttft), "STANDIN_ACCEPT_RATE": str(accept or 0)}
+    extra = ["--max-model-len", "100000"]
     if accept is not None:
-        argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else ""
-                raise SystemExit(f"the stand-in engine did not start on {url}: {err[-2000:]}")
-            time.sleep(0.1)
+        extra += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
+    with local_standin(model, env=env, served_name="bench-model", extra_args=extra) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def sparkctl_bench(url: str, *args: str, limit_s: float = 120) -> dict[str, Any]:

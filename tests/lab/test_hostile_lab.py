@@ -50,13 +50,7 @@ LAB_SETTINGS = settings(max_examples=30, deadline=None, phases=[Phase.explicit, 
 
 
 def pins(lab: Lab) -> dict[str, str]:
-    """Every rank's fabric pins, as `check` would discover them (so that `render` works offline)."""
-    out = {}
-    for r, n in enumerate(NODES):
-        h = lab.host(n)
-        out |= {f"RANK{r}_FABRIC_IP": h.fabric_ip, f"RANK{r}_CX7_IF": h.fabric_if, f"RANK{r}_CX7_IB": h.fabric_hca,
-                f"RANK{r}_GID_INDEX": str(h.gid_index)}
-    return out
+    return lab.pin_knobs(NODES)
 
 
 def sk(lab: Lab, cwd: Path, *args: str, env: dict[str, str] | None = None,

@@ -55,13 +55,7 @@ def secret_env(chain: Lab, tmp_path: Path) -> Iterator[tuple[Lab, Path, dict[str
 
 
 def pins(lab: Lab) -> dict[str, str]:
-    """Every rank's fabric pins (what `check` discovers), so that `render` works offline."""
-    out = {}
-    for r, n in enumerate(NODES):
-        h = lab.host(n)
-        out |= {f"RANK{r}_FABRIC_IP": h.fabric_ip, f"RANK{r}_CX7_IF": h.fabric_if, f"RANK{r}_CX7_IB": h.fabric_hca,
-                f"RANK{r}_GID_INDEX": str(h.gid_index)}
-    return out
+    return lab.pin_knobs(NODES)
 
 
 def run(env: dict[str, str], cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -8,11 +8,8 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,6 +22,7 @@ from hypothesis import strategies as st
 from sparkctl import bench as b
 from sparkctl.cli import main
 from sparkctl.errors import CheckFailed, UsageError
+from sparkctl.lab.local import local_standin
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "launcher" / "sparkctl" / "lab" / "standin_vllm.py"
@@ -596,34 +594,10 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     model = tmp_path_factory.mktemp("standin") / "tiny"
     make_checkpoint(model, "tiny")
-    port = free_port()
-    env = {**os.environ, "STANDIN_DECODE_TOK_S": "2000", "STANDIN_TTFT_S": "0.05", "STANDIN_ACCEPT_RATE": "0.5"}
-    proc = subprocess.Popen(
-        [sys.executable, str(STANDIN), "serve", str(model), "--nnodes", "1", "--host", "127.0.0.1",
-         "--port", str(port), "--served-model-name", "m", "--disable-uvicorn-access-log",
-         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"stand-in did not start: {proc.stderr.read().decode() if proc.stderr else ''}")
-        time.sleep(0.1)
-    try:
+    env = {"STANDIN_DECODE_TOK_S": "2000", "STANDIN_TTFT_S": "0.05", "STANDIN_ACCEPT_RATE": "0.5"}
+    spec = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+    with local_standin(model, env=env, extra_args=spec) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_standin_measures_known_speed_ttft_and_tokens_per_step(standin):

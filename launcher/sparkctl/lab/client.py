@@ -97,6 +97,16 @@ class Lab:
         return subprocess.run(["docker", "-H", self.host(name).docker_host, *args],
                               capture_output=True, text=True, timeout=timeout, check=check)
 
+    def pin_knobs(self, names: list[str]) -> dict[str, str]:
+        """RANK<n>_* knobs with every rank's true fabric pins (what `check` discovers), in `names` order,
+        so that offline commands such as `render` work without a `check` first."""
+        out: dict[str, str] = {}
+        for r, n in enumerate(names):
+            h = self.host(n)
+            out |= {f"RANK{r}_FABRIC_IP": h.fabric_ip, f"RANK{r}_CX7_IF": h.fabric_if,
+                    f"RANK{r}_CX7_IB": h.fabric_hca, f"RANK{r}_GID_INDEX": str(h.gid_index)}
+        return out
+
     # -- the stand-in service, one container per rank (tests and benchmarks)
     def rank_env(self, name: str, ifname: str | None = None) -> dict[str, str]:
         """The per-rank pins a real launcher sets, from the host's truths (ifname overrides the pin)."""
