@@ -125,12 +125,18 @@ def write_client_files(files: LabFiles, specs: list[HostSpec]) -> None:
     files.ssh_config.write_text("\n".join(cfg))
     files.known_hosts.write_text("\n".join(known) + "\n")
     names = " ".join(s.name for s in specs)
+    # TP spans every host (one GPU each); DCP is the recipe's 4 where it divides TP, else the largest
+    # of 2 and 1 that does, so the file is a valid cluster input for any number of hosts.
+    tp = len(specs)
+    dcp = next(d for d in (4, 2, 1) if tp % d == 0)
     files.env_file.write_text(
         "# The lab cluster (written by `sparkctl lab up`). Use: sparkctl --env-file THIS --ssh-config "
         f"{files.ssh_config} check\n"
         f'NODES="{names}"\n'
         f"MODEL={MODEL_PATH}\n"
         "RECIPE=lab\n"
+        f"TP={tp}\n"
+        f"DCP={dcp}\n"
         f"FABRIC_SUBNET={FABRIC_NET}\n"
     )
 
