@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -52,7 +52,6 @@ class Globals:
     ssh_config: str | None = None
     json: bool = False
     verbosity: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def cli_overrides(self) -> dict[str, str]:
         """The CLI flags that are also knobs, highest precedence."""
