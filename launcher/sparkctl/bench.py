@@ -1313,20 +1313,17 @@ def render_compare(doc: dict[str, Any], base: dict[str, Any]) -> str:
     for task, cells in tasks.items():
         out: list[str] = []
         for name, cell in cells.items():
+            o, n = cell["old"], cell["new"]
             if name.startswith("TTFT"):
-                o, n = cell["old"], cell["new"]
                 txt = f"{_ttft(tuple(o) if o else None)} → {_ttft(tuple(n) if n else None)}"
-                if cell["change_pct"] is not None:
-                    txt += f" ({cell['change_pct']:+.1f}%)"
-                out.append(txt)
             elif name.startswith("accepted"):
-                o, n = cell["old"], cell["new"]
                 txt = f"{_f(o, 2)} → {_f(n, 2)}"
-                if cell["change_pct"] is not None:
-                    txt += f" ({cell['change_pct']:+.1f}%)"
-                out.append(txt)
             else:
-                out.append(_pct(cell["old"], cell["new"]))
+                out.append(_pct(o, n))
+                continue
+            if cell["change_pct"] is not None:
+                txt += f" ({cell['change_pct']:+.1f}%)"
+            out.append(txt)
         lines.append("| " + " | ".join([task, *out]) + " |")
     missing = [t for t in (r.task for r in table_rows(base)[1]) if t not in tasks]
     if missing:

@@ -521,25 +521,30 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
     )
 
 
-def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None) -> paramiko.Transport:
-    """One verified, authenticated SSH transport to `target`, or a NodeError saying why not.
-    Connection establishment alone is retried (bounded) when sshd drops us mid-handshake."""
+def _handshake(target: SshTarget, timeout: float, attempts: int) -> paramiko.Transport:
+    """The SSH transport (host key not yet judged). Retried, bounded, only when sshd dropped us
+    mid-handshake; what still fails is the node's NodeError."""
 
     @retry(
         retry=retry_if_exception_type(_Retryable),
-        stop=stop_after_attempt(3),
+        stop=stop_after_attempt(attempts),
         wait=wait_exponential(multiplier=0.2, max=1.0),
         reraise=True,
     )
-    def handshake() -> paramiko.Transport:
+    def attempt() -> paramiko.Transport:
         return open_transport(target, timeout)
 
     try:
-        transport = handshake()
+        return attempt()
     except _Retryable as exc:
         raise NodeError(
             target.alias, "protocol", str(exc), f"check that sshd on {target.alias} is healthy"
         ) from None
+
+
+def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None) -> paramiko.Transport:
+    """One verified, authenticated SSH transport to `target`, or a NodeError saying why not."""
+    transport = _handshake(target, timeout, attempts=3)
     try:
         server_key = transport.get_remote_server_key()
         verdict = judge_host_key(target, server_key.get_name(), server_key.asbytes())
@@ -555,12 +560,7 @@ def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None)
 
 def fetch_host_key(target: SshTarget, *, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> tuple[str, bytes]:
     """The (key type, key blob) a host offers, without trusting it and without logging in."""
-    try:
-        transport = open_transport(target, timeout)
-    except _Retryable as exc:
-        raise NodeError(
-            target.alias, "protocol", str(exc), f"check that sshd on {target.alias} is healthy"
-        ) from None
+    transport = _handshake(target, timeout, attempts=1)
     try:
         key = transport.get_remote_server_key()
         return key.get_name(), key.asbytes()
