@@ -47,12 +47,6 @@ _AUDIT_TAIL = r'''f="$1"; n="$2"; [ -f "$f" ] && tail -n "$n" -- "$f" || true'''
 MAX_OWNER_CHARS = 4096  # an owner line is ~200 characters; more is not ours
 
 
-class RunResultLike(Protocol):
-    stdout: str
-    stderr: str
-    exit_code: int
-
-
 class Runner(Protocol):
     """What the lock needs from a node: run an argv (joined with shlex.join by the cluster layer)."""
 

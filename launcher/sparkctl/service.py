@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import re
-import shlex
 import signal
 import threading
 import time
@@ -478,12 +477,12 @@ def stream_logs(cluster: Cluster, settings: Settings, ranks: Sequence[int], *, t
     return errors
 
 
+def api_base_url(hostname: str, port: int) -> str:
+    """The head's OpenAI API: its ssh config HostName (an IPv6 address in brackets) and PORT."""
+    if ":" in hostname:
+        hostname = f"[{hostname}]"
+    return f"http://{hostname}:{port}"
+
+
 def head_base_url(cluster: Cluster, settings: Settings) -> str:
-    host = cluster.target(settings.head).hostname
-    if ":" in host:  # an IPv6 address
-        host = f"[{host}]"
-    return f"http://{host}:{settings.getint('PORT')}"
-
-
-def shell_line(argv: Sequence[str]) -> str:
-    return shlex.join(list(argv))
+    return api_base_url(cluster.target(settings.head).hostname, settings.getint("PORT"))

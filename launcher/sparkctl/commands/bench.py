@@ -135,25 +135,15 @@ def _target(g: Any, url: str | None, model: str | None,
         return bench.Endpoint.parse(url), model, api_key
     s = g.settings()
     warn(s.warnings)
-    head = s.head
-    host = _ssh_hostname(g.ssh_config_path(), head)
-    port = int(s.get("PORT", 8888))
+    # The head's address is its HostName in the ssh config, resolved as every other command does.
+    from ..cluster import load_ssh_config, resolve_target
+    from ..service import api_base_url
+
+    config, config_path = load_ssh_config(g.ssh_config_path())
+    host = resolve_target(s.head, config, config_path).hostname
     if api_key is None:
         api_key = s.get("VLLM_API_KEY")
-    return bench.Endpoint.parse(f"http://{host}:{port}"), model or s.get("SERVED_MODEL_NAME"), api_key
-
-
-def _ssh_hostname(config_path: str, alias: str) -> str:
-    """The address the ssh config gives the alias (HostName), else the alias itself."""
-    import paramiko
-
-    if not os.path.isfile(config_path):
-        return alias
-    try:
-        cfg = paramiko.SSHConfig.from_path(config_path)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"ssh config {config_path}: cannot be read ({exc})") from None
-    return str(cfg.lookup(alias).get("hostname") or alias)
+    return bench.Endpoint.parse(api_base_url(host, s.getint("PORT"))), model or s.get("SERVED_MODEL_NAME"), api_key
 
 
 def _report(g: Any, doc: dict[str, Any], run: bench.BenchRun, base: dict[str, Any] | None, save: str | None) -> None:

@@ -173,20 +173,21 @@ def main(argv: list[str]) -> int:
     fmt: str | None = None
     flags: set[str] = set()
     i = 0
+
+    def value(arg: str) -> tuple[str | None, int]:
+        """`--opt=VALUE` or `--opt VALUE`: the value and how many extra words it took."""
+        if "=" in arg:
+            return arg.split("=", 1)[1], 0
+        return (argv[i + 1], 1) if i + 1 < len(argv) else (None, 0)
+
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--query-gpu"):
-            if "=" in arg:
-                query_spec = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                i += 1
-                query_spec = argv[i]
+            query_spec, used = value(arg)
+            i += used
         elif arg.startswith("--format"):
-            if "=" in arg:
-                fmt = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                i += 1
-                fmt = argv[i]
+            fmt, used = value(arg)
+            i += used
         elif arg in ("-i", "--id"):
             i += 1  # one GPU: any id selects it
         elif arg.startswith("--id="):
