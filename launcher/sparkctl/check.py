@@ -389,9 +389,11 @@ def rule_reach(node: str, outcome: Mapping[str, str] | NodeError | None, peers: 
 
 
 def rule_ports(node: str, facts: F.NodeFacts, needs: Needs, *, is_head: bool) -> Finding:
+    if not is_head:  # the ranks connect to the head's ports; nothing listens on a fixed port elsewhere
+        return _f(node, "ports", OK, "-")
     if facts.listeners is None:
         return _unknown(node, "ports", facts, "listening")
-    wanted = {needs.port: "PORT (the API)", needs.master_port: "MASTER_PORT (rendezvous)"} if is_head else {}
+    wanted = {needs.port: "PORT (the API)", needs.master_port: "MASTER_PORT (rendezvous)"}
     taken = F.ports_in_use(facts.listeners, wanted)
     if taken:
         what = ", ".join(f"{p} {wanted[p]}" for p in taken)
@@ -404,7 +406,7 @@ def rule_ports(node: str, facts: F.NodeFacts, needs: Needs, *, is_head: bool) ->
             f"find it with `ss -ltnp 'sport = :{taken[0]}'` on {node} and stop it (a previous "
             "sparkctl service: `sparkctl down`), or choose another PORT/MASTER_PORT",
         )
-    return _f(node, "ports", OK, "free" if is_head else "-")
+    return _f(node, "ports", OK, "free")
 
 
 def rule_disk(node: str, facts: F.NodeFacts) -> Finding:
@@ -773,16 +775,18 @@ def gather(
     facts_script, scan_script = _script("node_facts.sh"), _script("ckpt_scan.py") if layout else b""
     nonce = secrets.token_hex(8)
 
-    def args(banner: bool) -> list[str]:
+    def args(head: bool) -> list[str]:  # the CUDA banner and the listening ports: the head's only
         return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image], df_paths=DF_PATHS,
-                            api=True, banner=banner)  # fmt: skip
+                            api=True, banner=head, listening=head)  # fmt: skip
 
     head_args, other_args = args(True), args(False)
 
     def node_facts(node: Node) -> F.NodeFacts:
         on_head = node.name == head
         res = node.run_script(facts_script, [nonce, *(head_args if on_head else other_args)], timeout=timeout)
-        return F.node_facts_from_probe(res.stdout, nonce, expect_banner=on_head)
+        return F.node_facts_from_probe(
+            res.stdout, nonce, res.stderr, expect_banner=on_head, expect_listening=on_head
+        )
 
     def scan(node: Node) -> dict[str, Any] | str:
         try:

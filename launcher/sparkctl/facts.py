@@ -17,7 +17,7 @@ import ipaddress
 import json
 import re
 import urllib.parse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, ParamSpec, TypeVar
 
@@ -550,13 +550,42 @@ DOCKER_SECTIONS: Final = ("docker-version", "docker-ps", "docker-images")
 
 
 def docker_api_paths(cluster: str, image: str | None) -> list[str]:
-    """Engine API paths the probe asks (with curl over the engine's unix socket): the version, this
-    cluster's containers, the image. Percent-encoded here, so nothing in them is URL syntax."""
+    """Engine API paths the probe asks (with curl over the engine's unix socket): this cluster's
+    containers, the image. (The engine's version comes with every answer's headers.) Percent-encoded
+    here, so nothing in them is URL syntax."""
     filters = urllib.parse.quote(json.dumps({"label": [f"sparkctl.cluster={cluster}"]}), safe="")
-    paths = ["/version", f"/containers/json?all=1&filters={filters}"]
+    paths = [f"/containers/json?all=1&filters={filters}"]
     if image:
         paths.append(f"/images/{urllib.parse.quote(image, safe='/:@')}/json")
     return paths
+
+
+def _http_reply(raw: str) -> tuple[dict[str, str], str]:
+    """curl -D - output of one answer: (headers with lower-case names, body)."""
+    if not raw.startswith("HTTP/"):
+        return {}, raw
+    head, sep, body = raw.partition("\r\n\r\n")
+    if not sep:
+        head, _, body = raw.partition("\n\n")
+    headers: dict[str, str] = {}
+    for line in head.splitlines()[1:]:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers[name.strip().lower()] = value.strip()[:200]
+    return headers, body
+
+
+_SERVER = re.compile(r"Docker/([0-9A-Za-z.+~_-]+)(?:\s*\(([^)]*)\))?")
+
+
+def docker_version_from_headers(headers: Mapping[str, str]) -> DockerVersion:
+    """The engine's version from the headers it puts on every answer: "Server: Docker/27.5.1
+    (linux)", "Api-Version: 1.47". An engine that answers without them is still an engine."""
+    server = headers.get("server", "")
+    m = _SERVER.fullmatch(server.strip())
+    version = m.group(1) if m else (server or "unknown (no Server header)")
+    os_name = (m.group(2) if m else None) or headers.get("ostype") or None
+    return DockerVersion(None, version, headers.get("api-version") or None, os_name, None)
 
 
 @dataclass(frozen=True)
@@ -568,20 +597,21 @@ class DockerFacts:
 
 
 def docker_facts_from_api(sec: Section, nonce: str) -> DockerFacts:
-    """The probe's docker-api section: 'socket unix://PATH', then per request curl's body followed by
-    '@@sparkctl NONCE http CODE' (000: no answer). Never raises: what went wrong goes to .problems."""
+    """The probe's docker-api section: 'socket unix://PATH', then per request curl's headers and body
+    followed by '@@sparkctl NONCE http CODE' (000: no answer): the containers, then the image.
+    Never raises: what went wrong goes to .problems."""
     head, _, rest = sec.stdout.partition("\n")
     where = head.removeprefix("socket ").strip()[:200] or "its socket"
     parts = re.split(rf"\n?@@sparkctl {re.escape(nonce)} http (\d{{3}})\n", rest)
-    replies = [(int(code), body) for body, code in zip(parts[0::2], parts[1::2], strict=False)]
-    if not replies or any(code == 0 for code, _ in replies):
+    replies = [(int(code), *_http_reply(raw)) for raw, code in zip(parts[0::2], parts[1::2], strict=False)]
+    if not replies or any(code == 0 for code, _, _ in replies):
         err = next((ln.strip() for ln in sec.stderr.splitlines() if ln.strip()), f"exit status {sec.rc}")
         why = f"cannot connect to the Docker engine at {where} ({err[:200]})"
         return DockerFacts(None, None, None, dict.fromkeys(DOCKER_SECTIONS, why))
     problems: dict[str, str] = {}
 
     def body_json(i: int, key: str) -> Any:
-        code, body = replies[i] if i < len(replies) else (0, "")
+        code, _, body = replies[i] if i < len(replies) else (0, {}, "")
         if code != 200:
             problems[key] = _api_message(code, body)
             return None
@@ -591,23 +621,19 @@ def docker_facts_from_api(sec: Section, nonce: str) -> DockerFacts:
             problems[key] = str(exc)
             return None
 
-    version: DockerVersion | None = None
-    v = body_json(0, "docker-version")
-    if isinstance(v, dict):
-        version = DockerVersion(None, _opt_str(v.get("Version")), _opt_str(v.get("ApiVersion")),
-                                _opt_str(v.get("Os")), _opt_str(v.get("Arch")))  # fmt: skip
+    version = docker_version_from_headers(replies[0][1])
     containers: list[Container] | None = None
-    c = body_json(1, "docker-ps")
+    c = body_json(0, "docker-ps")
     if c is not None:
         try:
             containers = _containers_from_api(c)
         except ParseError as exc:
             problems["docker-ps"] = str(exc)
     images: list[Image] | None = None
-    if len(replies) > 2 and replies[2][0] == 404:
+    if len(replies) > 1 and replies[1][0] == 404:
         images = []
-    elif len(replies) > 2:
-        i = body_json(2, "docker-images")
+    elif len(replies) > 1:
+        i = body_json(1, "docker-images")
         if i is not None:
             try:
                 images = parse_image_inspect(json.dumps([i]))
@@ -713,9 +739,13 @@ class Section:
     rc: int
 
 
+STDERR_LINES = 20  # of each section's stderr, kept (the first one is what a finding quotes)
+
+
 @_guard
-def parse_probe_sections(text: str, nonce: str) -> dict[str, Section]:
-    """Split node_facts.sh output into its sections (see the framing described in the script).
+def parse_probe_sections(text: str, nonce: str, stderr: str = "") -> dict[str, Section]:
+    """Split node_facts.sh output into its sections (see the framing described in the script):
+    stdout carries "begin NAME" ... "end NAME RC", stderr "stderr NAME" before each one's errors.
 
     Only lines carrying `nonce` frame a section, so output that imitates the markers is just data.
     A section cut off by a dropped connection is left out; the caller reports it as missing.
@@ -723,6 +753,12 @@ def parse_probe_sections(text: str, nonce: str) -> dict[str, Section]:
     if not re.fullmatch(r"[0-9a-f]{8,64}", nonce):
         raise ParseError("bad nonce")
     mark = f"@@sparkctl {nonce} "
+    errors: dict[str, str] = {}
+    chunks = stderr.split(f"{mark}stderr ")
+    for chunk in chunks[1:]:
+        name, _, body = chunk.partition("\n")
+        lines = body.splitlines(keepends=True)[:STDERR_LINES]
+        errors[name] = "".join(lines)
     out: dict[str, Section] = {}
     pos = 0
     while True:
@@ -733,18 +769,17 @@ def parse_probe_sections(text: str, nonce: str) -> dict[str, Section]:
         if name_end < 0:
             return out
         name = text[start + len(mark) + len("begin ") : name_end]
-        stderr_mark = f"\n{mark}stderr {name}\n"
-        end_mark = f"{mark}end {name} "
-        s = text.find(stderr_mark, name_end)
-        e = text.find(end_mark, s if s >= 0 else name_end)
-        if s < 0 or e < 0:
+        end_mark = f"\n{mark}end {name} "
+        e = text.find(end_mark, name_end)
+        if e < 0:
             return out
-        rc_end = text.find("\n", e)
-        rc_text = text[e + len(end_mark) : rc_end if rc_end >= 0 else len(text)]
+        rc_start = e + len(end_mark)
+        rc_end = text.find("\n", rc_start)
+        rc_text = text[rc_start : rc_end if rc_end >= 0 else len(text)]
         if not rc_text.strip().isdigit():
             raise ParseError(f"section {name[:40]!r} has no exit code")
-        out[name] = Section(name, text[name_end + 1 : s], text[s + len(stderr_mark) : e], int(rc_text))
-        pos = e
+        out[name] = Section(name, text[name_end + 1 : e], errors.get(name, ""), int(rc_text))
+        pos = rc_start
 
 
 @dataclass
@@ -800,14 +835,22 @@ _PARTIAL_OK = {"docker-version", "docker-images"}
 
 
 def node_facts_from_probe(
-    text: str, nonce: str, *, expect_model: bool = True, expect_docker: bool = True, expect_banner: bool = True
+    text: str,
+    nonce: str,
+    stderr: str = "",
+    *,
+    expect_model: bool = True,
+    expect_docker: bool = True,
+    expect_banner: bool = True,
+    expect_listening: bool = True,
 ) -> NodeFacts:
-    """Parse the whole probe output into NodeFacts. Never raises: what went wrong goes to .problems.
-    expect_docker/expect_banner=False: the probe ran with probe_args(docker=False / banner=False),
-    so those sections are not missing, just not asked for."""
+    """Parse the whole probe output (its stdout and stderr) into NodeFacts. Never raises: what went
+    wrong goes to .problems.
+    expect_docker/expect_banner/expect_listening=False: the probe ran with probe_args(docker=False /
+    banner=False / listening=False), so those sections are not missing, just not asked for."""
     facts = NodeFacts()
     try:
-        sections = parse_probe_sections(text, nonce)
+        sections = parse_probe_sections(text, nonce, stderr)
     except ParseError as exc:
         facts.problems["probe"] = str(exc)
         return facts
@@ -824,7 +867,8 @@ def node_facts_from_probe(
     for name, (attr, parser) in _PARSERS.items():
         sec = sections.get(name)
         if sec is None:
-            asked = {"model": expect_model, "gpu-banner": expect_banner}.get(name, True) and (
+            optional = {"model": expect_model, "gpu-banner": expect_banner, "listening": expect_listening}
+            asked = optional.get(name, True) and (
                 name not in DOCKER_SECTIONS or expect_docker
             )
             if asked:
@@ -849,14 +893,17 @@ def probe_args(
     df_paths: Iterable[str] = (),
     docker: bool = True,
     banner: bool = True,
+    listening: bool = True,
     api: bool = False,
 ) -> list[str]:
     """The key=value arguments node_facts.sh takes (after its nonce); each becomes one quoted word.
     docker=False leaves out the Docker sections; api=True asks the engine's API over its local
     socket with one curl (the three docker CLI runs where that cannot be done); banner=False leaves
-    out plain `nvidia-smi` (its CUDA version; check asks the head only)."""
+    out plain `nvidia-smi` (its CUDA version; check asks the head only); listening=False leaves out
+    the listening ports (only the head's matter)."""
     images = list(images)
     args = [f"cluster={cluster}"] + ([] if docker else ["docker=no"]) + ([] if banner else ["banner=no"])
+    args += [] if listening else ["listening=no"]
     if docker and api:
         args += [f"api={p}" for p in docker_api_paths(cluster, images[0] if images else None)]
     if model:

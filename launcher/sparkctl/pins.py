@@ -19,11 +19,19 @@ from .settings import RankPins, Settings
 
 def probe_node(node: Node, settings: Settings) -> NodeFacts:
     """node_facts.sh on one node (one round trip), only what pins need: no model listing, no Docker
-    sections (`up` inspects its containers itself), no nvidia-smi banner."""
+    sections (`up` inspects its containers itself), no nvidia-smi banner, no listening ports."""
     nonce = secrets.token_hex(8)
-    args = probe_args(cluster=settings.cluster_name, docker=False, banner=False)
+    args = probe_args(cluster=settings.cluster_name, docker=False, banner=False, listening=False)
     r = node.run_script(probe_script("node_facts.sh"), [nonce, *args], timeout=60)
-    return node_facts_from_probe(r.stdout, nonce, expect_model=False, expect_docker=False, expect_banner=False)
+    return node_facts_from_probe(
+        r.stdout,
+        nonce,
+        r.stderr,
+        expect_model=False,
+        expect_docker=False,
+        expect_banner=False,
+        expect_listening=False,
+    )
 
 
 def pins_from_facts(settings: Settings, facts: dict[str, NodeFacts | NodeError]) -> list[RankPins]:

@@ -45,3 +45,14 @@ def link_down(lab: Lab, name: str, iface: str | None = None) -> Iterator[str]:
         yield iface
     finally:
         subprocess.run(["ip", "-n", name, "link", "set", iface, "up"], check=True, timeout=10)
+
+
+@contextmanager
+def tcp_dropped(lab: Lab, name: str, port: int) -> Iterator[None]:
+    """A firewall on the host that silently drops incoming TCP to `port` (no RST, no ICMP)."""
+    rule = ["INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"]
+    subprocess.run(["ip", "netns", "exec", name, "iptables", "-I", *rule], check=True, timeout=10)
+    try:
+        yield
+    finally:
+        subprocess.run(["ip", "netns", "exec", name, "iptables", "-D", *rule], check=True, timeout=10)

@@ -26,7 +26,7 @@ import pytest
 from dotenv import dotenv_values
 
 from sparkctl.lab.client import Lab
-from tests.lab.faults import docker_stopped, link_down, sshd_stopped
+from tests.lab.faults import docker_stopped, link_down, sshd_stopped, tcp_dropped
 
 pytestmark = pytest.mark.lab
 
@@ -169,6 +169,22 @@ def test_fabric_interface_down(healthy: Lab, tmp_path: Path) -> None:
     bad = assert_only_failures(doc, ("spark3", "fabric"))
     assert bad[("spark3", "fabric")]["short"] == "enp1s0f1np1 down"
     assert "ip link set enp1s0f1np1 up" in bad[("spark3", "fabric")]["fix"]
+
+
+def test_firewall_dropping_the_master_port(healthy: Lab, tmp_path: Path) -> None:
+    """spark3 drops TCP to MASTER_PORT: every other rank's reach test names it (the fast unforked pass
+    cannot settle it, the parallel pass waits its 3 s), and the check still ends in seconds."""
+    start = time.monotonic()
+    with tcp_dropped(healthy, "spark3", MASTER_PORT):
+        code, doc = run_check(healthy, tmp_path)
+    took = time.monotonic() - start
+    assert code == 1
+    bad = assert_only_failures(doc, *[(n, "reach") for n in ("spark1", "spark2", "spark4")])
+    for f in bad.values():
+        assert "cannot reach spark3" in f["reason"] and f"port {MASTER_PORT}" in f["reason"], f
+        assert "firewall" in f["fix"]
+    assert by_cell(doc)[("spark3", "reach")]["status"] == "ok"  # its own connects out are answered
+    assert took < 15, took
 
 
 def test_shard_missing_from_one_model_folder(healthy: Lab, tmp_path: Path) -> None:

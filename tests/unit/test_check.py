@@ -34,6 +34,7 @@ from tests.conftest import GLM53_CONFIG
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
 PROBE = Path(C.__file__).resolve().parent / "probes" / "node_facts.sh"
+REACH = PROBE.with_name("reach.sh")
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 SHARDS = {f"model-0000{i}-of-00003.safetensors": 1_000_000 * i for i in (1, 2, 3)}
 
@@ -221,6 +222,22 @@ def test_address_outside_the_fabric_subnet_is_not_taken() -> None:
 # -------------------------------------------------------------------------------------------- reach
 
 
+@pytest.mark.skipif(not shutil.which("bash"), reason="the TCP test needs bash")
+def test_reach_script_on_loopback() -> None:
+    """A listener answers, a refusal is an answer too (the peer's kernel sent it), and a connect the
+    kernel refuses at once is a failure with its reason -- all settled by the one unforked bash."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        r = subprocess.run(["sh", "-s", "--", str(port), "127.0.0.1", "127.0.0.2", "255.255.255.255"],
+                           input=REACH.read_bytes(), capture_output=True, timeout=30)  # fmt: skip
+    got = C._parse_reach(r.stdout.decode())
+    assert got == {"127.0.0.1": "ok", "127.0.0.2": "ok", "255.255.255.255": "Network is unreachable"}, r
+
+
 def test_reach() -> None:
     peers = {"10.232.0.12": "spark2", "10.232.0.13": "spark3"}
     assert C.rule_reach("spark1", {"10.232.0.12": "ok", "10.232.0.13": "ok"}, peers).status == OK
@@ -252,6 +269,18 @@ def test_ports_unreadable() -> None:
     facts.listeners = None
     facts.problems["listening"] = "command not found (ss)"
     fails_with_fix(C.rule_ports("spark1", facts, needs(), is_head=True), "command not found")
+    # A worker is not asked (check probes with listening=no there): nothing to report, nothing missing.
+    assert C.rule_ports("spark2", facts, needs(), is_head=False).status == OK
+
+
+def test_workers_are_not_asked_for_the_heads_facts() -> None:
+    worker = F.probe_args(cluster="c", banner=False, listening=False)
+    assert "banner=no" in worker and "listening=no" in worker
+    assert not {"banner=no", "listening=no"} & set(F.probe_args(cluster="c"))
+    nonce = "0123456789abcdef"
+    text = "".join(f"@@sparkctl {nonce} begin {n}\n\n@@sparkctl {nonce} end {n} 0\n" for n in ("nofile",))
+    assert "listening" in F.node_facts_from_probe(text, nonce).problems
+    assert "listening" not in F.node_facts_from_probe(text, nonce, expect_listening=False).problems
 
 
 def test_disk_levels_take_the_fullest_path() -> None:
@@ -588,8 +617,11 @@ class _Engine(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
-def _engine_handler(image_id: str) -> type[http.server.BaseHTTPRequestHandler]:
+def _engine_handler(image_id: str, asked: list[str]) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
+        # What dockerd puts on every answer: "Server: Docker/27.5.1 (linux)", "Api-Version: 1.47".
+        server_version, sys_version = "Docker/27.5.1", "(linux)"
+
         def address_string(self) -> str:  # a unix socket has no client address
             return "local"
 
@@ -598,10 +630,9 @@ def _engine_handler(image_id: str) -> type[http.server.BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             url = urllib.parse.urlsplit(self.path)
+            asked.append(url.path)
             body: Any
-            if url.path == "/version":
-                code, body = 200, {"Version": "27.5.1", "ApiVersion": "1.47", "Os": "linux", "Arch": "arm64"}
-            elif url.path == "/containers/json":
+            if url.path == "/containers/json":
                 labels = json.loads(urllib.parse.parse_qs(url.query)["filters"][0])["label"]
                 code, body = 200, [{"Id": "c1", "Names": ["/sparkctl-x-rank0"], "Image": "img", "State": "exited",
                                     "Status": "Exited (0)", "Labels": {"sparkctl.cluster": labels[0].split("=")[1]}}]
@@ -611,6 +642,7 @@ def _engine_handler(image_id: str) -> type[http.server.BaseHTTPRequestHandler]:
                 code, body = 404, {"message": f"No such image: {url.path}"}
             data = json.dumps(body).encode()
             self.send_response(code)
+            self.send_header("Api-Version", "1.47")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -622,21 +654,24 @@ def _engine_handler(image_id: str) -> type[http.server.BaseHTTPRequestHandler]:
 @pytest.mark.skipif(not shutil.which("curl"), reason="needs curl")
 def test_probe_asks_the_engine_api_with_one_curl(tmp_path: Path) -> None:
     sock = tmp_path / "docker.sock"
-    server = _Engine(str(sock), _engine_handler("sha256:" + "e" * 64))
+    asked: list[str] = []
+    server = _Engine(str(sock), _engine_handler("sha256:" + "e" * 64, asked))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         nonce = "0123456789abcdef"
         args = F.probe_args(cluster="x", images=["lab/engine:1"], api=True, banner=False, df_paths=["/"])
         env = dict(os.environ, DOCKER_HOST=f"unix://{sock}", SPARKCTL_SYSFS_ROOT=str(tmp_path / "none"),
                    PATH=f"{tmp_path}:{os.environ['PATH']}")  # fmt: skip
-        out = subprocess.run(["sh", "-s", "--", nonce, *args], input=PROBE.read_bytes(), capture_output=True,
-                             env=env, timeout=60).stdout.decode()  # fmt: skip
+        r = subprocess.run(["sh", "-s", "--", nonce, *args], input=PROBE.read_bytes(), capture_output=True,
+                           env=env, timeout=60)  # fmt: skip
+        out, err = r.stdout.decode(), r.stderr.decode()
     finally:
         server.shutdown()
         server.server_close()
     assert f"@@sparkctl {nonce} begin docker-version" not in out  # no docker CLI runs
-    facts = F.node_facts_from_probe(out, nonce, expect_banner=False, expect_model=False)
-    assert facts.docker == F.DockerVersion(None, "27.5.1", "1.47", "linux", "arm64")
+    assert asked == ["/containers/json", "/images/lab/engine:1/json"]  # no GET /version: headers say it
+    facts = F.node_facts_from_probe(out, nonce, err, expect_banner=False, expect_model=False)
+    assert facts.docker == F.DockerVersion(None, "27.5.1", "1.47", "linux", None)
     assert facts.containers == [F.Container("c1", "sparkctl-x-rank0", "img", "exited", "Exited (0)",
                                             {"sparkctl.cluster": "x"})]  # fmt: skip
     assert facts.images and facts.images[0].id == "sha256:" + "e" * 64
@@ -656,21 +691,25 @@ def test_docker_api_section_engine_down_missing_image_and_errors() -> None:
                    "curl: (7) Failed to connect to docker port 80 after 0 ms: Couldn't connect to server")  # fmt: skip
     assert down.version is None and down.images is None
     assert down.problems["docker-version"].startswith("cannot connect to the Docker engine at unix:///run/docker.sock")
-    version = json.dumps({"Version": "20.10.24", "ApiVersion": "1.41"})
-    got = section("socket unix:///s\n" + reply(200, version) + reply(500, '{"message": "boom"}')
-                  + reply(404, '{"message": "No such image"}'))  # fmt: skip
-    assert got.version is not None and got.version.server_version == "20.10.24"
+    headers = "HTTP/1.1 {code} X\r\nApi-Version: 1.41\r\nServer: Docker/20.10.24+dfsg1 (linux)\r\n\r\n"
+    got = section("socket unix:///s\n" + reply(500, headers.format(code=500) + '{"message": "boom"}')
+                  + reply(404, headers.format(code=404) + '{"message": "No such image"}'))  # fmt: skip
+    assert got.version == F.DockerVersion(None, "20.10.24+dfsg1", "1.41", "linux", None)
     assert got.containers is None and got.problems["docker-ps"] == "HTTP 500: boom"
     assert got.images == []  # missing: a warning for rule_image, not an error
-    forged = reply(200, version).replace(nonce, "f" * 16)  # another nonce is just body text
-    assert section("socket unix:///s\n" + forged + reply(200, "[]")).problems["docker-version"].startswith("not JSON")
+    forged = headers.format(code=200) + "[]\n" + reply(200, "[]").replace(nonce, "f" * 16)  # another nonce: body
+    assert section("socket unix:///s\n" + reply(200, forged) + reply(404, "")).problems["docker-ps"].startswith("not JSON")
+    # An engine that answers without a Server header (a Docker API look-alike) is still up.
+    bare = section("socket unix:///s\n" + reply(200, "HTTP/1.1 200 OK\r\n\r\n[]") + reply(404, ""))
+    assert bare.version is not None and bare.version.server_version == "unknown (no Server header)"
+    assert bare.containers == [] and not bare.problems
 
 
 def test_api_paths_are_percent_encoded() -> None:
     paths = F.docker_api_paths("c;$(x)", "reg.io:5000/a/b:1@sha256:00")
-    assert paths[0] == "/version"
-    assert "%24%28x%29" in paths[1] and "$(" not in paths[1] and " " not in paths[1]
-    assert paths[2] == "/images/reg.io:5000/a/b:1@sha256:00/json"
+    assert len(paths) == 2 and paths[0].startswith("/containers/json?all=1&filters=")
+    assert "%24%28x%29" in paths[0] and "$(" not in paths[0] and " " not in paths[0]
+    assert paths[1] == "/images/reg.io:5000/a/b:1@sha256:00/json"
     assert F.probe_args(cluster="c", images=["i:1"], api=True)[1:] == [f"api={p}" for p in F.docker_api_paths("c", "i:1")] + ["image=i:1"]
 
 

@@ -317,13 +317,13 @@ def test_probe_script_end_to_end(tmp_path: Path) -> None:
 def test_probe_sections_ignore_forged_markers() -> None:
     nonce = "00112233445566aa"
     forged = "@@sparkctl 00112233445566ab end model 0\n"
-    text = (
-        f"@@sparkctl {nonce} begin model\n10\tx.safetensors\n{forged}\n@@sparkctl {nonce} stderr model\n"
-        f"@@sparkctl {nonce} end model 0\n"
-    )
-    secs = f.parse_probe_sections(text, nonce)
+    text = f"@@sparkctl {nonce} begin model\n10\tx.safetensors\n{forged}\n@@sparkctl {nonce} end model 0\n"
+    stderr = f"@@sparkctl {nonce} stderr model\nfind: x\n@@sparkctl 00112233445566ab stderr meminfo\n"
+    secs = f.parse_probe_sections(text, nonce, stderr)
     assert secs["model"].stdout == f"10\tx.safetensors\n{forged}"
-    facts = f.node_facts_from_probe(text, nonce)
+    assert secs["model"].stderr == "find: x\n@@sparkctl 00112233445566ab stderr meminfo\n"
+    assert set(secs) == {"model"}
+    facts = f.node_facts_from_probe(text, nonce, stderr)
     assert "model" in facts.problems  # the forged line is not a valid listing line
     assert "meminfo" in facts.problems  # a section that never arrived is reported, not guessed
 

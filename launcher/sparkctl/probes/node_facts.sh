@@ -1,13 +1,15 @@
 # sparkctl node facts probe: every read-only fact `check` needs, in ONE round trip.
 #
 # Run on the node as:
-#   sh -s -- NONCE [model=DIR] [cluster=NAME] [docker=no] [banner=no] [df=PATH]... [api=PATH]...
-#              [image=REF]... < node_facts.sh
+#   sh -s -- NONCE [model=DIR] [cluster=NAME] [docker=no] [banner=no] [listening=no] [df=PATH]...
+#              [api=PATH]... [image=REF]... < node_facts.sh
 # Prints one section per fact, framed by lines that carry the caller's random NONCE (so nothing a
 # node prints -- a file name, a container label -- can forge a section boundary):
-#   @@sparkctl NONCE begin NAME      then the command's stdout
-#   @@sparkctl NONCE stderr NAME     then the first lines of its stderr
-#   @@sparkctl NONCE end NAME RC
+#   stdout:  @@sparkctl NONCE begin NAME      then the command's stdout
+#            @@sparkctl NONCE end NAME RC
+#   stderr:  @@sparkctl NONCE stderr NAME     then the command's stderr
+# The command's stderr goes straight to the probe's stderr (a stream of its own over SSH): no
+# subshell per section to capture it, and builtins and functions run in this shell, unforked.
 # Every value arrives as a positional argument (quoted by the caller) and is only ever expanded in
 # double quotes: a model path like '$(touch x)' is a path, never a command.
 # Hardware seams: sysfs from ${SPARKCTL_SYSFS_ROOT:-/sys/class/infiniband}; nvidia-smi and docker
@@ -19,6 +21,7 @@ MODEL=
 CLUSTER=sparkctl
 DOCKER=yes
 BANNER=yes
+LISTENING=yes
 DF_PATHS=
 API_PATHS=
 # Split key=value arguments; the image references are rebuilt into "$@" (sh has no arrays).
@@ -29,6 +32,7 @@ for a do
         cluster=*) CLUSTER=${a#cluster=} ;;
         docker=no) DOCKER=no ;;
         banner=no) BANNER=no ;;
+        listening=no) LISTENING=no ;;
         df=*) DF_PATHS="$DF_PATHS
 ${a#df=}" ;;
         api=*) API_PATHS="$API_PATHS
@@ -41,24 +45,16 @@ done
 if command -v timeout >/dev/null 2>&1; then T="timeout -k 2 20"; else T=; fi
 NL='
 '
-exec 3>&1 # the probe's stdout, for commands whose stderr is being captured
-
 # Few processes: every node of a check runs this at once (on the lab, all on one machine's CPUs),
-# so stderr is captured in the shell (no temp file) and simple reads use builtins.
+# so nothing is captured through a subshell and simple reads use builtins.
 section() {
     _name=$1
     shift
+    printf '@@sparkctl %s stderr %s\n' "$NONCE" "$_name" >&2
     printf '@@sparkctl %s begin %s\n' "$NONCE" "$_name"
-    _err=$("$@" 2>&1 1>&3 3>&-)
+    "$@"
     _rc=$?
-    printf '\n@@sparkctl %s stderr %s\n' "$NONCE" "$_name"
-    _n=0
-    while [ -n "$_err" ] && [ $_n -lt 20 ]; do
-        printf '%s\n' "${_err%%"$NL"*}"
-        case $_err in *"$NL"*) _err=${_err#*"$NL"} ;; *) _err= ;; esac
-        _n=$((_n + 1))
-    done
-    printf '@@sparkctl %s end %s %d\n' "$NONCE" "$_name" "$_rc"
+    printf '\n@@sparkctl %s end %s %d\n' "$NONCE" "$_name" "$_rc"
 }
 
 # One record per line, tab-separated (parsed by sparkctl.facts.parse_infiniband).
@@ -140,7 +136,8 @@ section gpu $T nvidia-smi --query-gpu=name,driver_version,memory.total,compute_c
 [ "$BANNER" = yes ] && section gpu-banner $T nvidia-smi
 section ip-addr ip -j addr show
 section infiniband ib_walk
-section listening ss -Hltn
+# Only the head's ports matter (the API, the rendezvous): check asks the head alone (listening=no).
+[ "$LISTENING" = yes ] && section listening ss -Hltn
 section df df_paths
 # The engine's API paths the caller gave (api=..., already percent-encoded) are asked with ONE curl
 # over the engine's unix socket -- the socket the docker CLI would use: DOCKER_HOST=unix://..., or
@@ -174,11 +171,14 @@ docker_api() {
     set -f
     _old=$IFS
     IFS=$NL
-    # shellcheck disable=SC2086 # one URL per line of $API_PATHS
-    set -- $(for p in $API_PATHS; do [ -n "$p" ] && printf 'http://docker%s\n' "$p"; done)
+    _paths=$API_PATHS
+    set --
+    for p in $_paths; do [ -n "$p" ] && set -- "$@" "http://docker$p"; done
     IFS=$_old
     set +f
-    curl -sS -g --max-time 20 --unix-socket "$SOCK" -w "\n@@sparkctl $NONCE http %{http_code}\n" "$@"
+    # -D -: each answer's headers too (the engine's version is in every one: "Server: Docker/V (os)",
+    # "Api-Version: V"), so no GET /version, the one call the engine answers slowly.
+    curl -sS -g -D - --max-time 20 --unix-socket "$SOCK" -w "\n@@sparkctl $NONCE http %{http_code}\n" "$@"
 }
 
 if [ "$DOCKER" = yes ]; then
