@@ -83,7 +83,10 @@ def test_every_recipe_layer_has_a_dockerfile_that_copies_exactly_its_payload(rec
         assert "ARG BASE\nFROM ${BASE}" in text
         copied = [w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()[1:-1]]
         assert sorted(copied) == sorted(layer.payload), layer.dockerfile_path
-        assert re.search(r"^RUN .*", text, re.M), "no self-test"
+        # One COPY and one RUN that ends with the self-test: every layer-making instruction more is
+        # one more layer for each rank's `docker load` (the classic builder commits even an empty RUN).
+        made = [line.split()[0] for line in text.splitlines() if line.split()[:1] in (["RUN"], ["COPY"], ["ADD"])]
+        assert made == ["COPY", "RUN"], (layer.dockerfile_path, made)
 
 
 def test_a_missing_dockerfile_names_the_layer_and_the_path(tmp_path: Path) -> None:
@@ -477,3 +480,60 @@ def test_bake_command_writes_the_file(tmp_path: Path, monkeypatch: pytest.Monkey
     assert (tmp_path / "out" / "keys3" / "patch_keys3.py").is_file()
     res = CliRunner().invoke(cli, ["--recipe", "lab", "--model", str(tmp_path / "m"), "bake", "--push"])
     assert res.exit_code != 0
+
+
+def test_fan_out_ends_every_ranks_stream_before_waiting_for_any_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each `docker load` ends only after its stream's EOF: ending rank 2's stream after rank 1's
+    load had finished made the loads run one after another (3 ranks took 3x one)."""
+    from sparkctl.commands import build as B
+
+    events: list[tuple[str, str]] = []
+
+    class Chan:
+        def __init__(self, name: str, data: list[bytes]) -> None:
+            self.name, self.data = name, data
+            self.eof_received = self.closed = False
+
+        def set_combine_stderr(self, on: bool) -> None: ...
+        def sendall(self, data: bytes) -> None: ...
+        def recv_stderr_ready(self) -> bool:
+            return False
+
+        def recv_ready(self) -> bool:
+            return bool(self.data)
+
+        def recv(self, n: int) -> bytes:
+            return self.data.pop(0)
+
+        def shutdown_write(self) -> None:
+            events.append(("eof", self.name))
+            self.eof_received = not self.data
+
+        def recv_exit_status(self) -> int:
+            return 0
+
+        def close(self) -> None: ...
+
+    chans = {"head": Chan("head", [b"stream", b""]), "spark2": Chan("spark2", []), "spark3": Chan("spark3", []),
+             "spark4": Chan("spark4", [])}  # fmt: skip
+
+    class Cluster:
+        def node(self, name: str) -> Any:
+            return type("N", (), {"name": name})()
+
+    def wait(chan: Any, sink: bytearray, timeout: float) -> int:
+        events.append(("wait", chan.name))
+        return 0
+
+    monkeypatch.setattr(B, "_exec", lambda node, argv, timeout: chans[node.name])
+    monkeypatch.setattr(B, "_wait_exit", wait)
+    monkeypatch.setattr(B.select, "select", lambda *a: ([], [], []))
+    ranks = ["spark2", "spark3", "spark4"]
+    results = {n: B.RankResult(n, i + 1) for i, n in enumerate(ranks)}
+    board = B.Board(["head", *ranks], ["keys3"], quiet=True)
+    B.fan_out(Cluster(), Cluster().node("head"), im.Selection([{"Config": f"{'c' * 64}.json"}], [f"{'c' * 64}.json"], ["sha256:l"]),
+              ranks, "/var/tmp/sparkctl-ship.x", "zstd", results, board)  # type: ignore[arg-type]  # fmt: skip
+    assert all(r.ok and r.shipped_bytes == len(b"stream") for r in results.values()), results
+    ends = [n for kind, n in events if kind == "eof" and n != "head"]
+    first_wait = next(i for i, (kind, _) in enumerate(events) if kind == "wait")
+    assert sorted(ends) == ranks and all(events.index(("eof", n)) < first_wait for n in ranks), events

@@ -478,8 +478,11 @@ def fan_out(cluster: Cluster, head: Node, sel: im.Selection, ranks: list[str], s
         code = src.recv_exit_status()
         if code != 0:
             raise NodeError(head.name, "docker", f"packing the layers failed (exit {code}): {err.decode(errors='replace')[-400:]}")
-        for n, chan in sinks.items():
+        # EOF to every rank first: each `docker load` finishes only after its end of the stream, so
+        # closing one rank's input after the previous rank's load ended made the loads run in turn.
+        for chan in sinks.values():
             chan.shutdown_write()
+        for n, chan in sinks.items():
             status = _wait_exit(chan, outputs[n], 600.0)
             text = outputs[n].decode("utf-8", errors="replace").strip()
             if status != 0:
