@@ -436,11 +436,23 @@ def _check_member(path: str) -> None:
         raise ValueError(f"unexpected member {path!r} in docker save output")
 
 
-# Runs on the head: save the chain's tags into a private folder and print it and the manifest.
-SAVE_SCRIPT = r"""# sparkctl ship: docker save $@ into a fresh folder; print the folder, then manifest.json.
+# Runs on the head: save the chain's tags into a private folder and print it and the manifest. With
+# python3 there (check needs it on the head too), probes/save_filter.py unpacks only the layers some
+# rank lacks ($2: their diff IDs); without it, tar unpacks everything. A failing `docker save` fails
+# this even though the unpacker's status is the pipeline's (POSIX sh has no pipefail).
+SAVE_SCRIPT = r"""# sparkctl ship: $1 = save_filter.py's source, $2 = the diff IDs needed, then the tags.
 set -eu
+filter=$1; needed=$2; shift 2
 dir=$(mktemp -d "${TMPDIR:-/var/tmp}/sparkctl-ship.XXXXXX")
-if ! docker save "$@" | tar -x -C "$dir" -f -; then rm -rf "$dir"; exit 1; fi
+fail() { rm -rf "$dir"; echo "$1" >&2; exit 1; }
+if command -v python3 >/dev/null 2>&1; then
+  # shellcheck disable=SC2086 # $needed: diff IDs, one word each
+  { docker save "$@" || : > "$dir/.save-failed"; } | python3 -c "$filter" "$dir" $needed >&2 ||
+    fail "unpacking the docker save stream failed"
+else
+  { docker save "$@" || : > "$dir/.save-failed"; } | tar -x -C "$dir" -f - || fail "tar -x of docker save failed"
+fi
+[ ! -e "$dir/.save-failed" ] || fail "docker save failed"
 echo "$dir"
 cat "$dir/manifest.json"
 """
@@ -470,8 +482,39 @@ esac
 """
 
 
-def save_argv(tags: Sequence[str]) -> list[str]:
-    return ["sh", "-c", SAVE_SCRIPT, "sparkctl-save", *tags]
+def save_argv(tags: Sequence[str], needed: Iterable[str], filter_source: str) -> list[str]:
+    ids = sorted(set(needed))
+    for diff in ids:
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", diff):
+            raise ValueError(f"not a diff ID: {diff!r}")
+    return ["sh", "-c", SAVE_SCRIPT, "sparkctl-save", filter_source, " ".join(ids), *tags]
+
+
+def missing_layers(head: Mapping[str, Image], rank_images: Iterable[Image], tags: Sequence[str]) -> set[str]:
+    """The diff IDs of the head's chain layers a rank lacks (by chain ID, as select_for_rank decides),
+    known before anything is saved: what the head's `docker save` has to keep for this rank."""
+    rank_images = list(rank_images)
+    rank_tags = {t: img for img in rank_images for t in img.repo_tags}
+    held = held_chain_ids(rank_images)
+    out: set[str] = set()
+    for tag in tags:
+        img = head[tag]
+        have = rank_tags.get(tag)
+        if have is not None and have.id == img.id:
+            continue
+        out.update(diff for cid, diff in zip(chain_ids(img.layers), img.layers, strict=True) if cid not in held)
+    return out
+
+
+def parse_save_stats(stderr: str) -> dict[str, int]:
+    """save_filter.py's last line ("kept K skipped S bytes_skipped B"); {} without the filter."""
+    for line in reversed(stderr.splitlines()):
+        words = line.split()
+        if len(words) == 6 and words[0::2] == ["kept", "skipped", "bytes_skipped"] and all(
+            w.isdigit() for w in words[1::2]
+        ):
+            return {"kept": int(words[1]), "skipped": int(words[3]), "bytes_skipped": int(words[5])}
+    return {}
 
 
 def pack_argv(saved: str, codec: str, members: Sequence[str]) -> list[str]:

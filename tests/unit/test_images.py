@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -392,6 +395,139 @@ def test_pack_script_builds_a_loadable_archive(tmp_path: Path) -> None:
         member = tf.getmember(f"{b}/layer.tar")
         assert member.isfile()  # dereferenced
         assert tf.extractfile(member).read() == b"layer-bytes"  # type: ignore[union-attr]
+
+
+def _layer_tar(payload: bytes) -> bytes:
+    """An uncompressed layer tar (what `docker save` writes; its sha256 is the diff ID)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("opt/file")
+        info.size = len(payload)
+        tf.addfile(info, io.BytesIO(payload))
+    return buf.getvalue()
+
+
+def _save_stream(entries: list[tuple[str, bytes | str]]) -> bytes:
+    """A `docker save`-shaped tar: (name, bytes) files, (name, "->target") links, (name/, b"") dirs."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in entries:
+            info = tarfile.TarInfo(name.rstrip("/"))
+            if name.endswith("/"):
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+            elif isinstance(data, str):
+                info.type, info.linkname = tarfile.SYMTYPE, data.removeprefix("->")
+                tf.addfile(info)
+            else:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+FILTER = Path(im.__file__).resolve().parent / "probes" / "save_filter.py"
+
+
+def _run_filter(root: Path, stream: bytes, needed: list[str]) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-c", FILTER.read_text(), str(root), *needed], input=stream,
+                          capture_output=True, timeout=60)  # fmt: skip
+
+
+def test_save_filter_keeps_only_the_layers_a_rank_lacks_legacy_layout(tmp_path: Path) -> None:
+    """Docker < 25: `<id>/layer.tar`; a layer shared by two images is a link to the other's."""
+    base, chain = _layer_tar(b"base " * 1000), _layer_tar(b"chain")
+    diff = "sha256:" + hashlib.sha256(chain).hexdigest()
+    a, b, c, cfg = "a" * 64, "b" * 64, "c" * 64, "d" * 64
+    stream = _save_stream([(f"{a}/", b""), (f"{a}/VERSION", b"1.0"), (f"{a}/json", b"{}"), (f"{a}/layer.tar", base),
+                           (f"{b}/", b""), (f"{b}/layer.tar", chain), (f"{c}/", b""), (f"{c}/layer.tar", f"->../{b}/layer.tar"),
+                           (f"{cfg}.json", b"{}"), ("repositories", b"{}"), ("manifest.json", b"[]")])  # fmt: skip
+    res = _run_filter(tmp_path, stream, [diff])
+    assert res.returncode == 0, res.stderr
+    assert not (tmp_path / a / "layer.tar").exists()  # the base layer: hashed, not needed, removed
+    assert (tmp_path / a / "json").read_bytes() == b"{}" and (tmp_path / f"{cfg}.json").exists()
+    assert (tmp_path / b / "layer.tar").read_bytes() == chain
+    assert (tmp_path / c / "layer.tar").read_bytes() == chain  # the link, followed
+    assert (tmp_path / "manifest.json").exists() and (tmp_path / "repositories").exists()
+    assert im.parse_save_stats(res.stdout.decode()) == {"kept": 6, "skipped": 1, "bytes_skipped": len(base)}
+
+
+def test_save_filter_oci_layout_skips_unneeded_plain_layers_unwritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Docker >= 25: `blobs/sha256/<digest>`. A big plain-tar blob not needed is never written; a
+    compressed one (containerd's store: its name is not its diff ID) is kept, as are small blobs."""
+    import gzip
+
+    big = _layer_tar(os.urandom(5 << 20))
+    needed_layer = _layer_tar(os.urandom(5 << 20))
+    packed = gzip.compress(_layer_tar(os.urandom(5 << 20)), compresslevel=1)
+    digest = {k: hashlib.sha256(v).hexdigest() for k, v in (("big", big), ("need", needed_layer), ("gz", packed))}
+    cfg = b'{"rootfs": {}}'
+    stream = _save_stream([("blobs/", b""), ("blobs/sha256/", b""), (f"blobs/sha256/{digest['big']}", big),
+                           (f"blobs/sha256/{digest['need']}", needed_layer), (f"blobs/sha256/{digest['gz']}", packed),
+                           (f"blobs/sha256/{hashlib.sha256(cfg).hexdigest()}", cfg), ("oci-layout", b"{}"),
+                           ("index.json", b"{}"), ("manifest.json", b"[]")])  # fmt: skip
+    res = _run_filter(tmp_path, stream, ["sha256:" + digest["need"]])
+    assert res.returncode == 0, res.stderr
+    blobs = tmp_path / "blobs" / "sha256"
+    assert not (blobs / digest["big"]).exists()
+    assert (blobs / digest["need"]).read_bytes() == needed_layer
+    assert (blobs / digest["gz"]).read_bytes() == packed
+    assert (blobs / hashlib.sha256(cfg).hexdigest()).read_bytes() == cfg
+    assert im.parse_save_stats(res.stdout.decode())["bytes_skipped"] == len(big)
+
+
+@pytest.mark.parametrize("entry", [("../escape", b"x"), ("/etc/x", b"x"), (f"{'a' * 64}/layer.tar", "->/etc/passwd"),
+                                   (f"{'a' * 64}/../../x", b"x"), ("blobs/sha256/x", b"x")])  # fmt: skip
+def test_save_filter_writes_nothing_outside_its_folder(tmp_path: Path, entry: tuple[str, bytes | str]) -> None:
+    root = tmp_path / "saved"
+    root.mkdir()
+    res = _run_filter(root, _save_stream([entry]), [])
+    assert res.returncode != 0 and b"unexpected" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"] and not Path("/etc/x").exists()
+
+
+def test_save_script_fails_when_docker_save_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    """The unpacker's exit status is the pipeline's: a failing `docker save` must still fail the step."""
+    chain = _layer_tar(b"chain")
+    stream = _save_stream([("manifest.json", b'[{"Config": "x"}]'), (f"{'b' * 64}/layer.tar", chain)])
+    (tmp_path / "stream.tar").write_bytes(stream)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    docker = bindir / "docker"
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
+    needed = ["sha256:" + hashlib.sha256(chain).hexdigest()]
+    for exit_code in (0, 1):
+        docker.write_text(f"#!/bin/sh\ncat {tmp_path / 'stream.tar'}\nexit {exit_code}\n")
+        docker.chmod(0o755)
+        res = subprocess.run(im.save_argv(["t:1"], needed, FILTER.read_text()), capture_output=True, env=env,
+                             timeout=60)  # fmt: skip
+        left = sorted(p.name for p in tmp_path.glob("sparkctl-ship.*"))
+        if exit_code == 0:
+            folder, manifest = im.parse_saved(res.stdout.decode())
+            assert res.returncode == 0 and manifest == [{"Config": "x"}] and Path(folder).name in left
+            assert (Path(folder) / ("b" * 64) / "layer.tar").read_bytes() == chain
+            assert im.parse_save_stats(res.stderr.decode())["kept"] == 2
+        else:
+            assert res.returncode == 1 and b"docker save failed" in res.stderr
+            assert len(left) == 1  # only the first run's folder: the failed one was removed
+
+
+def test_missing_layers_match_what_select_for_rank_sends() -> None:
+    def img(id_: str, tag: str, layers: list[str]) -> Image:
+        return Image(id_, (tag,), {}, tuple(layers))
+
+    l1, l2, l3 = ("sha256:" + c * 64 for c in "123")
+    head = {"c:dcp": img("sha256:" + "d" * 64, "c:dcp", [l1, l2]), "c:keys3": img("sha256:" + "e" * 64, "c:keys3", [l1, l2, l3])}
+    assert im.missing_layers(head, [img("sha256:" + "0" * 64, "base", [l1])], ["c:dcp", "c:keys3"]) == {l2, l3}
+    assert im.missing_layers(head, [head["c:dcp"]], ["c:dcp", "c:keys3"]) == {l3}
+    assert im.missing_layers(head, list(head.values()), ["c:dcp", "c:keys3"]) == set()
+    with pytest.raises(ValueError):
+        im.save_argv(["t"], ["sha256:$(x)"], "")
 
 
 # ------------------------------------------------------------------------------ bake

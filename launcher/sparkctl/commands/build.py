@@ -39,6 +39,7 @@ from ..cluster import Cluster, Node, NodeError, remote_command
 from ..errors import CheckFailed
 from ..facts import Image, ParseError, parse_image_inspect
 from ..output import emit_json
+from ..resources import probe_script
 
 BUILD_TIMEOUT = 3 * 3600.0  # one layer (v145 compiles CUDA kernels on a real node)
 PULL_TIMEOUT = 3600.0
@@ -396,10 +397,12 @@ def ship_chain(cluster: Cluster, chain: list[im.LayerSpec], facts: dict[str, im.
     report: dict[str, Any] = {"codec": None, "bytes_sent": 0, "streams": 0}
     if not need:
         return report
-    res = head.run(im.save_argv(tags), timeout=PULL_TIMEOUT)
+    needed = set().union(*(im.missing_layers(head_images, facts[n].images, tags) for n in need))
+    res = head.run(im.save_argv(tags, needed, probe_script("save_filter.py").decode()), timeout=PULL_TIMEOUT)
     if not res.ok:
-        raise CheckFailed(f"{head_name}: docker save failed: {res.stderr.strip()[:400]}",
+        raise CheckFailed(f"{head_name}: docker save failed: {res.stderr.strip()[-400:]}",
                           fix=f"check disk space in {head_name}'s TMPDIR (default /var/tmp)")
+    report["save"] = im.parse_save_stats(res.stderr)
     saved, manifest = im.parse_saved(res.stdout)
     try:
         groups: dict[str, tuple[im.Selection, list[str]]] = {}
