@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import binascii
 import concurrent.futures
+import contextlib
 import ipaddress
 import json
 import secrets
+import threading
 import time
 import zlib
 from collections import Counter
@@ -28,7 +30,7 @@ from typing import Any
 
 from . import facts as F
 from .builders import open_api_warning
-from .cluster import Cluster, Node, NodeError
+from .cluster import Cluster, Node, NodeError, Session
 from .plan import GB, INDEX_NAME, CheckpointInfo, Plan, Shard, gb, make_plan
 from .settings import RankPins, Settings
 
@@ -762,31 +764,71 @@ def _parse_reach(text: str) -> dict[str, str]:
     return out
 
 
+class Probes:
+    """Every node's node_facts.sh, in two rounds on one channel each (cluster.Session): round 1 the
+    facts; round 2, once every node's facts are in and the fabric addresses known, the reach test.
+    Close it (or use it as a context manager) so that no probe is left waiting for its second round."""
+
+    def __init__(self, nonce: str) -> None:
+        self.nonce = nonce
+        self.sessions: dict[str, Session] = {}
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> Probes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self.lock:
+            sessions, self.sessions = self.sessions, {}
+        for sess in sessions.values():
+            sess.close()
+
+
 def gather(
-    cluster: Cluster, needs: Needs, *, head: str, layout: bool = True, timeout: float = 60.0
+    cluster: Cluster,
+    needs: Needs,
+    *,
+    head: str,
+    layout: bool = True,
+    timeout: float = 60.0,
+    probes: Probes,
 ) -> dict[str, tuple[F.NodeFacts | NodeError, Any]]:
     """Round 1, at once on every node's one connection:
       - node_facts.sh: every read-only fact, Docker's too (one curl to the engine's API over its
         local socket: version, this cluster's containers, the image; the docker CLI where that
-        cannot be done). Plain `nvidia-smi`, for the CUDA version that the driver decides, runs on
-        the head only. Few processes per node: on the lab, every node shares one machine's CPUs.
+        cannot be done). Plain `nvidia-smi`, for the CUDA version that the driver decides, and the
+        listening ports run on the head only. Few processes per node: on the lab, every node shares
+        one machine's CPUs. Each node's probe stays open (in `probes`) for round 2: reach().
       - on the head, ckpt_scan.py on a second channel (header-level verification, the planner's input).
     Returns node -> (facts or NodeError, head scan dict / error string / None)."""
-    facts_script, scan_script = _script("node_facts.sh"), _script("ckpt_scan.py") if layout else b""
-    nonce = secrets.token_hex(8)
+    # reach_test (probes/reach.sh) is defined ahead of the probe, which runs it in round 2
+    facts_script = _script("reach.sh") + b"\n" + _script("node_facts.sh")
+    scan_script = _script("ckpt_scan.py") if layout else b""
+    nonce = probes.nonce
+    ready = f"@@sparkctl {nonce} ready\n".encode()
 
     def args(head: bool) -> list[str]:  # the CUDA banner and the listening ports: the head's only
         return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image], df_paths=DF_PATHS,
                             api=True, banner=head, listening=head)  # fmt: skip
 
     head_args, other_args = args(True), args(False)
+    reach_arg = [f"reach={needs.master_port}"]
 
     def node_facts(node: Node) -> F.NodeFacts:
         on_head = node.name == head
-        res = node.run_script(facts_script, [nonce, *(head_args if on_head else other_args)], timeout=timeout)
-        return F.node_facts_from_probe(
-            res.stdout, nonce, res.stderr, expect_banner=on_head, expect_listening=on_head
-        )
+        sess = node.start(["sh", "-s", "--", nonce, *(head_args if on_head else other_args), *reach_arg],
+                          timeout=timeout)  # fmt: skip
+        if sess.read_until(ready, facts_script):
+            with probes.lock:
+                probes.sessions[node.name] = sess
+            out, err = sess.out.decode("utf-8", errors="replace"), sess.err.decode("utf-8", errors="replace")
+        else:  # it ended before round 2: no shell, or it broke; what it printed is still its facts
+            res = sess.finish()
+            out, err = res.stdout, res.stderr
+        return F.node_facts_from_probe(out, nonce, err, expect_banner=on_head, expect_listening=on_head)
 
     def scan(node: Node) -> dict[str, Any] | str:
         try:
@@ -814,11 +856,11 @@ def gather(
 
     names = cluster.names
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, len(names) + 1)) as pool:
-        probes = {n: pool.submit(guarded, n, node_facts) for n in names}
+        facts_jobs = {n: pool.submit(guarded, n, node_facts) for n in names}
         head_scan = pool.submit(guarded, head, scan) if layout and head in names else None
     out: dict[str, tuple[F.NodeFacts | NodeError, Any]] = {}
     for n in names:
-        facts: F.NodeFacts | NodeError = probes[n].result()
+        facts: F.NodeFacts | NodeError = facts_jobs[n].result()
         scan_result = head_scan.result() if head_scan is not None and n == head else None
         if isinstance(scan_result, NodeError):
             scan_result = scan_result.message
@@ -827,20 +869,32 @@ def gather(
 
 
 def reach(
-    cluster: Cluster, pins: Mapping[int, RankPins], nodes: Sequence[str], port: int, timeout: float = 30.0
+    probes: Probes, pins: Mapping[int, RankPins], nodes: Sequence[str]
 ) -> dict[str, dict[str, str] | NodeError]:
-    """Round 2: every node with a fabric address tries every other rank's fabric address."""
-    ips = {nodes[r]: p.fabric_ip for r, p in pins.items() if p.fabric_ip}
-    script = _script("reach.sh")
+    """Round 2: every node with a fabric address tries every other rank's fabric address; every other
+    open probe is told to end (an empty line)."""
+    ips = {nodes[r]: str(ipaddress.IPv4Address(p.fabric_ip)) for r, p in pins.items() if p.fabric_ip}
+    with probes.lock:
+        sessions, probes.sessions = probes.sessions, {}
 
-    def probe(node: Node) -> dict[str, str]:
-        peers = [ip for n, ip in ips.items() if n != node.name and ip]
-        if not peers:
-            return {}
-        res = node.run_script(script, [str(port), *peers], timeout=timeout)
-        return _parse_reach(res.stdout)
+    def one(name: str) -> dict[str, str] | NodeError | None:
+        sess = sessions[name]
+        peers = [ip for n, ip in ips.items() if n != name] if name in ips else []
+        try:
+            res = sess.finish((" ".join(peers) + "\n").encode())
+        except NodeError as exc:
+            return exc
+        if name not in ips or not peers:
+            return {} if name in ips else None
+        sec = F.parse_probe_sections(res.stdout, probes.nonce, res.stderr).get("reach")
+        if sec is None:
+            return NodeError(name, "output", f"{name}: the reach test printed no result (exit {res.exit_code})",
+                             f"run check again; if it repeats, run probes/reach.sh on {name} by hand")  # fmt: skip
+        return _parse_reach(sec.stdout)
 
-    return cluster.run_all(probe, nodes=[n for n in nodes if n in ips])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(128, len(sessions)))) as pool:
+        got = dict(zip(sessions, pool.map(one, sessions), strict=True))
+    return {n: r for n, r in got.items() if r is not None}
 
 
 def evaluate(
@@ -937,12 +991,15 @@ def run_check(
                 return V.verify_scan(scan, layout)
         except Exception:  # no verifier or no layout: the check says so instead of failing
             verifier = None
-    with Cluster(
-        nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout
-    ) as cluster:
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(
+            Cluster(nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout)
+        )
         timing["connect"] = cluster.connect_seconds
         t = time.monotonic()
-        gathered = gather(cluster, needs, head=nodes[0], layout=verifier is not None, timeout=command_timeout)
+        probes = stack.enter_context(Probes(secrets.token_hex(8)))
+        gathered = gather(cluster, needs, head=nodes[0], layout=verifier is not None, timeout=command_timeout,
+                          probes=probes)  # fmt: skip
         timing["probe"] = time.monotonic() - t
         head_scan = gathered.get(nodes[0], (None, None))[1]
         ckpt: CheckpointInfo | None = None
@@ -967,7 +1024,7 @@ def run_check(
 
         findings, pins = evaluate(nodes, needs, gathered, cluster.errors, plan_for_node, verifier)
         t = time.monotonic()
-        reached = reach(cluster, pins, nodes, needs.master_port, timeout=command_timeout)
+        reached = reach(probes, pins, nodes)
         timing["reach"] = time.monotonic() - t
     peers = {p.fabric_ip: nodes[r] for r, p in pins.items() if p.fabric_ip}
     for n in nodes:

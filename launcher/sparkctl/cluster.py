@@ -642,57 +642,13 @@ class Node:
     ) -> RunResult:
         """Run argv on the node and wait for it. A non-zero exit is a RunResult, not an error;
         a timeout or a lost connection is a NodeError."""
-        command = remote_command(argv, env)
-        timeout = self._command_timeout if timeout is None else timeout
-        start = time.monotonic()
-        deadline = start + timeout
-        chan = self._channel(timeout)
-        out, err = bytearray(), bytearray()
-        try:
-            chan.exec_command(command)
-            pending = memoryview(stdin or b"")
-            if not pending:
-                chan.shutdown_write()
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NodeError(
-                        self.name,
-                        "command-timeout",
-                        f"`{_short(command)}` did not finish within {timeout:g}s",
-                        f"check what hangs on {self.name}; raise the timeout if it is just slow",
-                    )
-                # Feed stdin as the window allows, but never stop draining stdout/stderr meanwhile:
-                # a remote that writes a lot before reading would otherwise deadlock with us.
-                while pending and chan.send_ready():
-                    n = chan.send(bytes(pending[:65536]))
-                    pending = pending[n:]
-                    if not pending:
-                        chan.shutdown_write()
-                select.select([chan], [], [], 0.005 if pending else min(left, 0.2))
-                while chan.recv_ready():
-                    out += chan.recv(65536)
-                while chan.recv_stderr_ready():
-                    err += chan.recv_stderr(65536)
-                if len(out) > MAX_OUTPUT_BYTES or len(err) > MAX_OUTPUT_BYTES:
-                    raise NodeError(
-                        self.name, "output", f"`{_short(command)}` printed more than {MAX_OUTPUT_BYTES} bytes"
-                    )
-                if chan.exit_status_ready() and (chan.eof_received or chan.closed):
-                    if not chan.recv_ready() and not chan.recv_stderr_ready():
-                        break
-            code = chan.recv_exit_status()
-        except (paramiko.SSHException, EOFError, OSError) as exc:
-            raise self._lost(exc) from None
-        finally:
-            chan.close()
-        return RunResult(
-            out.decode("utf-8", errors="replace"),
-            err.decode("utf-8", errors="replace"),
-            code,
-            time.monotonic() - start,
-            command,
-        )
+        return self.start(argv, timeout=timeout, env=env).finish(stdin or b"")
+
+    def start(
+        self, argv: Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None
+    ) -> Session:
+        """Start argv on the node and return its Session, to talk to it in turns (see Session)."""
+        return Session(self, remote_command(argv, env), self._command_timeout if timeout is None else timeout)
 
     def run_script(
         self,
@@ -798,6 +754,94 @@ class Node:
             if self._sftp is not None:
                 self._sftp.close()
         self._transport.close()
+
+
+class Session:
+    """One command on a node, talked to in turns: send some input and read until a marker shows up
+    on stdout (`read_until`), then send the rest and wait for the end (`finish`). `check` uses it so
+    that one probe per node does both rounds: the facts, then -- once every node's facts are in and
+    the fabric addresses are known -- the reach test, on the same channel. `timeout` bounds it all."""
+
+    def __init__(self, node: Node, command: str, timeout: float) -> None:
+        self.node, self.command, self.timeout = node, command, timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.out, self.err = bytearray(), bytearray()
+        self._chan = node._channel(timeout)
+        try:
+            self._chan.exec_command(command)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self._chan.close()
+            raise node._lost(exc) from None
+
+    def _pump(self, stdin: bytes, *, eof: bool, marker: bytes | None) -> bool:
+        """Feed stdin (then EOF, when `eof`) as the window allows while draining stdout and stderr
+        -- a remote that writes a lot before reading would otherwise deadlock with us -- until
+        `marker` is on stdout (True) or the command has ended and all is read (False)."""
+        chan, pending = self._chan, memoryview(stdin)
+        if eof and not pending:
+            chan.shutdown_write()
+        while True:
+            if marker is not None and not pending and marker in self.out:
+                return True
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise NodeError(
+                    self.node.name,
+                    "command-timeout",
+                    f"`{_short(self.command)}` did not finish within {self.timeout:g}s",
+                    f"check what hangs on {self.node.name}; raise the timeout if it is just slow",
+                )
+            while pending and chan.send_ready():
+                n = chan.send(bytes(pending[:65536]))
+                pending = pending[n:]
+                if not pending and eof:
+                    chan.shutdown_write()
+            select.select([chan], [], [], 0.005 if pending else min(left, 0.2))
+            while chan.recv_ready():
+                self.out += chan.recv(65536)
+            while chan.recv_stderr_ready():
+                self.err += chan.recv_stderr(65536)
+            if len(self.out) > MAX_OUTPUT_BYTES or len(self.err) > MAX_OUTPUT_BYTES:
+                raise NodeError(
+                    self.node.name, "output", f"`{_short(self.command)}` printed more than {MAX_OUTPUT_BYTES} bytes"
+                )
+            if chan.exit_status_ready() and (chan.eof_received or chan.closed):
+                if not chan.recv_ready() and not chan.recv_stderr_ready():
+                    return False
+
+    def read_until(self, marker: bytes, stdin: bytes = b"") -> bool:
+        """Send stdin (keeping the input open) and read until `marker` is on stdout: True, or False
+        when the command ended first. The output so far is in .out and .err."""
+        try:
+            return self._pump(stdin, eof=False, marker=marker)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self.close()
+            raise self.node._lost(exc) from None
+        except NodeError:
+            self.close()
+            raise
+
+    def finish(self, stdin: bytes = b"") -> RunResult:
+        """Send the rest of the input, close it, and wait for the command to end."""
+        try:
+            self._pump(stdin, eof=True, marker=None)
+            code = self._chan.recv_exit_status()
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise self.node._lost(exc) from None
+        finally:
+            self._chan.close()
+        return RunResult(
+            self.out.decode("utf-8", errors="replace"),
+            self.err.decode("utf-8", errors="replace"),
+            code,
+            time.monotonic() - self.started,
+            self.command,
+        )
+
+    def close(self) -> None:
+        """Abandon the command (its channel closes; the remote end sees EOF and a hangup)."""
+        self._chan.close()
 
 
 def docker_json(node: Node, args: Sequence[str], *, timeout: float | None = None) -> Any:

@@ -232,10 +232,61 @@ def test_reach_script_on_loopback() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        r = subprocess.run(["sh", "-s", "--", str(port), "127.0.0.1", "127.0.0.2", "255.255.255.255"],
-                           input=REACH.read_bytes(), capture_output=True, timeout=30)  # fmt: skip
+        r = subprocess.run(["sh", "-c", '. "$0"; reach_test "$@"', str(REACH), str(port), "127.0.0.1", "127.0.0.2",
+                            "255.255.255.255"], capture_output=True, timeout=30)  # fmt: skip
     got = C._parse_reach(r.stdout.decode())
     assert got == {"127.0.0.1": "ok", "127.0.0.2": "ok", "255.255.255.255": "Network is unreachable"}, r
+
+
+def _probe_round_one(tmp_path: Path, port: int) -> tuple[subprocess.Popen[bytes], str, bytes]:
+    """node_facts.sh as check runs it: reach.sh ahead of it, reach=PORT, the input left open."""
+    nonce = "0123456789abcdef"
+    env = dict(os.environ, SPARKCTL_SYSFS_ROOT=str(tmp_path / "none"), PATH=os.environ["PATH"])
+    args = F.probe_args(cluster="x", docker=False, banner=False, listening=False)
+    proc = subprocess.Popen(["sh", "-s", "--", nonce, *args, f"reach={port}"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(REACH.read_bytes() + b"\n" + PROBE.read_bytes())
+    proc.stdin.flush()
+    out = b""
+    ready = f"@@sparkctl {nonce} ready\n".encode()
+    while ready not in out:  # bounded by the test's own timeout: the probe prints it or ends
+        chunk = proc.stdout.read1(65536)
+        assert chunk, f"the probe ended before round 2: {out!r}"
+        out += chunk
+    return proc, nonce, out
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="the TCP test needs bash")
+def test_probe_runs_the_reach_test_as_round_two_on_the_same_input(tmp_path: Path) -> None:
+    """Round 1: the facts, then "ready"; the caller answers with the peers' addresses on the same
+    input; round 2 is the reach section. One process, one channel per node for the whole check."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        proc, nonce, first = _probe_round_one(tmp_path, listener.getsockname()[1])
+        assert F.node_facts_from_probe(first.decode(), nonce, expect_banner=False, expect_docker=False,
+                                       expect_listening=False, expect_model=False).meminfo  # fmt: skip
+        rest, err = proc.communicate(b"127.0.0.1 255.255.255.255\n", timeout=30)
+    sections = F.parse_probe_sections((first + rest).decode(), nonce, err.decode())
+    assert C._parse_reach(sections["reach"].stdout) == {"127.0.0.1": "ok", "255.255.255.255": "Network is unreachable"}
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("reply", [b"", b"\n", b"$(touch canary) ;touch canary\n"])
+def test_probe_round_two_reply_is_data_never_code(tmp_path: Path, reply: bytes) -> None:
+    """No reply (the caller went away), an empty one (no fabric address): no test. A hostile one:
+    addresses that fail, never a command run."""
+    proc, nonce, first = _probe_round_one(tmp_path, 9)
+    rest, err = proc.communicate(reply, timeout=30)
+    assert proc.returncode == 0 and not (tmp_path / "canary").exists()
+    sections = F.parse_probe_sections((first + rest).decode(), nonce, err.decode())
+    if reply.strip():
+        assert all(v != "ok" for v in C._parse_reach(sections["reach"].stdout).values())
+    else:
+        assert "reach" not in sections
 
 
 def test_reach() -> None:

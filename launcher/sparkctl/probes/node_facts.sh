@@ -2,7 +2,8 @@
 #
 # Run on the node as:
 #   sh -s -- NONCE [model=DIR] [cluster=NAME] [docker=no] [banner=no] [listening=no] [df=PATH]...
-#              [api=PATH]... [image=REF]... < node_facts.sh
+#              [api=PATH]... [image=REF]... [reach=PORT] < node_facts.sh
+# (with reach=PORT, probes/reach.sh is sent ahead of this script: see the end)
 # Prints one section per fact, framed by lines that carry the caller's random NONCE (so nothing a
 # node prints -- a file name, a container label -- can forge a section boundary):
 #   stdout:  @@sparkctl NONCE begin NAME      then the command's stdout
@@ -22,6 +23,7 @@ CLUSTER=sparkctl
 DOCKER=yes
 BANNER=yes
 LISTENING=yes
+REACH=
 DF_PATHS=
 API_PATHS=
 # Split key=value arguments; the image references are rebuilt into "$@" (sh has no arrays).
@@ -33,6 +35,7 @@ for a do
         docker=no) DOCKER=no ;;
         banner=no) BANNER=no ;;
         listening=no) LISTENING=no ;;
+        reach=*) REACH=${a#reach=} ;;
         df=*) DF_PATHS="$DF_PATHS
 ${a#df=}" ;;
         api=*) API_PATHS="$API_PATHS
@@ -52,7 +55,7 @@ section() {
     shift
     printf '@@sparkctl %s stderr %s\n' "$NONCE" "$_name" >&2
     printf '@@sparkctl %s begin %s\n' "$NONCE" "$_name"
-    "$@"
+    "$@" </dev/null # stdin is this script's (and then the caller's reply): no command may read it
     _rc=$?
     printf '\n@@sparkctl %s end %s %d\n' "$NONCE" "$_name" "$_rc"
 }
@@ -191,4 +194,21 @@ if [ "$DOCKER" = yes ]; then
     fi
 fi
 [ -n "$MODEL" ] && section model model_listing
-exit 0
+
+# Round 2, on the same channel (reach=PORT): say the facts are complete, then wait for one line from
+# the caller -- every other rank's fabric address, known once all nodes' facts are in -- and run the
+# reach test (reach_test, from probes/reach.sh) as one more section. This must stay the script's last
+# line: the shell has then read the whole script, so the line read here can only be the caller's.
+# No line (the caller went away: EOF) or an empty one: no test.
+finish() {
+    if [ -n "$REACH" ]; then
+        printf '@@sparkctl %s ready\n' "$NONCE"
+        if IFS= read -r _peers && [ -n "$_peers" ]; then
+            set -f
+            # shellcheck disable=SC2086 # one address per word
+            section reach reach_test "$REACH" $_peers
+        fi
+    fi
+    exit 0
+}
+finish
