@@ -797,7 +797,12 @@ class Session:
                 pending = pending[n:]
                 if not pending and eof:
                     chan.shutdown_write()
-            select.select([chan], [], [], 0.005 if pending else min(left, 0.2))
+            if chan.eof_received and not pending:
+                # After EOF the channel's pipe stays readable: select would return at once, over
+                # and over, until the exit status comes. Wait for that (or the close) instead.
+                chan.status_event.wait(min(left, 0.2))
+            else:
+                select.select([chan], [], [], 0.005 if pending else min(left, 0.2))
             while chan.recv_ready():
                 self.out += chan.recv(65536)
             while chan.recv_stderr_ready():

@@ -129,19 +129,6 @@ read_file() {
     while IFS= read -r _l || [ -n "$_l" ]; do printf '%s\n' "$_l"; done <"$1"
 }
 
-section host uname -nm
-section meminfo read_file /proc/meminfo
-section nofile ulimit -Hn
-section memlock ulimit -Hl
-section gpu $T nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,count --format=csv,noheader,nounits
-# The banner only carries the CUDA version, which the driver version decides: check asks the head
-# for it (banner=no on the other nodes), one nvidia-smi run per node less.
-[ "$BANNER" = yes ] && section gpu-banner $T nvidia-smi
-section ip-addr ip -j addr show
-section infiniband ib_walk
-# Only the head's ports matter (the API, the rendezvous): check asks the head alone (listening=no).
-[ "$LISTENING" = yes ] && section listening ss -Hltn
-section df df_paths
 # The engine's API paths the caller gave (api=..., already percent-encoded) are asked with ONE curl
 # over the engine's unix socket -- the socket the docker CLI would use: DOCKER_HOST=unix://..., or
 # the default one when neither DOCKER_HOST, DOCKER_CONTEXT nor a current context in the CLI's
@@ -184,16 +171,35 @@ docker_api() {
     curl -sS -g -D - --max-time 20 --unix-socket "$SOCK" -w "\n@@sparkctl $NONCE http %{http_code}\n" "$@"
 }
 
-if [ "$DOCKER" = yes ]; then
-    if [ -n "$API_PATHS" ] && command -v curl >/dev/null 2>&1 && engine_socket; then
-        section docker-api docker_api
-    else
-        section docker-version $T docker version --format '{{json .}}'
-        section docker-ps $T docker ps -a --no-trunc --filter "label=sparkctl.cluster=$CLUSTER" --format '{{json .}}'
-        section docker-images images "$@"
+# Round 1: every section. Gathered and printed with one write, not fifty: each small write would be
+# an SSH packet of its own, for sshd to seal and for the caller to open (one fork here saves more).
+facts() {
+    section host uname -nm
+    section meminfo read_file /proc/meminfo
+    section nofile ulimit -Hn
+    section memlock ulimit -Hl
+    section gpu $T nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,count --format=csv,noheader,nounits
+    # The banner only carries the CUDA version, which the driver version decides: check asks the head
+    # for it (banner=no on the other nodes), one nvidia-smi run per node less.
+    [ "$BANNER" = yes ] && section gpu-banner $T nvidia-smi
+    section ip-addr ip -j addr show
+    section infiniband ib_walk
+    # Only the head's ports matter (the API, the rendezvous): check asks the head alone (listening=no).
+    [ "$LISTENING" = yes ] && section listening ss -Hltn
+    section df df_paths
+    if [ "$DOCKER" = yes ]; then
+        if [ -n "$API_PATHS" ] && command -v curl >/dev/null 2>&1 && engine_socket; then
+            section docker-api docker_api
+        else
+            section docker-version $T docker version --format '{{json .}}'
+            section docker-ps $T docker ps -a --no-trunc --filter "label=sparkctl.cluster=$CLUSTER" --format '{{json .}}'
+            section docker-images images "$@"
+        fi
     fi
-fi
-[ -n "$MODEL" ] && section model model_listing
+    [ -n "$MODEL" ] && section model model_listing
+}
+_facts=$(facts "$@")
+printf '%s\n' "$_facts"
 
 # Round 2, on the same channel (reach=PORT): say the facts are complete, then wait for one line from
 # the caller -- every other rank's fabric address, known once all nodes' facts are in -- and run the
