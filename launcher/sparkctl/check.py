@@ -369,7 +369,7 @@ def rule_reach(node: str, outcome: Mapping[str, str] | NodeError | None, peers: 
     if outcome is None:
         return _f(node, "reach", SKIP, "-", f"{node}: not tested (its own fabric address is unknown)")
     if isinstance(outcome, NodeError):
-        fix = outcome.fix or f"run check again; if it repeats, run probes/reach.sh on {node} by hand"
+        fix = outcome.fix or f"run check again; if it repeats, run the reach test on {node} by hand: {REACH_BY_HAND}"
         return _f(node, "reach", FAIL, "probe failed", outcome.message, fix)
     bad = {ip: why for ip, why in outcome.items() if why != "ok"}
     untested = [ip for ip in peers if ip not in outcome]
@@ -754,6 +754,9 @@ def _script(name: str) -> bytes:
     return (PROBES / name).read_bytes()
 
 
+REACH_BY_HAND = "sh -c '. ./reach.sh; reach_test MASTER_PORT PEER_IP...' (sparkctl/probes/reach.sh)"
+
+
 def _parse_reach(text: str) -> dict[str, str]:
     out = {}
     for line in text.splitlines():
@@ -889,11 +892,17 @@ def reach(
         sec = F.parse_probe_sections(res.stdout, probes.nonce, res.stderr).get("reach")
         if sec is None:
             return NodeError(name, "output", f"{name}: the reach test printed no result (exit {res.exit_code})",
-                             f"run check again; if it repeats, run probes/reach.sh on {name} by hand")  # fmt: skip
+                             f"run check again; if it repeats, run the reach test on {name} by hand: "
+                             f"{REACH_BY_HAND}")  # fmt: skip
         return _parse_reach(sec.stdout)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(128, len(sessions)))) as pool:
         got = dict(zip(sessions, pool.map(one, sessions), strict=True))
+    for name in ips:  # its probe ended before round 2 (it printed no "ready"): say so, do not guess
+        if name not in sessions:
+            got[name] = NodeError(name, "output", f"{name}: its probe ended before the reach test could run",
+                                  f"run check again; if it repeats, run the reach test on {name} by hand: "
+                                  f"{REACH_BY_HAND}")  # fmt: skip
     return {n: r for n, r in got.items() if r is not None}
 
 

@@ -166,6 +166,26 @@ def test_one_connection_per_node_for_many_commands(sshlab: SshLab) -> None:
     assert {n: after[n] - before[n] for n in after} == {"n1": 1, "n2": 1, "n3": 1}
 
 
+def test_session_talks_to_a_command_in_turns(sshlab: SshLab) -> None:
+    """check's two rounds on one channel: input kept open until a marker comes back, then the reply."""
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        node = cluster.node("n1")
+        s = node.start(["sh", "-c", 'read first; echo "round1 $first"; echo READY; read second; echo "round2 $second"'])
+        assert s.read_until(b"READY\n", b"a\n") and s.out == b"round1 a\nREADY\n"
+        r = s.finish(b"b\n")
+        assert r.ok and r.stdout == "round1 a\nREADY\nround2 b\n"
+        # A command that ends before the marker: read_until says so, finish still gives its output.
+        s = node.start(["sh", "-c", "echo partial; echo oops >&2; exit 3"])
+        assert not s.read_until(b"READY\n", b"ignored\n")
+        r = s.finish()
+        assert (r.stdout, r.stderr, r.exit_code) == ("partial\n", "oops\n", 3)
+        # Abandoned mid-way: the remote end sees EOF on its input and the connection stays usable.
+        s = node.start(["sh", "-c", "echo READY; read x || echo eof"])
+        assert s.read_until(b"READY\n")
+        s.close()
+        assert node.run(["echo", "still here"]).stdout == "still here\n"
+
+
 def test_hostile_argv_is_data(sshlab: SshLab, tmp_path: Path) -> None:
     canary = tmp_path / "canary"
     hostile = [f"$(touch {canary})", f"`touch {canary}`", f";touch {canary}", f"' ; touch {canary} '", "a\nb"]

@@ -10,7 +10,8 @@
 #            @@sparkctl NONCE end NAME RC
 #   stderr:  @@sparkctl NONCE stderr NAME     then the command's stderr
 # The command's stderr goes straight to the probe's stderr (a stream of its own over SSH): no
-# subshell per section to capture it, and builtins and functions run in this shell, unforked.
+# subshell per section to capture it. (One subshell gathers all of round 1's stdout, which then
+# leaves in one write; see facts() below.)
 # Every value arrives as a positional argument (quoted by the caller) and is only ever expanded in
 # double quotes: a model path like '$(touch x)' is a path, never a command.
 # Hardware seams: sysfs from ${SPARKCTL_SYSFS_ROOT:-/sys/class/infiniband}; nvidia-smi and docker
@@ -49,7 +50,7 @@ if command -v timeout >/dev/null 2>&1; then T="timeout -k 2 20"; else T=; fi
 NL='
 '
 # Few processes: every node of a check runs this at once (on the lab, all on one machine's CPUs),
-# so nothing is captured through a subshell and simple reads use builtins.
+# so no section is captured through a subshell of its own and simple reads use builtins.
 section() {
     _name=$1
     shift
