@@ -756,6 +756,16 @@ class Node:
         self._transport.close()
 
 
+def wait_channel(chan: paramiko.Channel, timeout: float) -> None:
+    """Wait up to `timeout` for a channel's output or its end. After EOF the channel stays readable
+    for select, which would then return at once, over and over, until the exit status comes: wait
+    for that (or the close) instead."""
+    if chan.eof_received:
+        chan.status_event.wait(timeout)
+    else:
+        select.select([chan], [], [], timeout)
+
+
 class Session:
     """One command on a node, talked to in turns: send some input and read until a marker shows up
     on stdout (`read_until`), then send the rest and wait for the end (`finish`). `check` uses it so
@@ -797,12 +807,7 @@ class Session:
                 pending = pending[n:]
                 if not pending and eof:
                     chan.shutdown_write()
-            if chan.eof_received and not pending:
-                # After EOF the channel's pipe stays readable: select would return at once, over
-                # and over, until the exit status comes. Wait for that (or the close) instead.
-                chan.status_event.wait(min(left, 0.2))
-            else:
-                select.select([chan], [], [], 0.005 if pending else min(left, 0.2))
+            wait_channel(chan, 0.005 if pending else min(left, 0.2))
             while chan.recv_ready():
                 self.out += chan.recv(65536)
             while chan.recv_stderr_ready():

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -396,36 +396,47 @@ class Selection:
         return json.dumps([self.entries, self.members], sort_keys=True)
 
 
+def _rank_lacks(head: Mapping[str, Image], rank_images: Iterable[Image],
+                tags: Sequence[str]) -> Iterator[tuple[str, Image, list[tuple[int, str, str]]]]:
+    """Per tag whose head image the rank does not have under that tag: (tag, the head's image, and
+    (position, chain ID, diff ID) of each of its layers the rank does not hold, by chain ID)."""
+    rank_images = list(rank_images)
+    rank_tags = {t: img for img in rank_images for t in img.repo_tags}
+    held = held_chain_ids(rank_images)
+    for tag in tags:
+        img = head[tag]
+        have = rank_tags.get(tag)
+        if have is not None and have.id == img.id:
+            continue  # the rank already has this very image under this tag
+        lacking = [(i, cid, diff) for i, (cid, diff) in enumerate(zip(chain_ids(img.layers), img.layers, strict=True))
+                   if cid not in held]  # fmt: skip
+        yield tag, img, lacking
+
+
 def select_for_rank(manifest: Sequence[Mapping[str, Any]], head: Mapping[str, Image],
                     rank_images: Iterable[Image], tags: Sequence[str]) -> Selection:
     """Pick what a rank lacks. `manifest` is the head's `docker save` manifest.json for `tags` (in chain
     order); `head` maps each tag to the head's image; `rank_images` is what the rank reported."""
-    rank_images = list(rank_images)
-    rank_tags = {t: img for img in rank_images for t in img.repo_tags}
-    held = held_chain_ids(rank_images)
     by_tag = {t: entry for entry in manifest for t in (entry.get("RepoTags") or [])}
+    for tag in tags:
+        if tag not in by_tag:
+            raise ValueError(f"{tag} is not in the head's docker save manifest")
     sel = Selection()
     sent: set[str] = set()
-    for tag in tags:
-        img = head[tag]
-        entry = by_tag.get(tag)
-        if entry is None:
-            raise ValueError(f"{tag} is not in the head's docker save manifest")
-        have = rank_tags.get(tag)
-        if have is not None and have.id == img.id:
-            continue  # the rank already has this very image under this tag
+    for tag, img, lacking in _rank_lacks(head, rank_images, tags):
+        entry = by_tag[tag]
         layers_paths = list(entry.get("Layers") or [])
         if len(layers_paths) != len(img.layers):
             raise ValueError(f"{tag}: manifest lists {len(layers_paths)} layers, the image has {len(img.layers)}")
         _check_member(str(entry["Config"]))
         sel.entries.append({"Config": entry["Config"], "RepoTags": [tag], "Layers": layers_paths})
         sel.members.append(str(entry["Config"]))  # the loader reads every entry's config
-        for path, cid, diff in zip(layers_paths, chain_ids(img.layers), img.layers, strict=True):
-            if cid in held or cid in sent:
-                continue  # the loader finds it by chain ID and never opens the file
-            _check_member(path)
+        for i, cid, diff in lacking:  # a held layer: the loader finds it by chain ID, never opens the file
+            if cid in sent:
+                continue
+            _check_member(layers_paths[i])
             sent.add(cid)
-            sel.members.append(path)
+            sel.members.append(layers_paths[i])
             sel.layers.append(diff)
     sel.members = list(dict.fromkeys(sel.members))
     return sel
@@ -491,19 +502,9 @@ def save_argv(tags: Sequence[str], needed: Iterable[str], filter_source: str) ->
 
 
 def missing_layers(head: Mapping[str, Image], rank_images: Iterable[Image], tags: Sequence[str]) -> set[str]:
-    """The diff IDs of the head's chain layers a rank lacks (by chain ID, as select_for_rank decides),
-    known before anything is saved: what the head's `docker save` has to keep for this rank."""
-    rank_images = list(rank_images)
-    rank_tags = {t: img for img in rank_images for t in img.repo_tags}
-    held = held_chain_ids(rank_images)
-    out: set[str] = set()
-    for tag in tags:
-        img = head[tag]
-        have = rank_tags.get(tag)
-        if have is not None and have.id == img.id:
-            continue
-        out.update(diff for cid, diff in zip(chain_ids(img.layers), img.layers, strict=True) if cid not in held)
-    return out
+    """The diff IDs of the head's chain layers a rank lacks (what select_for_rank will send it), known
+    before anything is saved: what the head's `docker save` has to keep for this rank."""
+    return {diff for _, _, lacking in _rank_lacks(head, rank_images, tags) for _, _, diff in lacking}
 
 
 def parse_save_stats(stderr: str) -> dict[str, int]:

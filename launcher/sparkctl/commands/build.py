@@ -35,7 +35,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .. import images as im
-from ..cluster import Cluster, Node, NodeError, remote_command
+from ..cluster import Cluster, Node, NodeError, remote_command, wait_channel
 from ..errors import CheckFailed
 from ..facts import Image, ParseError, parse_image_inspect
 from ..output import emit_json
@@ -180,7 +180,7 @@ def run_lines(node: Node, argv: Sequence[str], *, stdin: bytes, timeout: float,
             if time.monotonic() > deadline:
                 raise NodeError(node.name, "command-timeout", f"no result within {timeout:g}s",
                                 f"check what hangs on {node.name}")
-            _wait_readable(chan, 0.5)
+            wait_channel(chan, 0.5)
             got = False
             while chan.recv_ready():
                 buf += chan.recv(CHUNK)
@@ -506,21 +506,12 @@ def fan_out(cluster: Cluster, head: Node, sel: im.Selection, ranks: list[str], s
             chan.close()
 
 
-def _wait_readable(chan: paramiko.Channel, timeout: float) -> None:
-    """Wait for output or the end. After EOF the channel stays readable for select, which would then
-    return at once until the exit status comes: wait for that instead."""
-    if chan.eof_received:
-        chan.status_event.wait(timeout)
-    else:
-        select.select([chan], [], [], timeout)
-
-
 def _wait_exit(chan: paramiko.Channel, sink: bytearray, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while not chan.exit_status_ready():
         if time.monotonic() > deadline:
             return -1
-        _wait_readable(chan, 0.5)
+        wait_channel(chan, 0.5)
         while chan.recv_ready():
             sink += chan.recv(CHUNK)
     while chan.recv_ready():
