@@ -872,7 +872,7 @@ def gather(
 
 
 def reach(
-    probes: Probes, pins: Mapping[int, RankPins], nodes: Sequence[str]
+    cluster: Cluster, probes: Probes, pins: Mapping[int, RankPins], nodes: Sequence[str]
 ) -> dict[str, dict[str, str] | NodeError]:
     """Round 2: every node with a fabric address tries every other rank's fabric address; every other
     open probe is told to end (an empty line)."""
@@ -880,24 +880,20 @@ def reach(
     with probes.lock:
         sessions, probes.sessions = probes.sessions, {}
 
-    def one(name: str) -> dict[str, str] | NodeError | None:
-        sess = sessions[name]
+    def one(node: Node) -> dict[str, str] | None:
+        name = node.name
         peers = [ip for n, ip in ips.items() if n != name] if name in ips else []
-        try:
-            res = sess.finish((" ".join(peers) + "\n").encode())
-        except NodeError as exc:
-            return exc
+        res = sessions[name].finish((" ".join(peers) + "\n").encode())
         if name not in ips or not peers:
             return {} if name in ips else None
         sec = F.parse_probe_sections(res.stdout, probes.nonce, res.stderr).get("reach")
         if sec is None:
-            return NodeError(name, "output", f"{name}: the reach test printed no result (exit {res.exit_code})",
-                             f"run check again; if it repeats, run the reach test on {name} by hand: "
-                             f"{REACH_BY_HAND}")  # fmt: skip
+            raise NodeError(name, "output", f"{name}: the reach test printed no result (exit {res.exit_code})",
+                            f"run check again; if it repeats, run the reach test on {name} by hand: "
+                            f"{REACH_BY_HAND}")  # fmt: skip
         return _parse_reach(sec.stdout)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(128, len(sessions)))) as pool:
-        got = dict(zip(sessions, pool.map(one, sessions), strict=True))
+    got: dict[str, dict[str, str] | NodeError | None] = cluster.run_all(one, nodes=list(sessions))
     for name in ips:  # its probe ended before round 2 (it printed no "ready"): say so, do not guess
         if name not in sessions:
             got[name] = NodeError(name, "output", f"{name}: its probe ended before the reach test could run",
@@ -1033,7 +1029,7 @@ def run_check(
 
         findings, pins = evaluate(nodes, needs, gathered, cluster.errors, plan_for_node, verifier)
         t = time.monotonic()
-        reached = reach(probes, pins, nodes)
+        reached = reach(cluster, probes, pins, nodes)
         timing["reach"] = time.monotonic() - t
     peers = {p.fabric_ip: nodes[r] for r, p in pins.items() if p.fabric_ip}
     for n in nodes:
