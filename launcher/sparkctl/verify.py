@@ -22,6 +22,11 @@ The rules are parameterised by a recipe's checkpoint `layout`, a plain dict (rec
     optional_files    {relative path: {"classes": {...}, "note": "..."}}: extra safetensors files
                       (e.g. the 6-bit head) checked with their own class rules when present
     serving_files     files the image layers copy from serving/ (a warning when missing)
+    provenance        {rule key: "seed" | "vllm source" | "assumed"}: where each expected value comes
+                      from. A checkpoint that differs from an *assumed* value (quantization_config,
+                      config.json, kv_a width) gets a warning saying what was found, never an error:
+                      only what we know is an error. Structural facts read from the headers (bits per
+                      tensor, codebooks, the shard set) stay errors whatever the provenance.
 
 Module classes (from the tensor name): routed_expert, mtp_expert, shared_expert, dense_mlp, router,
 attention (q_a/q_b/kv_a/o_proj), kv_b, indexer_q (indexer.wq_b), indexer (wk, weights_proj),
@@ -573,8 +578,9 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
         for key, want in (layout.get("config") or {}).items():
             got = config.get(key)
             if got != want:
-                findings.append(Finding("error", "config-mismatch", f"config.json {key} is {got!r}; "
-                                        f"{layout.get('name')} expects {want!r}",
+                findings.append(Finding(_expected_severity(layout, "config"), "config-mismatch",
+                                        f"config.json {key} is {got!r}; {layout.get('name')} expects {want!r}"
+                                        + _assumed_note(layout, "config"),
                                         "use the checkpoint this recipe is for, or pick the matching RECIPE",
                                         "config.json"))
         if qconf is None and isinstance(config.get("quantization_config"), dict):
@@ -591,9 +597,9 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
             for key in ("quant_method", "bits", "scope"):
                 want = layout.get(key)
                 if want is not None and qconf.get(key) != want:
-                    findings.append(Finding("error", "quant-config-mismatch",
+                    findings.append(Finding(_expected_severity(layout, key), "quant-config-mismatch",
                                             f"quantization config {key} is {qconf.get(key)!r}; "
-                                            f"{layout.get('name')} expects {want!r}",
+                                            f"{layout.get('name')} expects {want!r}" + _assumed_note(layout, key),
                                             "use the checkpoint this recipe is for, or pick the matching RECIPE",
                                             "quantization_config.json"))
 
@@ -610,7 +616,7 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
     if isinstance(want_w, int):
         for mod, w in sorted(widths.items()):
             if w != want_w:
-                issues.add("error", "kv-a-width", "attention", mod, classify(mod, mtp_layer)[1],
+                issues.add(_expected_severity(layout, "kv_a_proj_width"), "kv-a-width", "attention", mod, classify(mod, mtp_layer)[1],
                            f"{w} wide, expected {want_w}", "use the checkpoint this recipe is for")
     findings.extend(issues.findings("shards"))
 
@@ -629,6 +635,20 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
     order = {"error": 0, "warn": 1, "info": 2}
     findings.sort(key=lambda f: order.get(f.severity, 3))
     return Report(findings, summary)
+
+
+PROVENANCES = ("seed", "vllm source", "assumed")
+
+
+def _expected_severity(layout: Mapping[str, Any], key: str) -> str:
+    """An expected value the layout only assumes is checked as a warning; a known one as an error."""
+    return "warn" if (layout.get("provenance") or {}).get(key) == "assumed" else "error"
+
+
+def _assumed_note(layout: Mapping[str, Any], key: str) -> str:
+    if _expected_severity(layout, key) == "error":
+        return ""
+    return " (the recipe only assumes this value: no model card states it, so this is not an error)"
 
 
 def findings_have(findings: Iterable[Finding], code: str) -> bool:

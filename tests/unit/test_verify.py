@@ -269,3 +269,34 @@ def test_lazy_offsets_match_the_json_reading(full300: Path) -> None:
         raw = f.read(8 + h.header_len)[8:]
     assert h.tensors == _validate(json.loads(raw), len(raw)).tensors
     assert read_header(p) == h
+
+
+@pytest.mark.parametrize("name", ["glm53-3.00bpw", "glm53-2.75bpw", "tiny"])
+def test_every_layout_rule_says_where_its_value_comes_from(name: str) -> None:
+    from sparkctl.verify import PROVENANCES
+
+    layout = load_layout(name)
+    rules = set(layout) - {"name", "description", "codebook_note", "provenance", "provenance_note"}
+    prov = layout["provenance"]
+    assert set(prov) == rules, f"{name}: rules without provenance {rules - set(prov)}, stray {set(prov) - rules}"
+    assert set(prov.values()) <= set(PROVENANCES)
+
+
+def test_an_assumed_scope_that_differs_is_a_warning_naming_what_was_found(tmp_path: Path) -> None:
+    """seeds/002 never states the 2.75 bpw pack's quantization_config scope: a real pack with another
+    string must not be refused."""
+    d = ckptgen.make_checkpoint(tmp_path / "p", "2.75bpw")
+    qc = json.loads((d / "quantization_config.json").read_text())
+    (d / "quantization_config.json").write_text(json.dumps({**qc, "scope": "glm53_whatever_the_card_says"}))
+    r = verify_dir(d, load_layout("glm53-2.75bpw"))
+    assert r.ok, r.findings
+    (w,) = [f for f in r.findings if f.code == "quant-config-mismatch"]
+    assert w.severity == "warn" and "'glm53_whatever_the_card_says'" in w.message and "assumes" in w.message
+
+
+def test_a_seed_stated_scope_that_differs_stays_an_error(tmp_path: Path) -> None:
+    d = ckptgen.make_checkpoint(tmp_path / "p", "3.00bpw")
+    qc = json.loads((d / "quantization_config.json").read_text())
+    (d / "quantization_config.json").write_text(json.dumps({**qc, "scope": "glm53_mixed_k"}))
+    r = verify_dir(d, load_layout("glm53-3.00bpw"))
+    assert not r.ok and "quant-config-mismatch" in codes(r)
