@@ -139,8 +139,6 @@ def rank_env(settings: Settings, rank: int, pins: RankPins) -> dict[str, str]:
     env = {
         "NCCL_SOCKET_IFNAME": str(pins.netdev),
         "GLOO_SOCKET_IFNAME": str(pins.netdev),
-        "TP_SOCKET_IFNAME": str(pins.netdev),
-        "UCX_NET_DEVICES": str(pins.netdev),
         "NCCL_IB_HCA": str(pins.rdma_dev),
         "NCCL_IB_GID_INDEX": str(pins.gid_index),
         "VLLM_HOST_IP": str(pins.fabric_ip),

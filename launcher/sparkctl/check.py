@@ -24,14 +24,25 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import facts as F
 from .builders import open_api_warning
 from .cluster import Cluster, Node, NodeError, Session
-from .plan import GB, INDEX_NAME, CheckpointInfo, Plan, Shard, gb, make_plan
+from .plan import (
+    GB,
+    INDEX_NAME,
+    CheckpointInfo,
+    Plan,
+    Shard,
+    drafter_dir,
+    gb,
+    make_plan,
+    nodes_compute_capability,
+    read_drafter_config_on,
+)
 from .settings import RankPins, Settings
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
@@ -1016,6 +1027,12 @@ def run_check(
                 ckpt_why = f"cannot read the checkpoint on the head: {exc}"
         elif isinstance(head_scan, str):
             ckpt_why = head_scan
+        drafter = drafter_dir(settings)
+        if ckpt is not None and drafter is not None and nodes[0] not in cluster.errors:
+            try:
+                ckpt = replace(ckpt, drafter_config=read_drafter_config_on(cluster.node(nodes[0]), drafter))
+            except Exception:  # noqa: BLE001 - the plan row says the drafter's config could not be read
+                pass
 
         def plan_for_node(facts: F.NodeFacts) -> tuple[Plan | None, str]:
             if ckpt is None:
@@ -1023,7 +1040,7 @@ def run_check(
             if facts.meminfo is None:
                 return None, "node memory unknown"
             try:
-                return make_plan(settings, ckpt, facts.meminfo.total_bytes), ""
+                return make_plan(settings, ckpt, facts.meminfo.total_bytes, _compute_cap(facts)), ""
             except Exception as exc:  # a config.json the planner cannot use: say so, keep checking
                 return None, str(exc)
 
@@ -1042,19 +1059,34 @@ def run_check(
             else rule_reach(n, None, {})
         )
     # The cluster plan: the smallest node decides (all ranks get the same KV bytes).
+    facts_ok = {n: f for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts)}
     mems = [
         f.meminfo.total_bytes for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts) and f.meminfo
     ]
-    plan = make_plan(settings, ckpt, min(mems)) if ckpt is not None and mems else None
+    cc, cc_problem = nodes_compute_capability({n: _compute_cap(f) for n, f in facts_ok.items()})
+    if cc_problem:
+        findings.append(_f(CLUSTER_ROW, "plan", FAIL, "mixed GPUs", cc_problem,
+                           "serve the model on nodes of one GPU generation"))
+    plan = None
+    if ckpt is not None and mems:
+        try:
+            plan = make_plan(settings, ckpt, min(mems), cc)
+        except Exception:  # noqa: BLE001 - each node's plan row already says why
+            plan = None
     util = rule_gpu_memory_utilization(plan)
     if util is not None:
         findings.append(util)
     api = rule_open_api(open_api_warning(settings))
     if api is not None:
         findings.append(api)
-    facts = {n: f for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts)}
+    facts = facts_ok
     timing["total"] = time.monotonic() - start
     order = {c: i for i, c in enumerate((*CHECKS, "checkpoint", "api"))}
     node_order = {n: i for i, n in enumerate([*nodes, CLUSTER_ROW])}
     findings.sort(key=lambda f: (node_order.get(f.node, 999), order.get(f.check, 999)))
     return CheckReport(list(nodes), findings, pins, plan, facts, timing)
+
+
+def _compute_cap(facts: F.NodeFacts) -> str | None:
+    """The node's GPU compute capability as nvidia-smi reports it (12.1 on GB10), None when unknown."""
+    return facts.gpus[0].compute_cap if facts.gpus else None

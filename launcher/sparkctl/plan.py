@@ -3,18 +3,23 @@
     per rank = weights (shards ÷ TP) + KV cache + overhead (~14 GiB of CUDA/NCCL state)
     must fit in node memory − OS reserve (unified memory on GB10: GPU and CPU share it)
 
-KV bytes per token, MLA (vLLM's own spec), for every attention layer incl. the MTP layers:
-    (kv_lora_rank + qk_rope_head_dim) × dtype bytes      (576 B in fp8; fp8_ds_mla is a fixed 656 B)
-  + index_head_dim + 4                                   (the sparse-attention indexer, when present)
-With DCP=d each rank holds ceil(max_model_len / d) tokens of each sequence; MLA's latent KV is not
-split by TP. The result is the exact integer for `--kv-cache-memory-bytes` (per GPU, in bytes).
+The KV cache is planned as vLLM 0.33 will allocate and check it (facts.md, "KV bytes"; the fidelity
+suite in tests/fidelity/ runs vLLM's own planner against these figures):
+  - the backend follows the GPU: on GB10 (SM12x) the only sparse-MLA backend stores `fp8`/`auto` as
+    `fp8_ds_mla`, 656 B per token per layer; on SM10x plain fp8 is 576 B (kv_lora_rank + rope);
+  - the sparse-attention indexer adds index_head_dim + index_head_dim // 128 × 4 B (132 B);
+  - every attention layer counts, the MTP layer too when it speculates (78 + 1 = 79 for GLM-5);
+  - pages are blocks of 64 tokens; DCP=d gives each rank ceil(max_model_len / d) tokens of a sequence;
+  - vLLM reserves one null block, then refuses to start unless the longest request fits.
+So bytes = (MAX_FULL_SEQS × ceil(ceil(len / DCP) / 64) + 1) × 64 × bytes per token: the minimum vLLM
+accepts, in whole blocks. 1,000,000 tokens at DCP 4 on GB10: 3,908 × 3,984,128 = 15,569,972,224 B.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,6 +51,7 @@ class CheckpointInfo:
     config: dict[str, Any]
     shards: tuple[Shard, ...]
     index_total_size: int | None
+    drafter_config: dict[str, Any] | None = None  # DSPARK/config.json, read with the checkpoint (dspark)
 
     @property
     def missing(self) -> list[str]:
@@ -99,8 +105,21 @@ class _Runs(Protocol):
     def run(self, argv: list[str], *, stdin: bytes | None = ..., timeout: float | None = ...) -> Any: ...
 
 
-def read_checkpoint_on(node: _Runs, model: Path) -> CheckpointInfo:
-    """The checkpoint as `node` sees it (MODEL is on the nodes' shared storage, maybe not here)."""
+def read_checkpoint_on(node: _Runs, model: Path, drafter: Path | None = None) -> CheckpointInfo:
+    """The checkpoint as `node` sees it (MODEL is on the nodes' shared storage, maybe not here), with
+    the DSpark drafter's config.json when `drafter` is given."""
+    info = _checkpoint_on(node, model)
+    if drafter is None:
+        return info
+    return replace(info, drafter_config=read_drafter_config_on(node, drafter))
+
+
+def read_drafter_config_on(node: _Runs, drafter: Path) -> dict[str, Any] | None:
+    """DSPARK/config.json as `node` sees it; None when it cannot be read (make_plan says so)."""
+    return _checkpoint_on(node, drafter, config_only=True).config or None
+
+
+def _checkpoint_on(node: _Runs, model: Path, config_only: bool = False) -> CheckpointInfo:
     r = node.run(["python3", "-", str(model)], stdin=REMOTE_READER, timeout=60)
     if r.exit_code != 0:
         raise CheckFailed(f"cannot read the checkpoint on {node.name}: {r.stderr.strip()[-300:]}",
@@ -111,6 +130,11 @@ def read_checkpoint_on(node: _Runs, model: Path) -> CheckpointInfo:
         raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}") from None
     if not isinstance(listing, dict):
         raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}")
+    if config_only:
+        try:
+            return checkpoint_from_listing(model, listing, node.name)
+        except UsageError:  # the caller says what a missing drafter config means
+            return CheckpointInfo(model, {}, (), None)
     return checkpoint_from_listing(model, listing, node.name)
 
 
@@ -167,8 +191,20 @@ def _total_size(index: dict[str, Any]) -> int | None:
     return total
 
 
-def read_checkpoint(model: Path) -> CheckpointInfo:
-    """config.json + the shard list (from the index, else *.safetensors) with their sizes on disk."""
+def read_checkpoint(model: Path, drafter: Path | None = None) -> CheckpointInfo:
+    """config.json + the shard list (from the index, else *.safetensors) with their sizes on disk; with
+    `drafter`, the DSpark drafter's config.json too (None when it cannot be read: make_plan says so)."""
+    info = _read_checkpoint(model)
+    if drafter is None:
+        return info
+    try:
+        config = _read_json(drafter / "config.json", "drafter config.json")
+    except UsageError:
+        config = None
+    return replace(info, drafter_config=config if isinstance(config, dict) else None)
+
+
+def _read_checkpoint(model: Path) -> CheckpointInfo:
     if not model.is_dir():
         raise UsageError(f"MODEL={model} is not a folder on this machine",
                          fix="point MODEL at the checkpoint folder (it must hold config.json)")
@@ -226,6 +262,14 @@ class Plan:
     node_memory_bytes: int
     gpu_memory_utilization: float
     gpu_memory_utilization_cap: float
+    compute_capability: str = "12.1"
+    compute_capability_source: str = ""
+    kv_backend: str = ""
+    kv_cache_dtype_effective: str = ""  # what vLLM stores, e.g. fp8_ds_mla for fp8 on GB10
+    kv_backend_why: str = ""
+    kv_block_tokens: int = 64
+    kv_block_bytes: int = 0  # one block of every layer's caches: kv_block_tokens × kv_bytes_per_token
+    kv_blocks_per_rank: int = 0  # MAX_FULL_SEQS × blocks of one full sequence + vLLM's null block
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -284,19 +328,83 @@ def _cfg_int(config: dict[str, Any], key: str, where: Path, default: int | None 
     return value
 
 
-def kv_terms(config: dict[str, Any], kv_dtype: str, tp: int, indexer_extra: int, where: Path) -> list[KvTerm]:
-    """Bytes per token of KV cache on one rank, term by term."""
-    layers = _cfg_int(config, "num_hidden_layers", where) + _cfg_int(config, "num_nextn_predict_layers", where, 0)
+@dataclass(frozen=True)
+class KvLayout:
+    """The attention backend vLLM picks for this model on this GPU, and the cache dtype it really stores
+    (vLLM canonicalises the requested dtype per backend: on GB10 `fp8` and `auto` become `fp8_ds_mla`)."""
+
+    backend: str
+    dtype: str  # what vLLM stores, e.g. "fp8_ds_mla"
+    why: str
+
+
+# vLLM 0.33 (vllm/v1/attention/backends/mla/*, platforms/cuda.py, model_executor/layers/attention/
+# mla_attention.py `_canonicalize_sparse_mla_kv_cache_dtype`): the sparse-MLA backends by GPU generation.
+SM120_SPARSE = "FLASHINFER_MLA_SPARSE_SM120"
+SM120_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")  # all stored as fp8_ds_mla
+_QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+INDEXER_QUANT_BLOCK = 128  # the indexer's K cache: head_dim fp8 bytes + one fp32 scale per 128 (deepseek_v2.py)
+
+
+def _major(compute_capability: str) -> int:
+    return int(compute_capability.split(".", 1)[0])
+
+
+def kv_layout(config: dict[str, Any], compute_capability: str, kv_dtype: str) -> KvLayout:
+    """Which backend and stored dtype vLLM 0.33 uses for this model's KV cache on this GPU generation.
+
+    Raises UsageError for a dtype that no backend on that GPU can serve (bfloat16 on GB10)."""
+    sparse_mla = "kv_lora_rank" in config and ("index_topk" in config or "index_head_dim" in config)
+    cc = compute_capability
+    if not sparse_mla:
+        return KvLayout("(dense attention)", kv_dtype, "not a sparse-MLA model: the dtype is stored as given")
+    major = _major(cc)
+    if major == 12:
+        if kv_dtype not in SM120_DTYPES:
+            raise UsageError(
+                f"KV_CACHE_DTYPE={kv_dtype} cannot be served on compute capability {cc} (GB10 / SM12x): vLLM 0.33's "
+                f"only sparse-MLA backend there, {SM120_SPARSE}, stores the packed fp8_ds_mla layout only "
+                f"(accepts {', '.join(SM120_DTYPES)}) and vLLM would refuse the model after loading its weights",
+                fix="set KV_CACHE_DTYPE=fp8 (stored as fp8_ds_mla, 656 B per token per layer)")
+        stored = "fp8_ds_mla"
+        why = (f"SM{cc.replace('.', '')}: vLLM's only sparse-MLA backend is {SM120_SPARSE}, which stores "
+               f"{kv_dtype} as fp8_ds_mla (656 B per token per layer)")
+        return KvLayout(SM120_SPARSE, stored, why if kv_dtype != "fp8_ds_mla" else why.split(", which")[0])
+    if major == 10:
+        if kv_dtype == "fp8_ds_mla":
+            return KvLayout("FLASHMLA_SPARSE", "fp8_ds_mla",
+                            "SM10x: fp8_ds_mla asked for explicitly; FLASHINFER_MLA_SPARSE refuses it, FLASHMLA_SPARSE "
+                            "serves it")
+        if kv_dtype in _QUANTIZED:
+            return KvLayout("FLASHINFER_MLA_SPARSE", kv_dtype,
+                            f"SM10x: FLASHINFER_MLA_SPARSE is preferred for a quantized cache and keeps plain "
+                            f"{kv_dtype} (kv_lora_rank + rope bytes)")
+        return KvLayout("FLASHMLA_SPARSE / FLASH_ATTN_MLA_SPARSE_FA4", "bfloat16" if kv_dtype == "auto" else kv_dtype,
+                        "SM10x: an unquantized cache in the model's dtype")
+    return KvLayout(f"(not modelled for SM{cc.replace('.', '')})", kv_dtype,
+                    f"compute capability {cc}: sparkctl models vLLM's sparse-MLA backends for SM10x and SM12x "
+                    f"only; the bytes follow the dtype's width and are not verified against vLLM")
+
+
+def kv_terms(config: dict[str, Any], kv_dtype: str, tp: int, where: Path, *, mtp_layers: bool = True) -> list[KvTerm]:
+    """Bytes per token of KV cache on one rank, term by term, for the dtype vLLM stores (see kv_layout).
+
+    mtp_layers: the MTP block (num_nextn_predict_layers) is a full decoder layer with its own caches,
+    loaded only when it speculates (SPEC_METHOD=mtp)."""
+    layers = _cfg_int(config, "num_hidden_layers", where)
+    if mtp_layers:
+        layers += _cfg_int(config, "num_nextn_predict_layers", where, 0)
     if kv_dtype == "auto":
         dtype_bytes = _MODEL_DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
     else:
         dtype_bytes = _DTYPE_BYTES.get(kv_dtype, 2)
     terms: list[KvTerm] = []
     if "kv_lora_rank" in config:  # MLA: one latent vector + the rope key per token per layer
+        width = _cfg_int(config, "kv_lora_rank", where) + _cfg_int(config, "qk_rope_head_dim", where)
         if kv_dtype == "fp8_ds_mla":
-            terms.append(KvTerm("MLA latent (fp8_ds_mla, fixed 656 B)", FP8_DS_MLA_BYTES, layers))
+            terms.append(KvTerm("MLA latent (fp8_ds_mla: 512 fp8 + 16 B scales + 64 bf16 rope = 656 B)",
+                                FP8_DS_MLA_BYTES, layers))
         else:
-            width = _cfg_int(config, "kv_lora_rank", where) + _cfg_int(config, "qk_rope_head_dim", where)
             terms.append(KvTerm(f"MLA latent ({width} × {dtype_bytes} B, {kv_dtype})", width * dtype_bytes, layers))
     else:  # ordinary attention: K and V per KV head, heads split across TP ranks
         heads = _cfg_int(config, "num_key_value_heads", where) if "num_key_value_heads" in config else \
@@ -307,16 +415,34 @@ def kv_terms(config: dict[str, Any], kv_dtype: str, tp: int, indexer_extra: int,
         terms.append(KvTerm(f"K+V ({per_rank_heads} heads × {head_dim} × 2 × {dtype_bytes} B)",
                             2 * per_rank_heads * int(head_dim) * dtype_bytes, layers))
     if "index_head_dim" in config:
-        idx = _cfg_int(config, "index_head_dim", where) + indexer_extra
-        terms.append(KvTerm(f"indexer ({config['index_head_dim']} + {indexer_extra} B)", idx, layers))
+        dim = _cfg_int(config, "index_head_dim", where)
+        scales = dim // INDEXER_QUANT_BLOCK * 4
+        terms.append(KvTerm(f"indexer ({dim} fp8 + {scales} B scales)", dim + scales, layers))
     return terms
 
 
-def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int | None = None) -> Plan:
+def drafter_terms(drafter_config: dict[str, Any] | None, kv_dtype: str, tp: int, where: Path) -> list[KvTerm]:
+    """SPEC_METHOD=dspark: the drafter brings its own caches (planned from its config.json)."""
+    if drafter_config is None:
+        raise UsageError(f"SPEC_METHOD=dspark: cannot read the drafter's config.json in DSPARK={where}, so its "
+                         "KV cache cannot be planned",
+                         fix="point DSPARK at the drafter folder (it must hold config.json), at the same path on "
+                             "every node")
+    terms = kv_terms(drafter_config, kv_dtype, tp, where, mtp_layers=False)
+    return [KvTerm(f"drafter {t.name}", t.bytes_per_token_per_layer, t.layers) for t in terms]
+
+
+def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int | None = None,
+              compute_capability: str | None = None, drafter_config: dict[str, Any] | None = None) -> Plan:
+    """The memory plan per rank. compute_capability: what the nodes' nvidia-smi reports (check, up);
+    None plans for the recipe's GPU_COMPUTE_CAPABILITY. drafter_config: DSPARK/config.json (default: the
+    one read with the checkpoint)."""
     mem = settings.recipe.memory
     tp, dcp = settings.getint("TP"), settings.getint("DCP")
     max_len, seqs = settings.getint("MAX_MODEL_LEN"), settings.getint("MAX_FULL_SEQS")
     kv_dtype = str(settings.get("KV_CACHE_DTYPE"))
+    cc = compute_capability or str(settings.get("GPU_COMPUTE_CAPABILITY"))
+    cc_source = "the nodes' nvidia-smi" if compute_capability else settings.describe("GPU_COMPUTE_CAPABILITY")
     notes: list[str] = []
     total = ckpt.shard_bytes
     if ckpt.missing:
@@ -324,29 +450,63 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
                      f"{'…' if len(ckpt.missing) > 3 else ''}); run `sparkctl verify-model`")
         if ckpt.index_total_size:
             total = max(total, ckpt.index_total_size)
-    terms = kv_terms(ckpt.config, kv_dtype, tp, mem.indexer_extra_bytes, ckpt.path)
+    layout = kv_layout(ckpt.config, cc, kv_dtype)
+    method = settings.get("SPEC_METHOD")
+    terms = kv_terms(ckpt.config, layout.dtype, tp, ckpt.path, mtp_layers=method == "mtp")
+    if method == "dspark":
+        dspark = Path(str(settings.get("DSPARK")))
+        drafter_config = drafter_config if drafter_config is not None else ckpt.drafter_config
+        drafter_dtype = kv_layout(drafter_config, cc, kv_dtype).dtype if drafter_config else layout.dtype
+        terms += drafter_terms(drafter_config, drafter_dtype, tp, dspark)
     per_token = sum(t.bytes_per_token for t in terms)
     block = mem.kv_block_tokens
-    tokens = math.ceil(math.ceil(max_len / dcp) / block) * block * seqs
+    blocks_per_seq = math.ceil(math.ceil(max_len / dcp) / block)
+    # vLLM reserves one null block before it checks that the longest request fits.
+    blocks = blocks_per_seq * seqs + 1
     return Plan(
         tp=tp, dcp=dcp, max_model_len=max_len, max_full_seqs=seqs, kv_cache_dtype=kv_dtype,
         weights_total=total,
         weights_per_rank=math.ceil(total / tp),
         kv_terms=terms,
         kv_bytes_per_token=per_token,
-        tokens_per_rank=tokens,
-        kv_cache_memory_bytes=tokens * per_token,
+        tokens_per_rank=blocks_per_seq * block * seqs,
+        kv_cache_memory_bytes=blocks * block * per_token,
         overhead_bytes=int(mem.overhead_gib * GIB),
         os_reserve_bytes=int(mem.os_reserve_gib * GIB),
         node_memory_bytes=node_memory_bytes or settings.getint("NODE_MEMORY_BYTES"),
         gpu_memory_utilization=float(settings.get("GPU_MEMORY_UTILIZATION")),
         gpu_memory_utilization_cap=mem.gpu_memory_utilization_cap,
+        compute_capability=cc,
+        compute_capability_source=cc_source,
+        kv_backend=layout.backend,
+        kv_cache_dtype_effective=layout.dtype,
+        kv_backend_why=layout.why,
+        kv_block_tokens=block,
+        kv_block_bytes=block * per_token,
+        kv_blocks_per_rank=blocks,
         notes=notes,
     )
 
 
+def nodes_compute_capability(caps: dict[str, str | None]) -> tuple[str | None, str | None]:
+    """The one compute capability the nodes report (None when none is known), and a problem when they
+    disagree: every rank gets the same KV bytes, planned for one backend."""
+    known = {n: c for n, c in caps.items() if c}
+    values = sorted(set(known.values()))
+    if len(values) > 1:
+        listing = ", ".join(f"{n} {c}" for n, c in known.items())
+        return None, (f"the ranks report different GPU compute capabilities ({listing}): vLLM would pick a "
+                      "different KV-cache backend per rank; serve one model on one GPU generation")
+    return (values[0] if values else None), None
+
+
+def drafter_dir(settings: Settings) -> Path | None:
+    """The DSpark drafter folder whose config.json the plan needs (SPEC_METHOD=dspark), else None."""
+    return Path(str(settings.get("DSPARK"))) if settings.get("SPEC_METHOD") == "dspark" else None
+
+
 def plan_for(settings: Settings, node_memory_bytes: int | None = None) -> Plan:
-    return make_plan(settings, read_checkpoint(settings.model), node_memory_bytes)
+    return make_plan(settings, read_checkpoint(settings.model, drafter_dir(settings)), node_memory_bytes)
 
 
 def require_fit(plan: Plan) -> None:

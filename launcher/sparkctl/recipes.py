@@ -24,7 +24,6 @@ class MemoryProfile:
     overhead_gib: float = 14.0
     os_reserve_gib: float = 4.0
     gpu_memory_utilization_cap: float = 0.82
-    indexer_extra_bytes: int = 4
     kv_block_tokens: int = 64
 
 
@@ -136,7 +135,6 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         gpu_memory_utilization_cap=float(
             _get(mem, "gpu_memory_utilization_cap", (int, float), f"{where}/memory", 0.82)
         ),
-        indexer_extra_bytes=_get(mem, "indexer_extra_bytes", int, f"{where}/memory", 4),
         kv_block_tokens=_get(mem, "kv_block_tokens", int, f"{where}/memory", 64),
     )
     if memory.kv_block_tokens < 1:

@@ -33,6 +33,7 @@ DEFAULT_ENV_FILE = Path("env/cluster.env")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _NETDEV_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
+_CC_RE = re.compile(r"^\d{1,2}\.\d{1,2}$")
 _CLUSTER_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _SIZE_RE = re.compile(r"^[0-9]+[bkmg]?$")
 _IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$", re.IGNORECASE)
@@ -199,8 +200,10 @@ KNOBS: dict[str, Knob] = {
         Knob("GPUS_PER_NODE", "int", "GPUs per node (1 on DGX Spark).", minimum=1, maximum=64),
         Knob("DCP_COMM_BACKEND", "str", "DCP communication backend.", choices=("ag_rs", "a2a")),
         Knob("MAX_MODEL_LEN", "int", "Context length in tokens.", minimum=1, maximum=100_000_000),
-        Knob("KV_CACHE_DTYPE", "str", "KV-cache dtype (vLLM only rejects a typo after loading).",
-             choices=KV_CACHE_DTYPES),
+        Knob("KV_CACHE_DTYPE", "str", "KV-cache dtype as asked of vLLM; the planner uses what the GPU's "
+             "backend stores (fp8/auto -> fp8_ds_mla on GB10; bfloat16 is refused there).", choices=KV_CACHE_DTYPES),
+        Knob("GPU_COMPUTE_CAPABILITY", "str", "GPU compute capability to plan for offline (12.1 = GB10); "
+             "check and up use what the nodes' nvidia-smi reports.", check=_regex(_CC_RE, "like 12.1 or 10.0")),
         Knob("MAX_FULL_SEQS", "int", "Concurrent full-length sequences the KV cache must hold.",
              minimum=1, maximum=4096),
         Knob("GPU_MEMORY_UTILIZATION", "float", "vLLM --gpu-memory-utilization (capped by the recipe).",

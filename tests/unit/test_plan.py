@@ -5,7 +5,15 @@ import json
 import pytest
 
 from sparkctl.errors import CheckFailed, UsageError
-from sparkctl.plan import kv_terms, make_plan, plan_for, read_checkpoint, require_fit
+from sparkctl.plan import (
+    kv_layout,
+    kv_terms,
+    make_plan,
+    nodes_compute_capability,
+    plan_for,
+    read_checkpoint,
+    require_fit,
+)
 from sparkctl.settings import load_settings
 from tests.conftest import GLM53_CONFIG, write_model
 
@@ -17,30 +25,109 @@ def settings_for(model, **extra):
 
 
 def test_kv_bytes_per_token_mla_fp8_with_indexer_and_mtp(tmp_path):
-    terms = kv_terms(GLM53_CONFIG, "fp8", 4, 4, tmp_path)
+    terms = kv_terms(GLM53_CONFIG, "fp8", 4, tmp_path)
     assert [(t.bytes_per_token_per_layer, t.layers) for t in terms] == [(576, 79), (132, 79)]
     assert sum(t.bytes_per_token for t in terms) == 79 * 708
 
 
 def test_kv_bytes_bf16_and_fp8_ds_mla(tmp_path):
-    assert kv_terms(GLM53_CONFIG, "bfloat16", 4, 4, tmp_path)[0].bytes_per_token_per_layer == 1152
-    assert kv_terms(GLM53_CONFIG, "auto", 4, 4, tmp_path)[0].bytes_per_token_per_layer == 1152
-    assert kv_terms(GLM53_CONFIG, "fp8_ds_mla", 4, 4, tmp_path)[0].bytes_per_token_per_layer == 656
+    assert kv_terms(GLM53_CONFIG, "bfloat16", 4, tmp_path)[0].bytes_per_token_per_layer == 1152
+    assert kv_terms(GLM53_CONFIG, "auto", 4, tmp_path)[0].bytes_per_token_per_layer == 1152
+    assert kv_terms(GLM53_CONFIG, "fp8_ds_mla", 4, tmp_path)[0].bytes_per_token_per_layer == 656
+
+
+def test_the_mtp_layer_counts_only_when_it_speculates(tmp_path):
+    assert {t.layers for t in kv_terms(GLM53_CONFIG, "fp8_ds_mla", 4, tmp_path)} == {79}
+    assert {t.layers for t in kv_terms(GLM53_CONFIG, "fp8_ds_mla", 4, tmp_path, mtp_layers=False)} == {78}
 
 
 def test_kv_bytes_for_ordinary_attention_split_over_tp(tmp_path):
     cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
-    (term,) = kv_terms(cfg, "bfloat16", 4, 4, tmp_path)
+    (term,) = kv_terms(cfg, "bfloat16", 4, tmp_path)
     assert term.bytes_per_token_per_layer == 2 * 2 * 128 * 2 and term.layers == 32
+
+
+@pytest.mark.parametrize("asked", ["fp8", "auto", "fp8_e4m3", "fp8_ds_mla"])
+def test_gb10_stores_every_accepted_dtype_as_fp8_ds_mla(asked):
+    layout = kv_layout(GLM53_CONFIG, "12.1", asked)
+    assert (layout.backend, layout.dtype) == ("FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla")
+
+
+@pytest.mark.parametrize("asked", ["bfloat16", "float16", "fp8_e5m2", "fp8_inc"])
+def test_gb10_refuses_what_its_only_sparse_backend_cannot_store(asked):
+    with pytest.raises(UsageError, match=f"KV_CACHE_DTYPE={asked} cannot be served on compute capability 12.1") as exc:
+        kv_layout(GLM53_CONFIG, "12.1", asked)
+    assert "KV_CACHE_DTYPE=fp8" in (exc.value.fix or "")
+
+
+def test_sm10x_keeps_plain_fp8_and_bf16_for_auto():
+    assert kv_layout(GLM53_CONFIG, "10.0", "fp8").dtype == "fp8"
+    assert kv_layout(GLM53_CONFIG, "10.0", "auto").dtype == "bfloat16"
+    assert kv_layout(GLM53_CONFIG, "10.0", "fp8_ds_mla").backend == "FLASHMLA_SPARSE"
+
+
+def test_default_recipe_plans_the_minimum_vllm_accepts_on_gb10(clean_env, model_308):
+    """facts.md: 1,000,000 tokens at DCP 4 on GB10 = (3,907 + 1 null) blocks × 79 × 64 × (656 + 132) B."""
+    plan = plan_for(settings_for(model_308))
+    assert (plan.kv_backend, plan.kv_cache_dtype_effective, plan.compute_capability) == \
+        ("FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla", "12.1")
+    assert plan.kv_block_bytes == 3_984_128 and plan.kv_blocks_per_rank == 3_908
+    assert plan.kv_cache_memory_bytes == 15_569_972_224
 
 
 def test_seed_conclusion_3bpw_fits_four_gb10_at_1m_tokens(clean_env, model_308):
     plan = plan_for(settings_for(model_308))
     assert plan.weights_per_rank == 77_000_000_000
     assert plan.tokens_per_rank == 250_048  # ceil(1e6 / 4) rounded up to 64-token blocks
-    assert plan.kv_cache_memory_bytes == 250_048 * 79 * 708
     assert plan.fits, plan.problems()
+    # 77.0 GB weights + 15.6 GB KV + 15.0 GB (14 GiB) overhead = 107.6 GB of 128 GB − 4 GiB reserve
+    assert plan.per_rank_total == 77_000_000_000 + 15_569_972_224 + 14 * 2**30
+    assert 16e9 < plan.headroom < 16.2e9
     require_fit(plan)
+
+
+def test_sm10x_plan_uses_576_byte_fp8(clean_env, model_308):
+    plan = make_plan(settings_for(model_308), read_checkpoint(model_308), compute_capability="10.0")
+    assert plan.kv_cache_dtype_effective == "fp8" and plan.kv_block_bytes == 64 * 79 * (576 + 132)
+    assert plan.compute_capability_source == "the nodes' nvidia-smi"
+
+
+def test_bfloat16_kv_on_gb10_is_refused_before_anything_runs(clean_env, model_308):
+    with pytest.raises(UsageError, match="FLASHINFER_MLA_SPARSE_SM120"):
+        plan_for(settings_for(model_308, KV_CACHE_DTYPE="bfloat16"))
+
+
+def test_max_full_seqs_holds_that_many_full_sequences_plus_the_null_block(clean_env, model_308):
+    plan = plan_for(settings_for(model_308, MAX_FULL_SEQS="3"))
+    assert plan.kv_blocks_per_rank == 3 * 3_907 + 1
+
+
+def test_spec_off_drops_the_mtp_layer(clean_env, model_308):
+    plan = plan_for(settings_for(model_308, SPEC_METHOD="off"))
+    assert plan.kv_block_bytes == 64 * 78 * 788
+
+
+def test_dspark_plans_the_drafters_cache_and_not_the_mtp_layer(clean_env, model_308, tmp_path):
+    drafter = tmp_path / "dspark"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({**GLM53_CONFIG, "num_hidden_layers": 2}))
+    s = settings_for(model_308, RECIPE="glm53-exl3-2.75bpw", SPEC_METHOD="dspark", DSPARK=str(drafter))
+    plan = plan_for(s)
+    assert [(t.layers, t.bytes_per_token_per_layer) for t in plan.kv_terms] == [(78, 656), (78, 132), (2, 656), (2, 132)]
+    assert plan.kv_block_bytes == 64 * 80 * 788
+
+
+def test_dspark_without_a_readable_drafter_config_is_refused(clean_env, model_308, tmp_path):
+    s = settings_for(model_308, RECIPE="glm53-exl3-2.75bpw", SPEC_METHOD="dspark", DSPARK=str(tmp_path / "none"))
+    with pytest.raises(UsageError, match="cannot read the drafter's config.json"):
+        plan_for(s)
+
+
+def test_nodes_compute_capability_agrees_or_says_who_differs():
+    assert nodes_compute_capability({"a": "12.1", "b": "12.1", "c": None}) == ("12.1", None)
+    assert nodes_compute_capability({"a": None}) == (None, None)
+    cc, problem = nodes_compute_capability({"a": "12.1", "b": "10.0"})
+    assert cc is None and problem and "a 12.1" in problem and "b 10.0" in problem
 
 
 def test_4bit_experts_do_not_fit_and_say_by_how_much(clean_env, tmp_path):
@@ -57,7 +144,7 @@ def test_dcp_divides_the_kv_cache(clean_env, model_308):
     p4 = plan_for(settings_for(model_308))
     p1 = plan_for(settings_for(model_308, DCP="1"))
     assert p1.tokens_per_rank == 1_000_000 and p4.tokens_per_rank * 4 == pytest.approx(p1.tokens_per_rank, rel=1e-3)
-    assert not p1.fits  # without DCP the MLA cache is duplicated on every rank: 55.9 GB of KV
+    assert not p1.fits  # without DCP the MLA cache is duplicated on every rank: 62.3 GB of KV
 
 
 def test_utilisation_above_the_cap_is_refused_with_the_reason(clean_env, model_308):

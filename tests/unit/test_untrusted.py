@@ -194,7 +194,7 @@ def test_checkpoint_from_any_listing(doc: dict[str, Any]) -> None:
     assert all(s.size is None or 0 <= s.size <= 1 << 50 for s in info.shards)
     assert all("/" not in s.name for s in info.shards)
     try:  # the planner's reading of a config a node handed over
-        terms = kv_terms(info.config, "fp8", 4, 4, Path("/m"))
+        terms = kv_terms(info.config, "fp8", 4, Path("/m"))
     except SparkctlError:
         return
     assert all(0 <= t.bytes_per_token < 2**64 for t in terms)

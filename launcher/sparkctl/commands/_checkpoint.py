@@ -11,13 +11,13 @@ from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed
 from ..output import warn_console
-from ..plan import CheckpointInfo, read_checkpoint, read_checkpoint_on
+from ..plan import CheckpointInfo, drafter_dir, read_checkpoint, read_checkpoint_on
 from ..settings import Settings
 
 
 def checkpoint_for(g: Globals, s: Settings, *, local_only: bool = False) -> CheckpointInfo:
     if local_only or (s.model / "config.json").exists():
-        return read_checkpoint(s.model)
+        return read_checkpoint(s.model, drafter_dir(s))
     warn_console().print(f"{s.model} is not on this machine: reading it on the head, {s.head}", markup=False)
     with Cluster([s.head], g.ssh_config_path()) as cluster:
         if s.head in cluster.errors:
@@ -25,4 +25,4 @@ def checkpoint_for(g: Globals, s: Settings, *, local_only: bool = False) -> Chec
             raise CheckFailed(f"MODEL={s.model} is not on this machine and the head is unreachable: {err.reason}",
                               fix="run sparkctl where the checkpoint is, or fix SSH to the head "
                                   f"({err.fix or 'see `sparkctl check`'}); --local forces reading it here")
-        return read_checkpoint_on(cluster.node(s.head), s.model)
+        return read_checkpoint_on(cluster.node(s.head), s.model, drafter_dir(s))

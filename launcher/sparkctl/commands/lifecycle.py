@@ -25,8 +25,16 @@ from ..errors import CheckFailed, UsageError
 from ..lock import audit_tail_argv, cluster_lock, lock_status
 from ..lock import force_unlock as break_lock
 from ..output import console, emit_json, warn, warn_console
-from ..pins import live_pins, pins_from_facts, probe_node
-from ..plan import CheckpointInfo, Plan, make_plan, read_checkpoint_on, require_fit
+from ..pins import pins_from_facts, probe_node
+from ..plan import (
+    CheckpointInfo,
+    Plan,
+    drafter_dir,
+    make_plan,
+    nodes_compute_capability,
+    read_checkpoint_on,
+    require_fit,
+)
 from ..render import Rendered, render_all, write_private
 from ..settings import Settings
 
@@ -57,16 +65,25 @@ def _require_all(cluster: Cluster, what: str) -> None:
                           + "\n  ".join(lines))
 
 
-def _plan(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None) -> Plan:
-    """The memory plan from the checkpoint as the head sees it (the nodes' view is the one that runs)."""
-    plan = make_plan(s, ckpt or read_checkpoint_on(cluster.node(s.head), s.model))
+def _plan(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None,
+          facts: dict[str, Any] | None = None) -> Plan:
+    """The memory plan from the checkpoint as the head sees it (the nodes' view is the one that runs),
+    for the GPU generation the nodes report (it decides vLLM's KV-cache backend and bytes)."""
+    caps = {n: (f.gpus[0].compute_cap if getattr(f, "gpus", None) else None) for n, f in (facts or {}).items()}
+    cc, problem = nodes_compute_capability(caps)
+    if problem:
+        raise CheckFailed(f"up refused, nothing was changed: {problem}")
+    plan = make_plan(s, ckpt or read_checkpoint_on(cluster.node(s.head), s.model, drafter_dir(s)),
+                     compute_capability=cc)
     require_fit(plan)
     return plan
 
 
 def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
-    plan = _plan(cluster, s)
-    pins = live_pins(cluster, s)
+    """What `up` would render now: the same probe per node (pins, GPU generation) and the same plan."""
+    facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
+    pins = pins_from_facts(s, facts)
+    plan = _plan(cluster, s, facts={n: f for n, f in facts.items() if not isinstance(f, NodeError)})
     return render_all(s, plan, pins, source=source)
 
 
@@ -95,7 +112,8 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
                 # Channels on the node's one connection run side by side: probe, docker, checkpoint.
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:
                     state = pool.submit(service.node_state, node, s.cluster_name, image)
-                    reader = pool.submit(read_checkpoint_on, node, s.model) if node.name == s.head else None
+                    reader = pool.submit(read_checkpoint_on, node, s.model, drafter_dir(s)) \
+                        if node.name == s.head else None
                     facts = probe_node(node, s)
                     return facts, state.result(), reader.result() if reader else None
 
@@ -105,7 +123,7 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
                 raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
                     f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
             ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
-            plan = _plan(cluster, s, ok[s.head][2])
+            plan = _plan(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
             pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
             rendered = render_all(s, plan, pins, source="sparkctl up")
             try:

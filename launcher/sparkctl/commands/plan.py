@@ -35,10 +35,16 @@ def command(g: object, node_memory: int | None, local_only: bool) -> None:
                   f"{plan.weights_per_rank:,}", gb(plan.weights_per_rank))
         for term in plan.kv_terms:
             t.add_row(f"  KV/token: {term.name} × {term.layers} layers", f"{term.bytes_per_token:,}", "")
-        t.add_row(f"KV per token (all layers, {plan.kv_cache_dtype})", f"{plan.kv_bytes_per_token:,}", "")
-        t.add_row(f"KV tokens per rank: ⌈{plan.max_model_len:,} / DCP={plan.dcp}⌉ × {plan.max_full_seqs} seq",
-                  f"{plan.tokens_per_rank:,}", "")
-        t.add_row("KV cache per rank", f"{plan.kv_cache_memory_bytes:,}", gb(plan.kv_cache_memory_bytes))
+        stored = plan.kv_cache_dtype_effective
+        t.add_row(f"KV per token (all layers, {stored}" + (f", asked {plan.kv_cache_dtype}" if stored !=
+                  plan.kv_cache_dtype else "") + ")", f"{plan.kv_bytes_per_token:,}", "")
+        t.add_row(f"KV block: {plan.kv_block_tokens} tokens × {plan.kv_bytes_per_token:,} B",
+                  f"{plan.kv_block_bytes:,}", "")
+        blocks_per_seq = (plan.kv_blocks_per_rank - 1) // plan.max_full_seqs
+        t.add_row(f"KV blocks per rank: ⌈⌈{plan.max_model_len:,} / DCP={plan.dcp}⌉ / {plan.kv_block_tokens}⌉ = "
+                  f"{blocks_per_seq:,} × {plan.max_full_seqs} seq + 1 null block", f"{plan.kv_blocks_per_rank:,}", "")
+        t.add_row("KV cache per rank (the minimum vLLM accepts)", f"{plan.kv_cache_memory_bytes:,}",
+                  gb(plan.kv_cache_memory_bytes))
         t.add_row(f"overhead (CUDA/NCCL, {plan.overhead_bytes / GIB:g} GiB)", f"{plan.overhead_bytes:,}",
                   gb(plan.overhead_bytes))
         t.add_row("total per rank", f"{plan.per_rank_total:,}", gb(plan.per_rank_total), style="bold")
@@ -47,6 +53,8 @@ def command(g: object, node_memory: int | None, local_only: bool) -> None:
         t.add_row("headroom", f"{plan.headroom:,}", gb(plan.headroom),
                   style="green" if plan.headroom >= 0 else "red")
         c.print(t)
+        c.print(f"KV backend: {plan.kv_backend} on compute capability {plan.compute_capability} "
+                f"({plan.compute_capability_source}); {plan.kv_backend_why}", markup=False)
         for note in plan.notes:
             c.print(f"note: {note}")
         c.print(f"--kv-cache-memory-bytes {plan.kv_cache_memory_bytes}")

@@ -112,7 +112,7 @@ class Lab:
         """The per-rank pins a real launcher sets, from the host's truths (ifname overrides the pin)."""
         h = self.host(name)
         pin = ifname or h.fabric_if
-        return {"NCCL_SOCKET_IFNAME": pin, "GLOO_SOCKET_IFNAME": pin, "TP_SOCKET_IFNAME": pin,
+        return {"NCCL_SOCKET_IFNAME": pin, "GLOO_SOCKET_IFNAME": pin,
                 "NCCL_IB_HCA": h.fabric_hca, "NCCL_IB_GID_INDEX": str(h.gid_index), "VLLM_HOST_IP": h.fabric_ip}
 
     def run_rank(self, name: str, container: str, vllm_args: list[str], env: dict[str, str] | None = None,
