@@ -1,6 +1,7 @@
 """The `sparkctl` command line.
 
-Global options go before the command (`sparkctl --env-file X check`). Each command lives in its own
+Global options go before the command (`sparkctl --env-file X check`) or after it, as click users expect
+(`sparkctl check --json`); a command's own option of the same name wins. Each command lives in its own
 module under sparkctl/commands/ and is imported only when it runs, so `sparkctl --help` is fast and
 a command that is missing its optional parts cannot break the others.
 """
@@ -80,6 +81,58 @@ class Globals:
         return os.environ.get("SPARKCTL_SSH_CONFIG") or os.path.expanduser("~/.ssh/config")
 
 
+def _recipe_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """Shell completion for --recipe: the recipes sparkctl ships."""
+    from .resources import recipes_dir
+
+    return [n for n in sorted(p.stem for p in recipes_dir().glob("*.toml")) if n.startswith(incomplete)]
+
+
+# The global options, declared once: on the group, and again on every command (see _with_globals).
+_GLOBALS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--env-file",), dict(metavar="PATH", help="Cluster env file (else $SPARKCTL_ENV_FILE, else env/cluster.env).")),
+    (("--nodes",), dict(metavar="'H1 H2 ...'", help="SSH host aliases, head first (env: NODES).")),
+    (("--model",), dict(metavar="DIR", help="Checkpoint folder, same path on every node (env: MODEL).")),
+    (("--recipe",), dict(metavar="NAME", help="Recipe name or path to a recipe file (env: RECIPE).",
+                         shell_complete=_recipe_names)),
+    (("--ssh-config",), dict(metavar="PATH", help="ssh_config with the node aliases (env: SPARKCTL_SSH_CONFIG).")),
+    (("--json", "as_json"), dict(is_flag=True, help="Print exactly one JSON document on stdout.")),
+    (("-v", "--verbose"), dict(count=True, help="More detail (-vv shows tracebacks).")),
+    (("-q", "--quiet"), dict(is_flag=True, help="Only errors.")),
+]
+
+
+def _set_global(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """A global option given after the command: fold it into the Globals the group made."""
+    g = ctx.find_object(Globals)
+    if g is None or value in (None, False, 0):
+        return
+    name = param.name
+    if name == "as_json":
+        g.json = True
+    elif name == "verbose":
+        g.verbosity = max(g.verbosity, 0) + int(value)
+    elif name == "quiet":
+        g.verbosity = -1
+    else:
+        setattr(g, str(name), value)
+
+
+def _with_globals(cmd: click.Command) -> click.Command:
+    """Let `cmd` (and a group's subcommands) take the global options too, unless it has its own."""
+    taken = {opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)}
+    for decls, attrs in _GLOBALS:
+        opts = [d for d in decls if d.startswith("-")]
+        if taken & set(opts):
+            continue
+        cmd.params.append(click.Option(list(decls), expose_value=False, callback=_set_global,
+                                       hidden=True, **attrs))
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _with_globals(sub)
+    return cmd
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -97,6 +150,9 @@ class LazyGroup(click.Group):
         cmd = getattr(module, "COMMANDS", {}).get(cmd_name) or getattr(module, "command", None)
         if cmd is None:
             return _not_built(cmd_name, help_text)
+        if not getattr(cmd, "_sparkctl_globals", False):
+            _with_globals(cmd)
+            cmd._sparkctl_globals = True
         return cmd  # type: ignore[no-any-return,unused-ignore]
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -114,15 +170,14 @@ def _not_built(name: str, help_text: str) -> click.Command:
     return stub
 
 
+def _global_options(f: Any) -> Any:
+    for decls, attrs in reversed(_GLOBALS):
+        f = click.option(*decls, **attrs)(f)
+    return f
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--env-file", metavar="PATH", help="Cluster env file (else $SPARKCTL_ENV_FILE, else env/cluster.env).")
-@click.option("--nodes", metavar="'H1 H2 ...'", help="SSH host aliases, head first (env: NODES).")
-@click.option("--model", metavar="DIR", help="Checkpoint folder, same path on every node (env: MODEL).")
-@click.option("--recipe", metavar="NAME", help="Recipe name or path to a recipe file (env: RECIPE).")
-@click.option("--ssh-config", metavar="PATH", help="ssh_config with the node aliases (env: SPARKCTL_SSH_CONFIG).")
-@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON document on stdout.")
-@click.option("-v", "--verbose", count=True, help="More detail (-vv shows tracebacks).")
-@click.option("-q", "--quiet", is_flag=True, help="Only errors.")
+@_global_options
 @click.version_option(__version__, prog_name="sparkctl")
 @click.pass_context
 def cli(
