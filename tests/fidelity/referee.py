@@ -89,7 +89,10 @@ def parse_serve(argv: list[str]) -> Parsed:
     if getattr(args, "model_tag", None) is not None:  # what ServeSubcommand.cmd does first
         args.model = args.model_tag
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    vllm_config = engine_args.create_engine_config()
+    # A GPU image has Triton; this venv does not (CUDA-only). Without it vLLM falls back to Model Runner
+    # V1 (config/vllm.py:751), which refuses DSpark; with it, vLLM's own feature check picks the runner.
+    with mock.patch("vllm.config.vllm.HAS_TRITON", True):
+        vllm_config = engine_args.create_engine_config()
     return Parsed(args, engine_args, vllm_config)
 
 
@@ -250,14 +253,14 @@ class KvVerdict:
 
 def kv_verdict(vllm_config: Any, choice: KvChoice, available: int) -> KvVerdict:
     """What vLLM's KV-cache planner says to `--kv-cache-memory-bytes available` on one rank."""
-    specs = choice.specs
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import (
         _pool_bytes_per_block,
         get_global_kv_cache_groups,
         get_kv_cache_configs,
     )
 
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    specs = choice.specs
 
     # What EngineCore._initialize_kv_caches does (v1/engine/core.py:286-322), for one rank; with
     # --kv-cache-memory-bytes the worker reports exactly that many bytes as available.
