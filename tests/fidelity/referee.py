@@ -156,6 +156,24 @@ def _cuda_only_modules_unavailable() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _as_gpu(capability: tuple[int, int]) -> Iterator[None]:
+    """vLLM's current platform is, for the duration, its CudaPlatform on a GPU of this compute
+    capability (vllm/platforms/__init__.py keeps it in `_current_platform`)."""
+    import vllm.platforms as platforms
+    from vllm.platforms.interface import DeviceCapability
+
+    cuda = _cuda_platform()
+
+    class TargetGpu(cuda):  # type: ignore[misc, valid-type]
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return DeviceCapability(*capability)
+
+    with mock.patch.object(platforms, "_current_platform", TargetGpu()):
+        yield
+
+
 def select_mla_backend(vllm_config: Any, capability: tuple[int, int], *, stock_dcp: bool = False) -> Any:
     """The sparse-MLA backend vLLM picks for this model on a GPU of this compute capability.
 
@@ -201,9 +219,17 @@ def kv_specs(vllm_config: Any, capability: tuple[int, int], *, mtp_layers: int) 
         MLAAttention,
         _canonicalize_sparse_mla_kv_cache_dtype,
     )
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
+    # The model's own config hook (VllmConfig.try_verify_and_update_config, config/vllm.py:2754), run by
+    # create_engine_config on this CPU platform, decides again as on the GPU: for GLM-5 on SM10x it
+    # turns KV dtype `auto` into fp8 (model_executor/models/config.py:93-101).
+    hook = MODELS_CONFIG_MAP.get(vllm_config.model_config.architecture)
+    if hook is not None:
+        with _as_gpu(capability):
+            hook.verify_and_update_config(vllm_config)
     backend = select_mla_backend(vllm_config, capability)
     cache = vllm_config.cache_config
     # mla_attention.py:523-529: the layer rewrites the dtype its backend stores, and CacheConfig with it.

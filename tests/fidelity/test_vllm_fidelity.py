@@ -65,7 +65,8 @@ for _recipe in RECIPES:
         KV_COMBOS.append((_recipe, GB10, {"MAX_FULL_SEQS": _seqs, "MAX_MODEL_LEN": "8192", "DCP": "1"}))
     KV_COMBOS.append((_recipe, GB10, {"VLLM_EXTRA_ARGS": EXTRA_ARGS_SAMPLES[0]}))
 for _len, _dcp in (("8192", "1"), ("1000000", "4")):
-    KV_COMBOS.append(("glm53-exl3-tp4", B200, {"MAX_MODEL_LEN": _len, "DCP": _dcp, "KV_CACHE_DTYPE": "fp8"}))
+    for _dtype in ("fp8", "auto"):
+        KV_COMBOS.append(("glm53-exl3-tp4", B200, {"MAX_MODEL_LEN": _len, "DCP": _dcp, "KV_CACHE_DTYPE": _dtype}))
 
 
 def _id(recipe: str, knobs: dict[str, str], cc: tuple[int, int] | None = None) -> str:
@@ -231,11 +232,13 @@ def test_default_recipe_on_gb10_needs_exactly_the_known_minimum(referee, models)
     assert k["planned"] == GB10_1M_DCP4_MIN, f"sparkctl plans {k['planned']:,} B, vLLM needs {minimum:,} B"
 
 
-def test_sm10x_keeps_plain_fp8(referee, models):
-    rendered = render("glm53-exl3-tp4", {}, models, compute_capability=B200)
+@pytest.mark.parametrize(("dtype", "stored"), [("fp8", "fp8"), ("auto", "fp8_e4m3")])
+def test_sm10x_keeps_plain_fp8(referee, models, dtype, stored):
+    """SM10x: FLASHINFER_MLA_SPARSE stores plain fp8 (576 B), in blocks of 32; `auto` becomes fp8 there."""
+    rendered = render("glm53-exl3-tp4", {"KV_CACHE_DTYPE": dtype}, models, compute_capability=B200)
     cfg = referee.parse_serve(rendered.argv[0]).vllm_config
     choice = referee.kv_specs(cfg, B200, mtp_layers=1)
-    assert choice.cache_dtype == "fp8"
+    assert (choice.backend, choice.cache_dtype, choice.block_size) == ("FLASHINFER_MLA_SPARSE", stored, 32)
     mla = choice.specs["model.layers.0.self_attn.attn"]
     assert mla.page_size_bytes == 576 * choice.block_size
 
