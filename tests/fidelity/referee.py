@@ -207,7 +207,7 @@ def select_mla_backend(vllm_config: Any, capability: tuple[int, int], *, stock_d
     return min(valid, key=lambda c: c.priority).backend_class
 
 
-def kv_specs(vllm_config: Any, capability: tuple[int, int], *, mtp_layers: int) -> KvChoice:
+def kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     """Every KV cache layer's spec as the worker of a GPU with this compute capability reports it.
 
     GLM-5 (glm_moe_dsa) builds, per decoder layer, one sparse MLAAttention and one indexer cache
@@ -239,6 +239,10 @@ def kv_specs(vllm_config: Any, capability: tuple[int, int], *, mtp_layers: int) 
 
     hf = vllm_config.model_config.hf_text_config
     n_target = hf.num_hidden_layers
+    # MTP loads the checkpoint's num_nextn_predict_layers as draft layers (SpeculativeConfig.hf_config_override,
+    # config/speculative.py:751-760); DSpark and no speculation load none of them.
+    spec = vllm_config.speculative_config
+    mtp_layers = hf.num_nextn_predict_layers if spec is not None and spec.method == "mtp" else 0
     # deepseek_v2.py:724,732: the indexer's cache holds index_head_dim fp8 values plus one fp32 scale
     # per quant block of 128.
     quant_block = 128

@@ -64,6 +64,7 @@ for _recipe in RECIPES:
         KV_COMBOS.append((_recipe, GB10, {"MAX_FULL_SEQS": _seqs}))
         KV_COMBOS.append((_recipe, GB10, {"MAX_FULL_SEQS": _seqs, "MAX_MODEL_LEN": "8192", "DCP": "1"}))
     KV_COMBOS.append((_recipe, GB10, {"VLLM_EXTRA_ARGS": EXTRA_ARGS_SAMPLES[0]}))
+    KV_COMBOS.append((_recipe, GB10, {"SPEC_METHOD": "off"}))  # no MTP layer: 78 layers
 for _len, _dcp in (("8192", "1"), ("1000000", "4")):
     for _dtype in ("fp8", "auto"):
         KV_COMBOS.append(("glm53-exl3-tp4", B200, {"MAX_MODEL_LEN": _len, "DCP": _dcp, "KV_CACHE_DTYPE": _dtype}))
@@ -185,11 +186,11 @@ def test_vllm_refuses_a_kv_dtype_typo_before_loading(referee, models):
 
 # ------------------------------------------------------------------------------------------------ (b)
 
-def _kv_check(referee: Any, rendered: Rendered, cc: tuple[int, int], mtp_layers: int) -> dict[str, Any]:
+def _kv_check(referee: Any, rendered: Rendered, cc: tuple[int, int]) -> dict[str, Any]:
     argv = rendered.argv[0]
     planned = int(_flag(argv, "--kv-cache-memory-bytes"))
     cfg = referee.parse_serve(argv).vllm_config
-    choice = referee.kv_specs(cfg, cc, mtp_layers=mtp_layers)
+    choice = referee.kv_specs(cfg, cc)
     ok = referee.kv_verdict(cfg, choice, planned)
     less = referee.kv_verdict(cfg, choice, planned - ok.bytes_per_block)
     from vllm.v1.core.kv_cache_planning import max_memory_usage_bytes
@@ -204,7 +205,7 @@ def _kv_check(referee: Any, rendered: Rendered, cc: tuple[int, int], mtp_layers:
 def test_planned_kv_bytes_are_the_minimum_vllm_accepts(referee, models, recipe, cc, knobs):
     rendered = render(recipe, knobs, models, compute_capability=cc)
     seqs = rendered.settings.getint("MAX_FULL_SEQS")
-    k = _kv_check(referee, rendered, cc, mtp_layers=1)
+    k = _kv_check(referee, rendered, cc)
     ok, less, per_req = k["ok"], k["less"], k["blocks_per_request"]
     where = (f"{recipe} {knobs} on SM{cc[0]}{cc[1]} ({k['choice'].backend}, {k['choice'].cache_dtype}): "
              f"sparkctl plans {k['planned']:,} B")
@@ -222,7 +223,7 @@ def test_planned_kv_bytes_are_the_minimum_vllm_accepts(referee, models, recipe, 
 def test_default_recipe_on_gb10_needs_exactly_the_known_minimum(referee, models):
     """Known answer for the referee itself: 1,000,000 tokens, DCP 4, fp8, GB10 (facts.md)."""
     rendered = render("glm53-exl3-tp4", {}, models)
-    k = _kv_check(referee, rendered, GB10, mtp_layers=1)
+    k = _kv_check(referee, rendered, GB10)
     choice, ok = k["choice"], k["ok"]
     assert (choice.backend, choice.cache_dtype, choice.block_size) == ("FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla", 64)
     assert len(choice.specs) == 2 * 79
@@ -237,7 +238,7 @@ def test_sm10x_keeps_plain_fp8(referee, models, dtype, stored):
     """SM10x: FLASHINFER_MLA_SPARSE stores plain fp8 (576 B), in blocks of 32; `auto` becomes fp8 there."""
     rendered = render("glm53-exl3-tp4", {"KV_CACHE_DTYPE": dtype}, models, compute_capability=B200)
     cfg = referee.parse_serve(rendered.argv[0]).vllm_config
-    choice = referee.kv_specs(cfg, B200, mtp_layers=1)
+    choice = referee.kv_specs(cfg, B200)
     assert (choice.backend, choice.cache_dtype, choice.block_size) == ("FLASHINFER_MLA_SPARSE", stored, 32)
     mla = choice.specs["model.layers.0.self_attn.attn"]
     assert mla.page_size_bytes == 576 * choice.block_size
@@ -267,7 +268,7 @@ def test_dspark_target_caches_fit(referee, models, knobs):
     """DSpark: the MTP layer is not loaded. vLLM 0.33 has no GLM DSpark drafter (the image supplies it),
     so only the 78 target layers are judged here; the drafter's own cache is sparkctl's to add on top."""
     rendered = render("glm53-exl3-2.75bpw", {"SPEC_METHOD": "dspark", "DSPARK": "@drafter", **knobs}, models)
-    k = _kv_check(referee, rendered, GB10, mtp_layers=0)
+    k = _kv_check(referee, rendered, GB10)
     assert len(k["choice"].specs) == 2 * 78
     assert k["ok"].accepted, k["ok"].error
     assert k["ok"].num_blocks - 1 >= k["blocks_per_request"]
@@ -283,7 +284,7 @@ def test_plan_states_what_vllm_will_use(referee, models, cc):
     missing = [a for a in PLAN_CONTRACT if not hasattr(rendered.plan, a)]
     if missing:
         pytest.skip(f"the planner does not report {', '.join(missing)} yet")
-    k = _kv_check(referee, rendered, cc, mtp_layers=1)
+    k = _kv_check(referee, rendered, cc)
     p, choice, ok = rendered.plan, k["choice"], k["ok"]
     assert p.compute_capability == f"{cc[0]}.{cc[1]}"
     assert (p.kv_backend, p.kv_cache_dtype_effective, p.kv_block_tokens) == (
