@@ -3,7 +3,7 @@
 #
 #   ./one-shot.sh check | build | up | wait | status | logs | down | bench   run sparkctl on your cluster
 #   ./one-shot.sh demo    bring up the built-in lab (root) and walk the user's path on it
-#   ./one-shot.sh test    lint, type-check, unit tests, then the lab tests (root), as CI does
+#   ./one-shot.sh test    lint, type-check, unit tests, the fidelity suite (real vLLM), then the lab tests (root), as CI does
 #   ./one-shot.sh <any sparkctl command> [args]
 #
 # It bootstraps .venv on first use (and again whenever pyproject.toml changes), so the only thing a
@@ -113,6 +113,12 @@ run_tests() {
   (cd "$here" && "$venv/bin/mypy")
   say "unit tests"
   (cd "$here" && "$venv/bin/pytest" -q -m "not lab" tests "$@")
+  if [[ -z "${SKIP_FIDELITY:-}" ]]; then
+    say "fidelity suite: vLLM 0.33.0's own parser and KV planner judge what we render (SKIP_FIDELITY=1 skips)"
+    local fvenv
+    fvenv="$("$here/tests/fidelity/setup_venv.sh")"
+    (cd "$here" && SPARKCTL_FIDELITY=1 "$fvenv/bin/python" -m pytest -q -m fidelity tests/fidelity)
+  fi
   if [[ $(id -u) -ne 0 ]]; then
     say "lab tests skipped: they need root (network namespaces, sshd and dockerd per host)"
     return 0
