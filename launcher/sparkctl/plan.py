@@ -336,6 +336,7 @@ class KvLayout:
     backend: str
     dtype: str  # what vLLM stores, e.g. "fp8_ds_mla"
     why: str
+    block_tokens: int | None = None  # the backend's KV page in tokens; None: the recipe's kv_block_tokens
 
 
 # vLLM 0.33 (vllm/v1/attention/backends/mla/*, platforms/cuda.py, model_executor/layers/attention/
@@ -369,18 +370,22 @@ def kv_layout(config: dict[str, Any], compute_capability: str, kv_dtype: str) ->
         stored = "fp8_ds_mla"
         why = (f"SM{cc.replace('.', '')}: vLLM's only sparse-MLA backend is {SM120_SPARSE}, which stores "
                f"{kv_dtype} as fp8_ds_mla (656 B per token per layer)")
-        return KvLayout(SM120_SPARSE, stored, why if kv_dtype != "fp8_ds_mla" else why.split(", which")[0])
+        return KvLayout(SM120_SPARSE, stored, why if kv_dtype != "fp8_ds_mla" else why.split(", which")[0], 64)
     if major == 10:
         if kv_dtype == "fp8_ds_mla":
             return KvLayout("FLASHMLA_SPARSE", "fp8_ds_mla",
                             "SM10x: fp8_ds_mla asked for explicitly; FLASHINFER_MLA_SPARSE refuses it, FLASHMLA_SPARSE "
-                            "serves it")
-        if kv_dtype in _QUANTIZED:
-            return KvLayout("FLASHINFER_MLA_SPARSE", kv_dtype,
+                            "serves it", 64)
+        # GLM-5's own config hook (vllm/model_executor/models/config.py) turns `auto` into fp8_e4m3 on SM10x.
+        stored = "fp8_e4m3" if kv_dtype == "auto" else kv_dtype
+        if stored in _QUANTIZED:
+            return KvLayout("FLASHINFER_MLA_SPARSE", stored,
                             f"SM10x: FLASHINFER_MLA_SPARSE is preferred for a quantized cache and keeps plain "
-                            f"{kv_dtype} (kv_lora_rank + rope bytes)")
-        return KvLayout("FLASHMLA_SPARSE / FLASH_ATTN_MLA_SPARSE_FA4", "bfloat16" if kv_dtype == "auto" else kv_dtype,
-                        "SM10x: an unquantized cache in the model's dtype")
+                            f"{stored} (kv_lora_rank + rope bytes) in blocks of 32 tokens"
+                            + (" (the model's config hook turns auto into fp8_e4m3)" if kv_dtype == "auto" else ""),
+                            32)
+        return KvLayout("(SM10x unquantized sparse-MLA backend)", stored,
+                        "SM10x: an unquantized cache in the model's dtype (backend not verified against vLLM)")
     return KvLayout(f"(not modelled for SM{cc.replace('.', '')})", kv_dtype,
                     f"compute capability {cc}: sparkctl models vLLM's sparse-MLA backends for SM10x and SM12x "
                     f"only; the bytes follow the dtype's width and are not verified against vLLM")
@@ -451,6 +456,9 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         if ckpt.index_total_size:
             total = max(total, ckpt.index_total_size)
     layout = kv_layout(ckpt.config, cc, kv_dtype)
+    if layout.backend == SM120_SPARSE and dcp > 1:
+        notes.append(f"DCP={dcp} on SM{cc}: stock vLLM 0.33's {SM120_SPARSE} does not support decode context "
+                     "parallelism (it refuses the model); the image chain's `dcp` layer is what enables it")
     method = settings.get("SPEC_METHOD")
     terms = kv_terms(ckpt.config, layout.dtype, tp, ckpt.path, mtp_layers=method == "mtp")
     if method == "dspark":
@@ -459,7 +467,7 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         drafter_dtype = kv_layout(drafter_config, cc, kv_dtype).dtype if drafter_config else layout.dtype
         terms += drafter_terms(drafter_config, drafter_dtype, tp, dspark)
     per_token = sum(t.bytes_per_token for t in terms)
-    block = mem.kv_block_tokens
+    block = layout.block_tokens or mem.kv_block_tokens
     blocks_per_seq = math.ceil(math.ceil(max_len / dcp) / block)
     # vLLM reserves one null block before it checks that the longest request fits.
     blocks = blocks_per_seq * seqs + 1

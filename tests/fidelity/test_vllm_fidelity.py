@@ -120,7 +120,7 @@ def render(recipe: str, knobs: dict[str, str], models: dict[str, Path],
     env = {"NODES": NODES, "MODEL": str(models[recipe]), "RECIPE": recipe, **PINS}
     env.update({k: str(models[v]) if v in models else v for k, v in knobs.items()})
     settings = load_settings(cli={}, environ=env)
-    ckpt = planmod.read_checkpoint(settings.model)
+    ckpt = planmod.read_checkpoint(settings.model, planmod.drafter_dir(settings))
     kwargs: dict[str, Any] = {}
     if "compute_capability" in inspect.signature(planmod.make_plan).parameters:
         kwargs["compute_capability"] = f"{compute_capability[0]}.{compute_capability[1]}"

@@ -62,7 +62,8 @@ def test_gb10_refuses_what_its_only_sparse_backend_cannot_store(asked):
 
 def test_sm10x_keeps_plain_fp8_and_bf16_for_auto():
     assert kv_layout(GLM53_CONFIG, "10.0", "fp8").dtype == "fp8"
-    assert kv_layout(GLM53_CONFIG, "10.0", "auto").dtype == "bfloat16"
+    assert kv_layout(GLM53_CONFIG, "10.0", "auto").dtype == "fp8_e4m3"  # GLM-5's config hook on SM10x
+    assert kv_layout(GLM53_CONFIG, "10.0", "fp8").block_tokens == 32
     assert kv_layout(GLM53_CONFIG, "10.0", "fp8_ds_mla").backend == "FLASHMLA_SPARSE"
 
 
@@ -88,7 +89,7 @@ def test_seed_conclusion_3bpw_fits_four_gb10_at_1m_tokens(clean_env, model_308):
 
 def test_sm10x_plan_uses_576_byte_fp8(clean_env, model_308):
     plan = make_plan(settings_for(model_308), read_checkpoint(model_308), compute_capability="10.0")
-    assert plan.kv_cache_dtype_effective == "fp8" and plan.kv_block_bytes == 64 * 79 * (576 + 132)
+    assert plan.kv_cache_dtype_effective == "fp8" and plan.kv_block_bytes == 32 * 79 * (576 + 132)
     assert plan.compute_capability_source == "the nodes' nvidia-smi"
 
 
