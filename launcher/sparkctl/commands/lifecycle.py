@@ -17,7 +17,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from .. import service
+from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
 from ..cluster import Cluster, Node, NodeError
@@ -73,12 +73,57 @@ def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
 # ------------------------------------------------------------------------------------------- up
 
 
+def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
+                  source: str = "sparkctl up") -> service.UpOutcome:
+    """The body of `up` under the cluster lock (the caller holds it): preflight every node, plan,
+    render, start; a started service is recorded in the head's history. `watch` and `rollback`
+    come through here too, so they start exactly what `up` would."""
+    # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
+    # GID index drifts), its containers and its image; the head also reads the checkpoint.
+    image = str(s.get("IMAGE"))
+
+    def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
+        # Channels on the node's one connection run side by side: probe, docker, checkpoint.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            state = pool.submit(service.node_state, node, s.cluster_name, image)
+            reader = pool.submit(read_checkpoint_on, node, s.model) if node.name == s.head else None
+            facts = probe_node(node, s)
+            return facts, state.result(), reader.result() if reader else None
+
+    rounds = cluster.run_all(preflight, nodes=s.nodes)
+    failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
+    if failed:
+        raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
+            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
+    ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
+    plan = _plan(cluster, s, ok[s.head][2])
+    pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
+    rendered = render_all(s, plan, pins, source=source)
+    try:
+        write_private(ENV_TP4, rendered.env_tp4)
+    except OSError as exc:
+        warn([f"could not write {ENV_TP4}: {exc}"])
+    outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
+                         gathered={n: r[1] for n, r in ok.items()})
+    if outcome.changed:
+        from ..history import record_release  # only a started service is recorded
+
+        record_release(cluster, s, rendered, source=source)
+    return outcome
+
+
 @click.command("up")
 @click.option("--recreate", is_flag=True, help="Replace the containers even when nothing changed.")
+@click.option("--image", "image_ref", metavar="REF",
+              help="Run this chain image (a tag, or a content hash: its `<IMAGE>-<hash12>` tag).")
 @click.pass_context
-def up_cmd(ctx: click.Context, recreate: bool) -> None:
+def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None) -> None:
     """Start the service: workers, then the head. Changes nothing if an identical service runs."""
     g = _globals(ctx)
+    if image_ref:
+        from ..history import image_override
+
+        g.extra_overrides = {**g.extra_overrides, "IMAGE": image_override(g.settings(), image_ref)}
     s = _settings(g)
     warn([w for w in [open_api_warning(s)] if w])
     out = console(g.json)
@@ -87,34 +132,7 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
         _require_all(cluster, "up refused")
         head = cluster.node(s.head)
         with cluster_lock(head, s.head, s.cluster_name, "up"):
-            # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
-            # GID index drifts), its containers and its image; the head also reads the checkpoint.
-            image = str(s.get("IMAGE"))
-
-            def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
-                # Channels on the node's one connection run side by side: probe, docker, checkpoint.
-                with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                    state = pool.submit(service.node_state, node, s.cluster_name, image)
-                    reader = pool.submit(read_checkpoint_on, node, s.model) if node.name == s.head else None
-                    facts = probe_node(node, s)
-                    return facts, state.result(), reader.result() if reader else None
-
-            rounds = cluster.run_all(preflight, nodes=s.nodes)
-            failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
-            if failed:
-                raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
-                    f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
-            ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
-            plan = _plan(cluster, s, ok[s.head][2])
-            pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
-            rendered = render_all(s, plan, pins, source="sparkctl up")
-            try:
-                write_private(ENV_TP4, rendered.env_tp4)
-            except OSError as exc:
-                warn([f"could not write {ENV_TP4}: {exc}"])
-            outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate,
-                                 say=lambda m: out.print(m, markup=False),
-                                 gathered={n: r[1] for n, r in ok.items()})
+            outcome = start_service(cluster, s, recreate=recreate, say=lambda m: out.print(m, markup=False))
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
     if g.json:
@@ -206,6 +224,8 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
             except Exception as exc:  # an odd answer is a finding, not a crash
                 problems.append(f"/v1/models failed: {exc}"[:200])
         metrics = _metrics_summary(api.metrics() if health == 200 else None)
+        supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
+            if s.head in cluster.connected else None
     ranks: list[dict[str, Any]] = []
     image_ids = set()
     for rank, node in enumerate(s.nodes):
@@ -241,7 +261,7 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
         problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
     doc = {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
                                                                "models": models, "metrics": metrics},
-           "current_config_hash": current, "problems": problems, "ok": not problems}
+           "current_config_hash": current, "supervisor": supervisor, "problems": problems, "ok": not problems}
     if g.json:
         emit_json(doc)
     else:
@@ -260,6 +280,7 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
         out.print(f"head {api.base_url}: /health {health if health is not None else 'no answer'}; models: "
                   f"{', '.join(models) or '-'}; " + ", ".join(f"{k} {v:g}" for k, v in metrics.items()),
                   markup=False)
+        out.print(watchstate.describe(supervisor), markup=False)
         for p in problems:
             out.print(f"✗ {p}", markup=False)
     if problems:
@@ -314,6 +335,7 @@ def down_cmd(ctx: click.Context) -> None:
     with _cluster(g, s) as cluster:
         if s.head in cluster.connected:
             with cluster_lock(cluster.node(s.head), s.head, s.cluster_name, "down"):
+                _stop_supervisor_unit(cluster, s)
                 failed = service.down(cluster, s)
         else:
             warn([f"the head {s.head} is unreachable: tearing down the other nodes without the cluster lock"])
@@ -328,6 +350,16 @@ def down_cmd(ctx: click.Context) -> None:
             out.print(f"✗ {n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else ""), markup=False)
     if failed:
         sys.exit(1)
+
+
+def _stop_supervisor_unit(cluster: Cluster, s: Settings) -> None:
+    """A deliberate `down` stays down: the `export systemd` unit (if any) is stopped and disabled first."""
+    from ..systemd_unit import disable_argv, unit_name
+
+    r = cluster.node(s.head).run(disable_argv(s.cluster_name), timeout=90)
+    if not r.ok:
+        warn([f"could not stop and disable {unit_name(s.cluster_name)} on {s.head}: "
+              f"{(r.stderr.strip() or r.stdout.strip())[:200]}"])
 
 
 # ----------------------------------------------------------------------------------- lock, audit
