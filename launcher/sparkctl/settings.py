@@ -233,6 +233,8 @@ KNOBS: dict[str, Knob] = {
              check=_abs_path),
         Knob("VLLM_EXTRA_ARGS", "str", "More `vllm serve` flags, after the recipe's (full --flag names; "
              "shell-like quoting, nothing expanded).", check=_extra_args),
+        Knob("BUILD_KEEP_CHAINS", "int", "build: chain images kept per rank, by content-hash tag, for rollback "
+             "(default 3).", minimum=1, maximum=100),
         Knob("WATCH_INTERVAL_S", "float", "watch: seconds between looks at every rank and /health (default 5).",
              minimum=0.2, maximum=3600),
         Knob("WATCH_CANARY_S", "float", "watch: seconds between canary completions (default 30).",
