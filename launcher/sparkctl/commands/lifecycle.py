@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from .. import service, watchstate
 from ..builders import open_api_warning
@@ -198,34 +200,25 @@ def _metrics_summary(text: str | None) -> dict[str, float]:
     return found
 
 
-@click.command("status")
-@click.option("--url", help="The API's base URL (default: http://<head HostName>:PORT).")
-@click.pass_context
-def status_cmd(ctx: click.Context, url: str | None) -> None:
-    """Every rank's container (state, uptime, restarts, image, config) and the head's health."""
-    from .. import readiness
-
-    g = _globals(ctx)
-    s = _settings(g)
+def _collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
+    """Every rank's container, the head's health/models/metrics and the supervisor's state, as one doc."""
     problems: list[str] = []
-    with _cluster(g, s) as cluster:
-        states = cluster.run_all(lambda n: service.inspect_cluster(n, s.cluster_name), nodes=s.nodes)
-        current: str | None = None
+    states = cluster.run_all(lambda n: service.inspect_cluster(n, s.cluster_name), nodes=s.nodes)
+    current: str | None = None
+    try:
+        current = _render(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
+    except (UsageError, CheckFailed) as exc:
+        problems.append(f"current config unknown: {exc.message}")
+    health = api.health()
+    models: list[str] = []
+    if health == 200:
         try:
-            current = _render(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
-        except (UsageError, CheckFailed) as exc:
-            problems.append(f"current config unknown: {exc.message}")
-        api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
-        health = api.health()
-        models: list[str] = []
-        if health == 200:
-            try:
-                models = api.models()
-            except Exception as exc:  # an odd answer is a finding, not a crash
-                problems.append(f"/v1/models failed: {exc}"[:200])
-        metrics = _metrics_summary(api.metrics() if health == 200 else None)
-        supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
-            if s.head in cluster.connected else None
+            models = api.models()
+        except Exception as exc:  # an odd answer is a finding, not a crash
+            problems.append(f"/v1/models failed: {exc}"[:200])
+    metrics = _metrics_summary(api.metrics() if health == 200 else None)
+    supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
+        if s.head in cluster.connected else None
     ranks: list[dict[str, Any]] = []
     image_ids = set()
     for rank, node in enumerate(s.nodes):
@@ -259,32 +252,88 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
         problems.append(f"head /health: {health if health is not None else 'no answer'}")
     elif str(s.get("SERVED_MODEL_NAME")) not in models:
         problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
-    doc = {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
-                                                               "models": models, "metrics": metrics},
-           "current_config_hash": current, "supervisor": supervisor, "problems": problems, "ok": not problems}
+    return {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
+                                                                "models": models, "metrics": metrics},
+            "current_config_hash": current, "supervisor": supervisor, "problems": problems, "ok": not problems}
+
+
+def _status_view(doc: dict[str, Any]) -> Group:
+    t = Table(title=f"cluster {doc['cluster']}", title_justify="left")
+    for col in ("rank", "node", "state", "uptime", "restarts", "image", "config"):
+        t.add_column(col)
+    for r in doc["ranks"]:
+        cfg = r.get("config_hash") or ""
+        if r.get("config_current") is False:
+            cfg += " (stale)"
+        t.add_row(str(r["rank"]), r["node"], r["state"],
+                  "" if r.get("uptime_s") is None else f"{r['uptime_s']}s", str(r.get("restarts", "")),
+                  str(r.get("image_id", ""))[7:19], cfg)
+    head = doc["head"]
+    health = head["health"]
+    lines = [Text(f"head {head['url']}: /health {health if health is not None else 'no answer'}; models: "
+                  f"{', '.join(head['models']) or '-'}; "
+                  + ", ".join(f"{k} {v:g}" for k, v in head["metrics"].items())),
+             Text(watchstate.describe(doc["supervisor"]))]
+    lines += [Text(f"✗ {p}") for p in doc["problems"]]
+    return Group(t, *lines)
+
+
+@click.command("status")
+@click.option("--url", help="The API's base URL (default: http://<head HostName>:PORT).")
+@click.option("--watch", "live", is_flag=True, help="Keep refreshing (a live view; with --json one JSON line each).")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=2.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.pass_context
+def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float) -> None:
+    """Every rank's container (state, uptime, restarts, image, config), the head's health and metrics, and
+    the supervisor's state. `--watch` keeps refreshing until Ctrl-C."""
+    from .. import readiness
+
+    g = _globals(ctx)
+    s = _settings(g)
+    with _cluster(g, s) as cluster:
+        api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
+        if live:
+            _status_live(g, cluster, s, api, interval)
+            return
+        doc = _collect_status(cluster, s, api)
     if g.json:
         emit_json(doc)
     else:
-        out = console(False)
-        t = Table(title=f"cluster {s.cluster_name}", title_justify="left")
-        for col in ("rank", "node", "state", "uptime", "restarts", "image", "config"):
-            t.add_column(col)
-        for r in ranks:
-            cfg = r.get("config_hash") or ""
-            if r.get("config_current") is False:
-                cfg += " (stale)"
-            t.add_row(str(r["rank"]), r["node"], r["state"],
-                      "" if r.get("uptime_s") is None else f"{r['uptime_s']}s", str(r.get("restarts", "")),
-                      str(r.get("image_id", ""))[7:19], cfg)
-        out.print(t)
-        out.print(f"head {api.base_url}: /health {health if health is not None else 'no answer'}; models: "
-                  f"{', '.join(models) or '-'}; " + ", ".join(f"{k} {v:g}" for k, v in metrics.items()),
-                  markup=False)
-        out.print(watchstate.describe(supervisor), markup=False)
-        for p in problems:
-            out.print(f"✗ {p}", markup=False)
-    if problems:
+        console(False).print(_status_view(doc))
+    if doc["problems"]:
         sys.exit(1)
+
+
+def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: float) -> None:
+    """`status --watch`: a rich live view, or NDJSON (one status document per line) with --json."""
+    from rich.live import Live
+
+    prev_tokens: tuple[float, float] | None = None
+
+    def tick() -> dict[str, Any]:
+        nonlocal prev_tokens
+        doc = _collect_status(cluster, s, api)
+        doc["at"] = time.time()
+        tokens = doc["head"]["metrics"].get("generation_tokens")
+        if tokens is not None and prev_tokens is not None and doc["at"] > prev_tokens[0]:
+            doc["head"]["metrics"]["tokens_per_s"] = round(max(0.0, tokens - prev_tokens[1])
+                                                           / (doc["at"] - prev_tokens[0]), 1)
+        prev_tokens = None if tokens is None else (doc["at"], tokens)
+        return doc
+
+    try:
+        if g.json:
+            while True:
+                sys.stdout.write(json.dumps(tick(), sort_keys=True) + "\n")
+                sys.stdout.flush()
+                time.sleep(interval)
+        with Live(_status_view(tick()), console=console(False), auto_refresh=False) as view:
+            while True:
+                time.sleep(interval)
+                view.update(_status_view(tick()), refresh=True)
+    except KeyboardInterrupt:
+        return
 
 
 # ----------------------------------------------------------------------------------------- logs

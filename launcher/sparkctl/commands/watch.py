@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from typing import Any
@@ -217,11 +218,19 @@ def watch_cmd(ctx: click.Context) -> None:
     ops.say(f"watching cluster {s.cluster_name} ({' '.join(s.nodes)}): every {policy.interval_s:g}s, canary every "
             f"{policy.canary_every_s:g}s, at most {policy.max_restarts} restarts in {policy.window_s:g}s")
     sup = Supervisor(ops, policy)
+    terminated: list[int] = []
+
+    def on_term(signum: int, frame: Any) -> None:  # `systemctl stop`: end like Ctrl-C, but exit 0
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         code = sup.run()
     except KeyboardInterrupt:
-        ops.publish({"state": "stopped", "detail": "interrupted", "restarts": sup.restarts})
-        code = 130
+        sup.state, sup.detail = "stopped", "terminated" if terminated else "interrupted"
+        ops.publish({"state": sup.state, "detail": sup.detail, "restarts": sup.restarts})
+        code = 0 if terminated else 130
     finally:
         ops.close()
     reason = sup.detail or sup.state
