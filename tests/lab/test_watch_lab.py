@@ -5,6 +5,7 @@ a person's `down`, and rollback. Real SSH, real Docker engines, the stand-in eng
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sparkctl.lab.client import Lab
+from sparkctl.systemd_unit import unquote_exec
 from tests.lab.faults import docker_stopped
 
 pytestmark = pytest.mark.lab
@@ -85,9 +87,25 @@ def served(chain: Lab) -> Iterator[Lab]:
         assert containers(lab) == {n: [] for n in NODES}
 
 
-def start_watch(lab: Lab, extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "sparkctl", "watch"], env=env(lab, extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def unit_command(lab: Lab) -> tuple[list[str], dict[str, str]]:
+    """The `export systemd` unit's ExecStart argv and Environment, as systemd would run them."""
+    text = sk(lab, "export", "systemd", "--print", check=True).stdout
+    lines = text.splitlines()
+    argv = unquote_exec(next(ln for ln in lines if ln.startswith("ExecStart=")).removeprefix("ExecStart="))
+    envs = dict(unquote_exec(ln.removeprefix("Environment="))[0].split("=", 1)
+                for ln in lines if ln.startswith("Environment="))
+    return argv, envs
+
+
+def start_watch(lab: Lab, extra: dict[str, str] | None = None, *, via_unit: bool = False) -> subprocess.Popen[str]:
+    if via_unit:  # the lab has no systemd: run the unit's ExecStart line directly, in a clean environment
+        argv, envs = unit_command(lab)
+        assert envs["CLUSTER_NAME"] == "watchlab" and "--env-file" in argv, (argv, envs)
+        proc = subprocess.Popen(argv, env={"PATH": os.environ["PATH"], **envs}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "sparkctl", "watch"], env=env(lab, extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # until its state file says it watches
         st = json.loads(sk(lab, "--json", "status").stdout or "{}").get("supervisor") or {}
@@ -108,7 +126,7 @@ def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
 def test_killed_rank_restarts_the_group_then_a_down_ends_watch_with_zero(served: Lab) -> None:
     lab = served
     before = containers(lab)
-    proc = start_watch(lab)
+    proc = start_watch(lab, via_unit=True)
     try:
         lab.docker("spark3", "kill", "sparkctl-watchlab-rank2", check=True)
         killed = time.monotonic()
@@ -206,6 +224,12 @@ def test_rollback_runs_the_previous_images_content_hash_on_every_rank(served: La
                                f"sparkctl-watchlab-rank{i}").stdout.strip()
             assert label == first["image_content_hash"], n
         sk(lab, "wait", "--timeout", "60", check=True)
+        # exec: an argv, never a shell string; the exit code is the command's
+        hostile = "a b;$(touch /tmp/pwned)`id`"
+        r = sk(lab, "exec", "--rank", "2", "--", "printf", "%s|", hostile, "--rank")
+        assert r.returncode == 0 and r.stdout == f"{hostile}|--rank|", r
+        assert sk(lab, "exec", "--rank", "1", "--", "sh", "-c", "exit 7").returncode == 7
+        assert lab.docker("spark3", "exec", "sparkctl-watchlab-rank2", "ls", "/tmp/pwned").returncode != 0
     finally:
         for n in NODES:
             lab.docker(n, "rmi", "-f", new_tag)
