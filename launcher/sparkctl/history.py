@@ -22,7 +22,7 @@ from .cluster import Cluster, Node, NodeError
 from .errors import UsageError
 from .lock import audit_line, now_iso, state_dir, whoami
 from .render import Rendered
-from .settings import KNOBS, RANK_KEY_RE, Settings, is_secret
+from .settings import KNOBS, PASSTHROUGH_RE, RANK_KEY_RE, Settings, is_secret
 
 HISTORY_KEEP = 50
 MAX_LINE = 256 * 1024  # one entry is a few KB (env.tp4 included); more is not ours
@@ -144,8 +144,8 @@ def parse_history(text: str) -> list[Release]:
             source=str(strs["source"])[:64], config_hash=str(strs["config_hash"])[:64],
             image=str(strs["image"])[:512],
             image_content_hash=chash[:64] if isinstance(chash, str) and _HEX12.match(chash) else None,
-            knobs={str(k)[:64]: v for k, v in knobs.items() if isinstance(v, str) and str(k) in KNOBS
-                   and not is_secret(str(k))},
+            knobs={str(k)[:64]: v for k, v in knobs.items() if isinstance(v, str)
+                   and (str(k) in KNOBS or PASSTHROUGH_RE.match(str(k))) and not is_secret(str(k))},
         ))
     return out
 
@@ -158,16 +158,20 @@ def read_history(head: Node, cluster: str) -> list[Release]:
 
 
 def pick(releases: list[Release], to: str | None) -> Release:
-    """`rollback` with no --to: the one before the newest. --to N: the N-th newest (1 = the newest).
+    """`rollback` with no --to: the newest that is not the newest service. --to N: the N-th newest (1 = the newest).
     --to HASH: the newest whose config hash or image content hash starts with HASH."""
     if not releases:
         raise UsageError("this cluster has no history yet: `up` records every service it starts",
                          fix="bring a service up first; `sparkctl history` lists what ran")
-    if to is None:
-        if len(releases) < 2:
-            raise UsageError("there is only one service in the history: nothing to roll back to",
-                             fix="`sparkctl history` lists what ran")
-        return releases[1]
+    if to is None:  # the newest service that differs from the newest one (a watch restart repeats it)
+        def what(r: Release) -> tuple[str, str]:
+            return r.config_hash, r.image_content_hash or r.image
+
+        for r in releases[1:]:
+            if what(r) != what(releases[0]):
+                return r
+        raise UsageError("every service in the history is the one that ran last: nothing to roll back to",
+                         fix="`sparkctl history` lists what ran")
     if to.isdigit() and len(to) <= 4:  # an entry number; a hash is given with 6+ characters
         n = int(to)
         if not 1 <= n <= len(releases):

@@ -196,15 +196,18 @@ def entry(n: int, **kw: Any) -> dict[str, Any]:
 
 def test_history_parse_newest_first_and_junk_skipped():
     text = "\n".join([json.dumps(entry(1)), "garbage", json.dumps({"when": 1}), "[]", json.dumps(entry(2)),
-                      json.dumps(entry(3, knobs={"PORT": "1", "HF_TOKEN": "s3cret", "NOPE": "x"}))])
+                      json.dumps(entry(3, knobs={"PORT": "1", "HF_TOKEN": "s3cret", "NOPE": "x",
+                                                 "STANDIN_TTFT_S": "0.1"}))])
     rs = parse_history(text)
     assert [r.config_hash for r in rs] == ["cfg3cfg3", "cfg2cfg2", "cfg1cfg1"] and [r.n for r in rs] == [1, 2, 3]
-    assert rs[0].knobs == {"PORT": "1"}  # no secret, no unknown key
+    assert rs[0].knobs == {"PORT": "1", "STANDIN_TTFT_S": "0.1"}  # no secret, no unknown key
 
 
 def test_pick_default_number_and_hash():
     rs = parse_history("\n".join(json.dumps(entry(i)) for i in (1, 2, 3)))
     assert pick(rs, None).config_hash == "cfg2cfg2"  # the one before the newest
+    again = parse_history("\n".join(json.dumps(entry(i)) for i in (1, 2, 3, 3, 3)))  # watch restarts repeat 3
+    assert pick(again, None).config_hash == "cfg2cfg2"
     assert pick(rs, "3").config_hash == "cfg1cfg1"
     assert pick(rs, "111111").config_hash == "cfg1cfg1"  # by content hash prefix
     for bad in ["0", "4", "zz;rm", "abcdef0", "abc"]:
