@@ -101,11 +101,6 @@ class Observation:
     health: int | None = None
     canary: str | None = None  # None: not tried this round; "ok"; else what went wrong
 
-    @property
-    def empty(self) -> bool:
-        """No container of this cluster anywhere (never started, or removed by someone)."""
-        return bool(self.ranks) and all(v == "absent" for v in self.ranks.values()) and not self.unreachable
-
 
 def diagnose(obs: Observation, nodes: list[str], bad_health_rounds: int, policy: Policy) -> str | None:
     """Why the group must be restarted, or None when it serves. Pure."""

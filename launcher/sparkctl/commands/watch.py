@@ -176,6 +176,8 @@ class WatchOps:
         except BaseException as exc:
             why = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
             self._audit("watch-restart-failed", f"attempt {attempt}: {why}")
+            if isinstance(exc, CheckFailed) and why.startswith("interrupted"):
+                raise KeyboardInterrupt from None  # SIGTERM/Ctrl-C during `up`: it rolled back; we end
             raise
         self._audit("watch-restarted", f"attempt {attempt}: serving again after {time.monotonic() - t0:.1f}s")
         self.say(f"restarted: serving again after {time.monotonic() - t0:.1f}s")
@@ -213,7 +215,7 @@ def watch_cmd(ctx: click.Context) -> None:
     g = _globals(ctx)
     s = _settings(g)
     policy = Policy.from_settings(s)
-    out = console(False)  # progress lines go to stderr; --json prints the end as one document
+    out = console(True)  # progress lines go to stderr (a log); --json prints the end as one document
     ops = WatchOps(g, s, policy, say=lambda m: out.print(m, markup=False))
     ops.say(f"watching cluster {s.cluster_name} ({' '.join(s.nodes)}): every {policy.interval_s:g}s, canary every "
             f"{policy.canary_every_s:g}s, at most {policy.max_restarts} restarts in {policy.window_s:g}s")
