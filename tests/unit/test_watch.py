@@ -286,3 +286,26 @@ def test_retention_tags_by_hash_keeps_the_newest_and_prunes_only_its_own(tmp_pat
     assert sorted(c for c in calls if c.startswith("rmi")) == ["rmi r/chain:keys3-old1", "rmi r/chain:keys3-old2"]
     assert r.stdout.split() == ["removed", "r/chain:keys3-old2", "removed", "r/chain:keys3-old1"]
     assert calls[-1] == "image prune -f --filter label=sparkctl.recipe=lab --filter label=sparkctl.content-hash"
+
+
+def test_status_view_shows_ranks_metrics_supervisor_and_problems():
+    from rich.console import Console
+
+    from sparkctl.commands.lifecycle import _status_view
+
+    doc = {"cluster": "c1", "ranks": [{"rank": 0, "node": "n1", "state": "running", "uptime_s": 5, "restarts": 0,
+                                       "image_id": "sha256:0123456789abcdef", "config_hash": "cfg"},
+                                      {"rank": 1, "node": "n2", "state": "absent"}],
+           "head": {"url": "http://h:1", "health": 200, "models": ["m"],
+                    "metrics": {"requests_running": 2.0, "tokens_per_s": 41.5}},
+           "supervisor": {"state": "restarting", "detail": "attempt 1/3: rank 1 (n2) absent", "alive": True,
+                          "pid": 9, "who": "root@h", "age_s": 0.4, "restarts": 1, "restarts_in_window": 1,
+                          "max_restarts": 3},
+           "problems": ["rank 1 (n2): no container"]}
+    con = Console(record=True, width=200)
+    con.print(_status_view(doc))
+    text = con.export_text()
+    for want in ["cluster c1", "n2", "absent", "requests_running 2", "tokens_per_s 41.5",
+                 "supervisor: restarting (attempt 1/3: rank 1 (n2) absent)", "1/3 in the window",
+                 "✗ rank 1 (n2): no container"]:
+        assert want in text, want
