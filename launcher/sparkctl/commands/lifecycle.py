@@ -110,7 +110,10 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     if outcome.changed:
         from ..history import record_release  # only a started service is recorded
 
-        record_release(cluster, s, rendered, source=source)
+        try:
+            record_release(cluster, s, rendered, source=source)
+        except (NodeError, CheckFailed) as exc:  # the service runs: a lost record is a warning, not a failure
+            warn([f"the service runs, but its history entry was not recorded: {exc}"])
     return outcome
 
 
