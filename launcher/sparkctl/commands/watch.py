@@ -45,6 +45,7 @@ class WatchOps:
         self.g, self.s, self.policy, self._say = g, s, policy, say
         self.nodes = s.nodes
         self.cluster: Cluster | None = None
+        self._stale = False
         self.me = new_owner("watch")
         self.since = self.me.since
         self._connect()
@@ -77,7 +78,7 @@ class WatchOps:
         from .. import readiness
 
         c = self._c()
-        if c.errors:
+        if c.errors or self._stale:  # connect again (each round, while a node is away)
             self._connect()
             c = self._c()
         name = self.s.cluster_name
@@ -98,8 +99,7 @@ class WatchOps:
                 obs.ranks[rank] = f"{mine[0].status} (exit {mine[0].exit_code})"
             else:
                 obs.ranks[rank] = "running"
-        if lost:
-            self._connect()
+        self._stale = lost
         obs.health = self.api.health()
         if canary and obs.health == 200 and not obs.unreachable and all(v == "running" for v in obs.ranks.values()):
             try:
