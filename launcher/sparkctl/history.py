@@ -53,6 +53,8 @@ def image_override(s: Settings, ref: str) -> str:
     from .settings import _IMAGE_RE  # the same rule as the IMAGE knob
 
     ref = ref.strip()
+    if _HEX12.match(ref.removeprefix("sha256:")) and not _HEX12.match(ref):  # sha256:<content hash>
+        ref = ref.removeprefix("sha256:")
     if _HEX12.match(ref):
         return hash_tag(str(s.get("IMAGE")), ref)
     if not _IMAGE_RE.match(ref):
@@ -76,7 +78,7 @@ def knob_snapshot(s: Settings) -> dict[str, str]:
 def content_hash_on(node: Node, image: str) -> str | None:
     r = node.docker(["image", "inspect", "--format", f'{{{{index .Config.Labels "{LABEL_CONTENT_HASH}"}}}}',
                      image], timeout=30)
-    value = r.stdout.strip() if r.ok else ""
+    value = (r.stdout.strip() if r.ok else "").removeprefix("sha256:")  # the label is `sha256:<hex>`
     return value if re.fullmatch(r"[0-9a-f]{12,64}", value) else None
 
 
@@ -177,7 +179,7 @@ def pick(releases: list[Release], to: str | None) -> Release:
         if not 1 <= n <= len(releases):
             raise UsageError(f"--to {n}: the history has entries 1..{len(releases)} (1 = the newest)")
         return releases[n - 1]
-    low = to.lower()
+    low = to.lower().removeprefix("sha256:")
     if not re.fullmatch(r"[0-9a-f]{6,64}", low):
         raise UsageError(f"--to {to!r}: give an entry number or a config/content hash (6+ hex characters)")
     for r in releases:

@@ -21,6 +21,7 @@ DEFAULT_KEEP = 3
 _RETAIN = r'''keep="$1"; recipe="$2"; shift 2
 for t in "$@"; do
   h=$(docker image inspect --format '{{index .Config.Labels "sparkctl.content-hash"}}' "$t" 2>/dev/null) || continue
+  h=${h#sha256:}
   case "$h" in *[!0-9a-f]*|'') continue ;; esac
   docker tag "$t" "$t-$(printf '%.12s' "$h")" || exit 3
   docker images --filter "reference=$t-*" --format '{{.CreatedAt}}	{{.Repository}}:{{.Tag}}' \

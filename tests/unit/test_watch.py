@@ -263,7 +263,7 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path):
 FAKE_DOCKER = r'''#!/bin/sh
 echo "$*" >> "$LOG"
 case "$1 $2" in
-  "image inspect") case "$5" in *keys3) echo "abcdef0123456789abcdef" ;; *) echo "" ;; esac ;;
+  "image inspect") case "$5" in *keys3) echo "sha256:abcdef0123456789abcdef" ;; *) echo "" ;; esac ;;
   "images --filter") printf '2026-11-0%s 00:00:00 +0000 UTC\tr/chain:keys3-old%s\n' 1 1 3 3 5 5 2 2 4 4 ;;
 esac
 exit 0
