@@ -189,10 +189,11 @@ def pick(releases: list[Release], to: str | None) -> Release:
                      fix="`sparkctl history` lists what ran")
 
 
-def rollback_overrides(release: Release) -> dict[str, str]:
-    """The knobs that bring `release` back: as they were, with the image pinned by its content hash
-    (its mutable tag may point at a newer build by now)."""
+def rollback_overrides(release: Release, current_hash: str | None = None) -> dict[str, str]:
+    """The knobs that bring `release` back, as they were. The image: its own reference while that still
+    names the same content (`current_hash`, read on the head: then the config hash is the recorded
+    one), else its content-hash tag (the mutable tag has moved on to a newer build)."""
     knobs = dict(release.knobs)
-    knobs["IMAGE"] = hash_tag(release.image, release.image_content_hash) if release.image_content_hash \
-        else release.image
+    moved = release.image_content_hash is not None and current_hash != release.image_content_hash
+    knobs["IMAGE"] = hash_tag(release.image, str(release.image_content_hash)) if moved else release.image
     return knobs

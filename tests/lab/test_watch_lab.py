@@ -209,18 +209,22 @@ def test_rollback_runs_the_previous_images_content_hash_on_every_rank(served: La
     lab = served
     hist = json.loads(sk(lab, "--json", "history", check=True).stdout)["history"]
     first = hist[0]
-    assert first["image_content_hash"], "build did not label the chain's content hash"
-    # A changed image: a new layer on top, built on every rank, with a content hash of its own.
-    new_tag = "sparkctl-lab/chain:watchtest"
+    assert first["image_content_hash"], "the history has no content hash for the running image"
+    pinned = f"sparkctl-lab/chain:keys3-{first['image_content_hash'][:12]}"
+    for n in NODES:  # `build` tagged the chain by content hash on every rank
+        assert lab.docker(n, "image", "inspect", pinned).returncode == 0, (n, pinned)
+    # A changed image, as a rebuild makes it: the mutable tag keys3 moves to an image with another hash.
     for n in NODES:
-        r = lab.ssh(n, "sh", "-c", 'printf "FROM sparkctl-lab/chain:keys3\\nLABEL sparkctl.content-hash=%s\\n" '
-                    '"$1" | docker build -q -t "$2" -', "_", "sha256:" + "f" * 64, new_tag, timeout=120)
+        r = lab.ssh(n, "sh", "-c", 'printf "FROM %s\\nLABEL sparkctl.content-hash=%s\\n" "$1" "$2" '
+                    '| docker build -q -t sparkctl-lab/chain:keys3 -', "_", pinned, "sha256:" + "f" * 64,
+                    timeout=120)
         assert r.returncode == 0, r.stderr
     try:
-        sk(lab, "up", "--image", new_tag, check=True)
+        sk(lab, "up", check=True)
         hist = json.loads(sk(lab, "--json", "history", check=True).stdout)["history"]
         assert hist[0]["image_content_hash"] == "f" * 64
-        sk(lab, "rollback", check=True)
+        rb = sk(lab, "--json", "rollback", check=True)
+        assert json.loads(rb.stdout)["image"] == pinned  # keys3 moved on: the hash tag names the old image
         for i, n in enumerate(NODES):
             label = lab.docker(n, "inspect", "-f", '{{index .Config.Labels "sparkctl.content-hash"}}',
                                f"sparkctl-watchlab-rank{i}").stdout.strip()
@@ -233,5 +237,7 @@ def test_rollback_runs_the_previous_images_content_hash_on_every_rank(served: La
         assert sk(lab, "exec", "--rank", "1", "--", "sh", "-c", "exit 7").returncode == 7
         assert lab.docker("spark3", "exec", "sparkctl-watchlab-rank2", "ls", "/tmp/pwned").returncode != 0
     finally:
-        for n in NODES:
-            lab.docker(n, "rmi", "-f", new_tag)
+        sk(lab, "down", timeout=60)
+        for n in NODES:  # keys3 back where `build` left it; the test image goes
+            lab.docker(n, "tag", pinned, "sparkctl-lab/chain:keys3")
+            lab.docker(n, "image", "prune", "-f", "--filter", "label=sparkctl.content-hash=sha256:" + "f" * 64)

@@ -220,6 +220,8 @@ def test_pick_default_number_and_hash():
 def test_rollback_pins_the_image_by_content_hash():
     r = Release(1, "w", "who", "up", "cfg", "sparkctl-lab/chain:keys3", "ab" * 32, {"PORT": "1"})
     assert rollback_overrides(r) == {"PORT": "1", "IMAGE": "sparkctl-lab/chain:keys3-" + "ab" * 6}
+    assert rollback_overrides(r, "cd" * 32)["IMAGE"] == "sparkctl-lab/chain:keys3-" + "ab" * 6  # tag moved
+    assert rollback_overrides(r, "ab" * 32)["IMAGE"] == "sparkctl-lab/chain:keys3"  # still that image
     assert hash_tag("reg:5000/chain", "cd" * 32) == "reg:5000/chain:latest-" + "cd" * 6
     assert hash_tag("a/b:keys3-" + "ab" * 6, "ab" * 32) == "a/b:keys3-" + "ab" * 6  # already pinned
 

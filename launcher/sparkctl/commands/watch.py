@@ -23,7 +23,7 @@ from ..builders import container_name
 from ..cli import Globals
 from ..cluster import Cluster, NodeError
 from ..errors import CheckFailed, UsageError
-from ..history import pick, read_history, rollback_overrides
+from ..history import content_hash_on, pick, read_history, rollback_overrides
 from ..lock import audit_line, audit_tail_argv, cluster_lock, lock_status, new_owner, whoami
 from ..output import console, emit_json, warn
 from ..settings import Settings
@@ -275,8 +275,10 @@ def rollback_cmd(ctx: click.Context, to: str | None) -> None:
     s0 = _settings(g)
     with _cluster(g, s0) as cluster:
         _require_all(cluster, "rollback refused")
-        target = pick(read_history(cluster.node(s0.head), s0.cluster_name), to)
-        g.extra_overrides = {**g.extra_overrides, **rollback_overrides(target)}
+        head = cluster.node(s0.head)
+        target = pick(read_history(head, s0.cluster_name), to)
+        now = content_hash_on(head, target.image)
+        g.extra_overrides = {**g.extra_overrides, **rollback_overrides(target, now)}
         s = _settings(g)
         if s.nodes != s0.nodes or s.cluster_name != s0.cluster_name:
             raise UsageError(f"history entry {target.n} ran on other nodes or another cluster name",
@@ -290,8 +292,9 @@ def rollback_cmd(ctx: click.Context, to: str | None) -> None:
     doc = {"changed": outcome.changed, "config_hash": outcome.config_hash, "image": s.get("IMAGE"),
            "entry": target.as_dict()}
     if outcome.config_hash != target.config_hash:
-        warn([f"the config hash is {outcome.config_hash}, not the recorded {target.config_hash}: the fabric pins "
-              "or a secret differ from then"])
+        why = "the image is now named by its content-hash tag" if s.get("IMAGE") != target.image \
+            else "the fabric pins or a secret differ from then"
+        warn([f"the config hash is {outcome.config_hash}, not the recorded {target.config_hash}: {why}"])
     if g.json:
         emit_json(doc)
     else:
