@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -36,6 +36,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("lifecycle", "Stop the service: head first, then workers."),
     "lock": ("lifecycle", "Show or break the cluster lock."),
     "audit": ("lifecycle", "Show the audit lines sparkctl wrote on every node."),
+    "watch": ("watch", "Supervise the service: restart the whole group when a rank, the head or a node fails."),
+    "history": ("watch", "List the services `up` started on this cluster: when, by whom, image, config."),
+    "rollback": ("watch", "Bring a previous image and config back up (the last one, or --to N|HASH)."),
+    "exec": ("watch", "Run a command (argv) in a rank's container."),
+    "export": ("watch", "Export the supervisor as a systemd unit on the head (`export systemd`)."),
     "trust": ("trust", "Show a node's host key and record it in known_hosts."),
     "bench": ("bench", "Measure decode tok/s, TTFT and accepted tokens/step on a running service."),
     "lab": ("lab", "Build or remove the built-in lab cluster (root)."),
@@ -53,10 +58,12 @@ class Globals:
     ssh_config: str | None = None
     json: bool = False
     verbosity: int = 0
+    # knobs a command's own options set (`up --image`, `rollback`): highest precedence, like flags
+    extra_overrides: dict[str, str] = field(default_factory=dict)
 
     def cli_overrides(self) -> dict[str, str]:
         """The CLI flags that are also knobs, highest precedence."""
-        out: dict[str, str] = {}
+        out: dict[str, str] = dict(self.extra_overrides)
         if self.nodes is not None:
             out["NODES"] = self.nodes
         if self.model is not None:

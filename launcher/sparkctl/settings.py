@@ -236,6 +236,24 @@ KNOBS: dict[str, Knob] = {
              check=_abs_path),
         Knob("VLLM_EXTRA_ARGS", "str", "More `vllm serve` flags, after the recipe's (full --flag names; "
              "shell-like quoting, nothing expanded).", check=_extra_args),
+        Knob("BUILD_KEEP_CHAINS", "int", "build: chain images kept per rank, by content-hash tag, for rollback "
+             "(default 3).", minimum=1, maximum=100),
+        Knob("WATCH_INTERVAL_S", "float", "watch: seconds between looks at every rank and /health (default 5).",
+             minimum=0.2, maximum=3600),
+        Knob("WATCH_CANARY_S", "float", "watch: seconds between canary completions (default 30).",
+             minimum=0.2, maximum=86400),
+        Knob("WATCH_CANARY_TIMEOUT_S", "float", "watch: a canary slower than this means a hung head (default 30).",
+             minimum=0.5, maximum=3600),
+        Knob("WATCH_MAX_RESTARTS", "int", "watch: restarts allowed within the window before it gives up "
+             "(default 3).", minimum=0, maximum=1000),
+        Knob("WATCH_RESTART_WINDOW_S", "float", "watch: the window the restart budget counts in (default 3600).",
+             minimum=1, maximum=10**7),
+        Knob("WATCH_BACKOFF_S", "float", "watch: wait before the 2nd restart in a window; doubles after "
+             "(default 10).", minimum=0, maximum=86400),
+        Knob("WATCH_NODE_WAIT_S", "float", "watch: how long to wait for an unreachable node (default 600).",
+             minimum=0, maximum=10**6),
+        Knob("WATCH_READY_TIMEOUT_S", "float", "watch: how long a restarted group may take to serve (default "
+             "3600).", minimum=1, maximum=10**6),
         Knob("HF_TOKEN", "str", "Hugging Face token (secret; never shown, passed by file)."),
         Knob("VLLM_API_KEY", "str", "API key the service requires (secret; passed by file, not argv)."),
     ]

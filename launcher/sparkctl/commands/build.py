@@ -371,7 +371,24 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
                         if results[n].ok:
                             results[n].error = f"not shipped: the head {head} failed to build"
         verify(cluster, chain, results, ship)
+        _retain(cluster, settings, chain, results, out)
     _finish(g, out, results)
+
+
+def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerSpec], results: dict[str, RankResult],
+            out: dict[str, Any]) -> None:
+    """Every rank that built (or was shipped) the chain: hash tags, the last BUILD_KEEP_CHAINS, no leftovers."""
+    from ..retention import DEFAULT_KEEP, retain
+
+    keep = int(settings.get("BUILD_KEEP_CHAINS", DEFAULT_KEEP))
+    tags = [layer.tag for layer in chain]
+    done = cluster.run_all(lambda node: retain(node, keep, settings.recipe.name, tags),
+                           nodes=[n for n in cluster.names if results[n].ok])
+    for n, res in done.items():
+        if isinstance(res, NodeError):
+            results[n].fail(res)
+        elif res:
+            out.setdefault("removed", {})[n] = res
 
 
 # ------------------------------------------------------------------------------------ shipping

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
-from .. import service
+from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
 from ..cluster import Cluster, Node, NodeError
@@ -90,12 +92,61 @@ def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
 # ------------------------------------------------------------------------------------------- up
 
 
+def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
+                  source: str = "sparkctl up") -> service.UpOutcome:
+    """The body of `up` under the cluster lock (the caller holds it): preflight every node, plan,
+    render, start; a started service is recorded in the head's history. `watch` and `rollback`
+    come through here too, so they start exactly what `up` would."""
+    # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
+    # GID index drifts), its containers and its image; the head also reads the checkpoint.
+    image = str(s.get("IMAGE"))
+
+    def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
+        # Channels on the node's one connection run side by side: probe, docker, checkpoint.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            state = pool.submit(service.node_state, node, s.cluster_name, image)
+            reader = pool.submit(read_checkpoint_on, node, s.model, drafter_dir(s)) \
+                if node.name == s.head else None
+            facts = probe_node(node, s)
+            return facts, state.result(), reader.result() if reader else None
+
+    rounds = cluster.run_all(preflight, nodes=s.nodes)
+    failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
+    if failed:
+        raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
+            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
+    ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
+    plan = _plan(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
+    pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
+    rendered = render_all(s, plan, pins, source=source)
+    try:
+        write_private(ENV_TP4, rendered.env_tp4)
+    except OSError as exc:
+        warn([f"could not write {ENV_TP4}: {exc}"])
+    outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
+                         gathered={n: r[1] for n, r in ok.items()})
+    if outcome.changed:
+        from ..history import record_release  # only a started service is recorded
+
+        try:
+            record_release(cluster, s, rendered, source=source)
+        except (NodeError, CheckFailed) as exc:  # the service runs: a lost record is a warning, not a failure
+            warn([f"the service runs, but its history entry was not recorded: {exc}"])
+    return outcome
+
+
 @click.command("up")
 @click.option("--recreate", is_flag=True, help="Replace the containers even when nothing changed.")
+@click.option("--image", "image_ref", metavar="REF",
+              help="Run this chain image (a tag, or a content hash: its `<IMAGE>-<hash12>` tag).")
 @click.pass_context
-def up_cmd(ctx: click.Context, recreate: bool) -> None:
+def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None) -> None:
     """Start the service: workers, then the head. Changes nothing if an identical service runs."""
     g = _globals(ctx)
+    if image_ref:
+        from ..history import image_override
+
+        g.extra_overrides = {**g.extra_overrides, "IMAGE": image_override(g.settings(), image_ref)}
     s = _settings(g)
     warn([w for w in [open_api_warning(s)] if w])
     out = console(g.json)
@@ -104,35 +155,7 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
         _require_all(cluster, "up refused")
         head = cluster.node(s.head)
         with cluster_lock(head, s.head, s.cluster_name, "up"):
-            # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
-            # GID index drifts), its containers and its image; the head also reads the checkpoint.
-            image = str(s.get("IMAGE"))
-
-            def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
-                # Channels on the node's one connection run side by side: probe, docker, checkpoint.
-                with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                    state = pool.submit(service.node_state, node, s.cluster_name, image)
-                    reader = pool.submit(read_checkpoint_on, node, s.model, drafter_dir(s)) \
-                        if node.name == s.head else None
-                    facts = probe_node(node, s)
-                    return facts, state.result(), reader.result() if reader else None
-
-            rounds = cluster.run_all(preflight, nodes=s.nodes)
-            failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
-            if failed:
-                raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
-                    f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
-            ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
-            plan = _plan(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
-            pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
-            rendered = render_all(s, plan, pins, source="sparkctl up")
-            try:
-                write_private(ENV_TP4, rendered.env_tp4)
-            except OSError as exc:
-                warn([f"could not write {ENV_TP4}: {exc}"])
-            outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate,
-                                 say=lambda m: out.print(m, markup=False),
-                                 gathered={n: r[1] for n, r in ok.items()})
+            outcome = start_service(cluster, s, recreate=recreate, say=lambda m: out.print(m, markup=False))
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
     if g.json:
@@ -198,32 +221,25 @@ def _metrics_summary(text: str | None) -> dict[str, float]:
     return found
 
 
-@click.command("status")
-@click.option("--url", help="The API's base URL (default: http://<head HostName>:PORT).")
-@click.pass_context
-def status_cmd(ctx: click.Context, url: str | None) -> None:
-    """Every rank's container (state, uptime, restarts, image, config) and the head's health."""
-    from .. import readiness
-
-    g = _globals(ctx)
-    s = _settings(g)
+def _collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
+    """Every rank's container, the head's health/models/metrics and the supervisor's state, as one doc."""
     problems: list[str] = []
-    with _cluster(g, s) as cluster:
-        states = cluster.run_all(lambda n: service.inspect_cluster(n, s.cluster_name), nodes=s.nodes)
-        current: str | None = None
+    states = cluster.run_all(lambda n: service.inspect_cluster(n, s.cluster_name), nodes=s.nodes)
+    current: str | None = None
+    try:
+        current = _render(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
+    except (UsageError, CheckFailed) as exc:
+        problems.append(f"current config unknown: {exc.message}")
+    health = api.health()
+    models: list[str] = []
+    if health == 200:
         try:
-            current = _render(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
-        except (UsageError, CheckFailed) as exc:
-            problems.append(f"current config unknown: {exc.message}")
-        api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
-        health = api.health()
-        models: list[str] = []
-        if health == 200:
-            try:
-                models = api.models()
-            except Exception as exc:  # an odd answer is a finding, not a crash
-                problems.append(f"/v1/models failed: {exc}"[:200])
-        metrics = _metrics_summary(api.metrics() if health == 200 else None)
+            models = api.models()
+        except Exception as exc:  # an odd answer is a finding, not a crash
+            problems.append(f"/v1/models failed: {exc}"[:200])
+    metrics = _metrics_summary(api.metrics() if health == 200 else None)
+    supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
+        if s.head in cluster.connected else None
     ranks: list[dict[str, Any]] = []
     image_ids = set()
     for rank, node in enumerate(s.nodes):
@@ -257,31 +273,88 @@ def status_cmd(ctx: click.Context, url: str | None) -> None:
         problems.append(f"head /health: {health if health is not None else 'no answer'}")
     elif str(s.get("SERVED_MODEL_NAME")) not in models:
         problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
-    doc = {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
-                                                               "models": models, "metrics": metrics},
-           "current_config_hash": current, "problems": problems, "ok": not problems}
+    return {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
+                                                                "models": models, "metrics": metrics},
+            "current_config_hash": current, "supervisor": supervisor, "problems": problems, "ok": not problems}
+
+
+def _status_view(doc: dict[str, Any]) -> Group:
+    t = Table(title=f"cluster {doc['cluster']}", title_justify="left")
+    for col in ("rank", "node", "state", "uptime", "restarts", "image", "config"):
+        t.add_column(col)
+    for r in doc["ranks"]:
+        cfg = r.get("config_hash") or ""
+        if r.get("config_current") is False:
+            cfg += " (stale)"
+        t.add_row(str(r["rank"]), r["node"], r["state"],
+                  "" if r.get("uptime_s") is None else f"{r['uptime_s']}s", str(r.get("restarts", "")),
+                  str(r.get("image_id", ""))[7:19], cfg)
+    head = doc["head"]
+    health = head["health"]
+    lines = [Text(f"head {head['url']}: /health {health if health is not None else 'no answer'}; models: "
+                  f"{', '.join(head['models']) or '-'}; "
+                  + ", ".join(f"{k} {v:g}" for k, v in head["metrics"].items())),
+             Text(watchstate.describe(doc["supervisor"]))]
+    lines += [Text(f"✗ {p}") for p in doc["problems"]]
+    return Group(t, *lines)
+
+
+@click.command("status")
+@click.option("--url", help="The API's base URL (default: http://<head HostName>:PORT).")
+@click.option("--watch", "live", is_flag=True, help="Keep refreshing (a live view; with --json one JSON line each).")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=2.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.pass_context
+def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float) -> None:
+    """Every rank's container (state, uptime, restarts, image, config), the head's health and metrics, and
+    the supervisor's state. `--watch` keeps refreshing until Ctrl-C."""
+    from .. import readiness
+
+    g = _globals(ctx)
+    s = _settings(g)
+    with _cluster(g, s) as cluster:
+        api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
+        if live:
+            _status_live(g, cluster, s, api, interval)
+            return
+        doc = _collect_status(cluster, s, api)
     if g.json:
         emit_json(doc)
     else:
-        out = console(False)
-        t = Table(title=f"cluster {s.cluster_name}", title_justify="left")
-        for col in ("rank", "node", "state", "uptime", "restarts", "image", "config"):
-            t.add_column(col)
-        for r in ranks:
-            cfg = r.get("config_hash") or ""
-            if r.get("config_current") is False:
-                cfg += " (stale)"
-            t.add_row(str(r["rank"]), r["node"], r["state"],
-                      "" if r.get("uptime_s") is None else f"{r['uptime_s']}s", str(r.get("restarts", "")),
-                      str(r.get("image_id", ""))[7:19], cfg)
-        out.print(t)
-        out.print(f"head {api.base_url}: /health {health if health is not None else 'no answer'}; models: "
-                  f"{', '.join(models) or '-'}; " + ", ".join(f"{k} {v:g}" for k, v in metrics.items()),
-                  markup=False)
-        for p in problems:
-            out.print(f"✗ {p}", markup=False)
-    if problems:
+        console(False).print(_status_view(doc))
+    if doc["problems"]:
         sys.exit(1)
+
+
+def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: float) -> None:
+    """`status --watch`: a rich live view, or NDJSON (one status document per line) with --json."""
+    from rich.live import Live
+
+    prev_tokens: tuple[float, float] | None = None
+
+    def tick() -> dict[str, Any]:
+        nonlocal prev_tokens
+        doc = _collect_status(cluster, s, api)
+        doc["at"] = time.time()
+        tokens = doc["head"]["metrics"].get("generation_tokens")
+        if tokens is not None and prev_tokens is not None and doc["at"] > prev_tokens[0]:
+            doc["head"]["metrics"]["tokens_per_s"] = round(max(0.0, tokens - prev_tokens[1])
+                                                           / (doc["at"] - prev_tokens[0]), 1)
+        prev_tokens = None if tokens is None else (doc["at"], tokens)
+        return doc
+
+    try:
+        if g.json:
+            while True:
+                sys.stdout.write(json.dumps(tick(), sort_keys=True) + "\n")
+                sys.stdout.flush()
+                time.sleep(interval)
+        with Live(_status_view(tick()), console=console(False), auto_refresh=False) as view:
+            while True:
+                time.sleep(interval)
+                view.update(_status_view(tick()), refresh=True)
+    except KeyboardInterrupt:
+        return
 
 
 # ----------------------------------------------------------------------------------------- logs
@@ -332,6 +405,7 @@ def down_cmd(ctx: click.Context) -> None:
     with _cluster(g, s) as cluster:
         if s.head in cluster.connected:
             with cluster_lock(cluster.node(s.head), s.head, s.cluster_name, "down"):
+                _stop_supervisor_unit(cluster, s)
                 failed = service.down(cluster, s)
         else:
             warn([f"the head {s.head} is unreachable: tearing down the other nodes without the cluster lock"])
@@ -346,6 +420,16 @@ def down_cmd(ctx: click.Context) -> None:
             out.print(f"✗ {n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else ""), markup=False)
     if failed:
         sys.exit(1)
+
+
+def _stop_supervisor_unit(cluster: Cluster, s: Settings) -> None:
+    """A deliberate `down` stays down: the `export systemd` unit (if any) is stopped and disabled first."""
+    from ..systemd_unit import disable_argv, unit_name
+
+    r = cluster.node(s.head).run(disable_argv(s.cluster_name), timeout=90)
+    if not r.ok:
+        warn([f"could not stop and disable {unit_name(s.cluster_name)} on {s.head}: "
+              f"{(r.stderr.strip() or r.stdout.strip())[:200]}"])
 
 
 # ----------------------------------------------------------------------------------- lock, audit
