@@ -75,8 +75,10 @@ def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
 
 @click.command("up")
 @click.option("--recreate", is_flag=True, help="Replace the containers even when nothing changed.")
+@click.option("--fabric-test", is_flag=True,
+              help="Before starting, run an all-reduce across the ranks in the serving image (check --fabric).")
 @click.pass_context
-def up_cmd(ctx: click.Context, recreate: bool) -> None:
+def up_cmd(ctx: click.Context, recreate: bool, fabric_test: bool) -> None:
     """Start the service: workers, then the head. Changes nothing if an identical service runs."""
     g = _globals(ctx)
     s = _settings(g)
@@ -108,6 +110,8 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
             plan = _plan(cluster, s, ok[s.head][2])
             pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
             rendered = render_all(s, plan, pins, source="sparkctl up")
+            if fabric_test:
+                _fabric_gate(cluster, s, pins, {n: r[1][0] for n, r in ok.items()}, out)
             try:
                 write_private(ENV_TP4, rendered.env_tp4)
             except OSError as exc:
@@ -125,6 +129,23 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
     else:
         out.print(f"up: the service is already running with config {outcome.config_hash}; nothing changed",
                   markup=False)
+
+
+def _fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any], out: Any) -> None:
+    """`up --fabric-test`: the collective must pass before any container of the service starts."""
+    from ..fabric import run_fabric_test, size_label
+
+    if any(c.running for cs in states.values() for c in cs):
+        out.print("fabric test skipped: this cluster's service is running (it holds the GPUs and "
+                  "MASTER_PORT); `sparkctl down` first to test the fabric", markup=False)
+        return
+    report = run_fabric_test(cluster, s, pins, say=lambda m: out.print(m, markup=False))
+    bad = [f for f in report.findings if f.status == "fail"]
+    if bad:
+        raise CheckFailed("up refused: the fabric test failed, nothing was started:\n  " + "\n  ".join(
+            f.text + (f"\n    fix: {f.fix}" if f.fix else "") for f in bad))
+    sizes = ", ".join(f"{size_label(k)} {v:g}" for k, v in report.busbw_by_size().items())
+    out.print(f"fabric test passed in {report.seconds:.1f}s (busbw GB/s: {sizes})", markup=False)
 
 
 # ----------------------------------------------------------------------------------------- wait
