@@ -27,7 +27,7 @@ from pathlib import Path
 from ..errors import CheckFailed
 from .hosts import docker_cli, has_image
 from .proc import out, run, say
-from .state import CACHE_DIR, ENGINE_IMAGE, HostPaths
+from .state import BASE_IMAGE, CACHE_DIR, HostPaths
 
 TORCH_IMAGE = "sparkctl-lab/torch:latest"
 KEY_LABEL = "org.sparkctl.lab.torch-key"
@@ -64,20 +64,19 @@ def wheel_sha(wheel: Path) -> str:
     return h.hexdigest()
 
 
-def _image_id(paths: HostPaths, ref: str) -> str:
-    return out(["docker", "-H", paths.docker_host, "image", "inspect", "--format", "{{.Id}}", ref], check=False).strip()
-
-
 def _label(paths: HostPaths) -> str:
     return out(["docker", "-H", paths.docker_host, "image", "inspect", "--format",
                 f'{{{{index .Config.Labels "{KEY_LABEL}"}}}}', TORCH_IMAGE], check=False).strip()
 
 
 def torch_key(paths: HostPaths, wheel: Path) -> str:
-    engine = _image_id(paths, ENGINE_IMAGE)
-    if not engine:
-        raise CheckFailed(f"{paths.root.name}: the lab engine image is missing", fix="sparkctl lab up")
-    return hashlib.sha256(f"{wheel_sha(wheel)}\n{engine}".encode()).hexdigest()[:16]
+    """The wheel's hash and the base's layers (not its ID: every `lab up` after a stand-in change
+    re-imports the same root file system under a new ID, and that must not rebuild 700 MB)."""
+    layers = out(["docker", "-H", paths.docker_host, "image", "inspect", "--format", "{{json .RootFS.Layers}}",
+                  BASE_IMAGE], check=False).strip()
+    if not layers.startswith("["):
+        raise CheckFailed(f"{paths.root.name}: the lab base image is missing", fix="sparkctl lab up")
+    return hashlib.sha256(f"{wheel_sha(wheel)}\n{layers}".encode()).hexdigest()[:16]
 
 
 def _typing_extensions() -> Path:
@@ -101,7 +100,7 @@ def _build(paths: HostPaths, wheel: Path, key: str) -> None:
             "RUN python3 -c 'import torch, torch.distributed as d; assert d.is_gloo_available()'\n"
             f"LABEL {KEY_LABEL}={key}\n"
         )
-        run(["docker", "-H", paths.docker_host, "build", "-q", "--build-arg", f"BASE={ENGINE_IMAGE}",
+        run(["docker", "-H", paths.docker_host, "build", "-q", "--build-arg", f"BASE={BASE_IMAGE}",
              "-t", TORCH_IMAGE, ctx], timeout=600, where=paths.root.name,
             env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "DOCKER_BUILDKIT": "0"})
 
