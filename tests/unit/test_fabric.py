@@ -221,3 +221,26 @@ def test_ctrl_c_sweeps_every_node_and_reraises(clean_env: dict[str, str]) -> Non
 def test_size_label() -> None:
     assert [fabric.size_label(n) for n in (65536, 1 << 20, 256 << 20, 1 << 30, 1000)] == [
         "64 KiB", "1 MiB", "256 MiB", "1 GiB", "1000 B"]
+
+
+def test_up_fabric_gate_refuses_on_failure_and_skips_while_serving(clean_env: dict[str, str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from sparkctl.commands import lifecycle
+    from sparkctl.errors import CheckFailed
+
+    s = _settings("lab")
+    calls: list[int] = []
+    bad = fabric.FabricReport("gloo", "img", [], [fabric.Finding("spark3", "collective", FAIL, "failed",
+                                                                  "rank 2 (spark3): failed at init", "the fix")],
+                              1.0, 0.5, {}, {})
+    monkeypatch.setattr(fabric, "run_fabric_test", lambda *a, **k: calls.append(1) or bad)
+    printed: list[str] = []
+    out = SimpleNamespace(print=lambda m, **k: printed.append(m))
+    with pytest.raises(CheckFailed, match="rank 2 \\(spark3\\): failed at init"):
+        lifecycle._fabric_gate(None, s, _pins(s), {n: [] for n in NODES}, out)  # type: ignore[arg-type]
+    assert calls == [1]
+    running = {n: [SimpleNamespace(running=True)] for n in NODES}
+    lifecycle._fabric_gate(None, s, _pins(s), running, out)  # type: ignore[arg-type]
+    assert calls == [1] and "skipped" in printed[-1]

@@ -191,7 +191,7 @@ def test_pathological_line_is_fast() -> None:
     line = "a:1:1 [0] " * 20000 + "NCCL INFO x"
     t = time.monotonic()
     nccl.parse((line + "\n") * 20)
-    assert time.monotonic() - t < 2.0
+    assert time.monotonic() - t < 10.0  # a hang guard (the regex must stay linear), not a timing target
 
 
 # ------------------------------------------------------------------------------ the command
