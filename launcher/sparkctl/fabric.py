@@ -109,6 +109,13 @@ class RankOutcome:
     error: str | None = None  # the node or docker failed (lost node, no image, ...)
     exit_code: int | None = None
     output_tail: list[str] = field(default_factory=list)
+    stopped_by: int | None = None  # sparkctl stopped this rank because that rank failed first
+
+    lost: bool = False  # the node or its SSH connection failed (not the container)
+
+    @property
+    def events_say_why(self) -> bool:
+        return any(e.get("event") in ("done", "error", "timeout") for e in self.events) or self.lost
 
     def event(self, name: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e.get("event") == name), None)
@@ -161,9 +168,19 @@ class FabricReport:
         }  # fmt: skip
 
 
+def failed_early(res: RunResult) -> bool:
+    """The rank's container ended without finishing: an error or a timeout of its own, or no `done`."""
+    if res.ok:
+        return False
+    return FABRIC_DONE not in res.stdout
+
+
+FABRIC_DONE = nccl.FABRIC_MARK + '{"event":"done"'
+
+
 def outcome_from_run(rank: int, node: str, res: RunResult | NodeError) -> RankOutcome:
     if isinstance(res, NodeError):
-        return RankOutcome(rank, node, error=res.reason)
+        return RankOutcome(rank, node, error=res.reason, lost=True)
     text = res.stdout + ("\n" + res.stderr if res.stderr else "")
     log = nccl.parse(text, source=f"rank {rank}")
     mine = log.ranks[0] if log.ranks else None
@@ -197,6 +214,11 @@ def evaluate(outcomes: list[RankOutcome], fab: FabricTest, *, timeout_s: float) 
                                     f"{who}: did not finish within {timeout_s:g} s (stuck at {timeout.get('stage')})",
                                     "the ranks named here never met: compare their fabric pins "
                                     "(`sparkctl check`), the head's MASTER_PORT and the firewall"))
+        elif o.event("done") is None and o.stopped_by is not None:
+            findings.append(Finding(o.node, CHECK, FAIL, "stopped",
+                                    f"{who}: stopped by sparkctl after rank {o.stopped_by} failed (the all-reduce "
+                                    "cannot complete without it)", "see rank "
+                                    f"{o.stopped_by}'s finding"))
         elif o.event("done") is None:
             tail = f": {o.output_tail[-1][:300]}" if o.output_tail else ""
             findings.append(Finding(o.node, CHECK, FAIL, "no result",
@@ -290,11 +312,30 @@ def run_fabric_test(cluster: Cluster, settings: Settings, pins: list[RankPins], 
     start = time.monotonic()
     box: dict[str, Any] = {}
 
+    first_failed: list[str] = []
+    lock = threading.Lock()
+
+    def note_failure(name: str) -> None:
+        # Fail fast: the others would only wait for this rank until the bound. Stop them all now.
+        with lock:
+            first = not first_failed
+            first_failed.append(name)
+        if first:
+            _sweep_all(cluster, settings)
+
+    def one(node: Node) -> RunResult:
+        try:
+            res = node.run(argv[node.name], stdin=program, timeout=bound + START_ALLOWANCE_S)
+        except NodeError:
+            note_failure(node.name)
+            raise
+        if failed_early(res):
+            note_failure(node.name)
+        return res
+
     def fan_out() -> None:
         try:
-            box["results"] = cluster.run_all(lambda node: node.run(argv[node.name], stdin=program,
-                                                                   timeout=bound + START_ALLOWANCE_S),
-                                             nodes=settings.nodes)
+            box["results"] = cluster.run_all(one, nodes=settings.nodes)
         except BaseException as exc:  # handed to the caller's thread
             box["error"] = exc
 
@@ -315,6 +356,11 @@ def run_fabric_test(cluster: Cluster, settings: Settings, pins: list[RankPins], 
         raise box["error"]
     results: dict[str, RunResult | NodeError] = box["results"]
     outcomes = [outcome_from_run(r, n, results[n]) for r, n in enumerate(settings.nodes)]
+    if first_failed:
+        culprit = settings.nodes.index(first_failed[0])
+        for o in outcomes:
+            if o.rank != culprit and not o.events_say_why:
+                o.stopped_by, o.error = culprit, None  # its container was removed by the sweep
     findings = evaluate(outcomes, fab, timeout_s=bound)
     for node, why in problems.items():
         findings.append(Finding(node, CHECK, WARN, "not cleaned", f"{node}: {why}",

@@ -244,3 +244,34 @@ def test_up_fabric_gate_refuses_on_failure_and_skips_while_serving(clean_env: di
     running = {n: [SimpleNamespace(running=True)] for n in NODES}
     lifecycle._fabric_gate(None, s, _pins(s), running, out)  # type: ignore[arg-type]
     assert calls == [1] and "skipped" in printed[-1]
+
+
+def test_one_rank_failing_stops_the_others_at_once(clean_env: dict[str, str]) -> None:
+    s = _settings("lab")
+    swept = threading.Event()
+    err = fabric_allreduce.MARK + ('{"event":"error","rank":2,"stage":"init",'
+                                   '"error":"RuntimeError: Unable to find address for: eth9"}')
+
+    class Node(FakeNode):
+        def run(self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = None) -> RunResult:
+            if argv[:2] == ["sh", "-c"]:
+                swept.set()
+                return super().run(argv, stdin=stdin, timeout=timeout)
+            if self.name == "spark3":
+                return RunResult(err, "", 1, 0.1)
+            swept.wait(20)  # the other ranks wait at the rendezvous until their container is removed
+            return RunResult("", "", 137, 5)
+
+    def run_all(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
+        with __import__("concurrent.futures").futures.ThreadPoolExecutor(4) as pool:
+            return dict(zip(nodes, pool.map(lambda n: fn(c.node(n)), nodes), strict=True))
+
+    c = FakeCluster(NODES, run_all)
+    c.nodes = {n: Node(n, c.log) for n in NODES}
+    t = time.monotonic()
+    report = fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
+    assert time.monotonic() - t < 10
+    by_node = {f.node: f for f in report.findings if f.status == FAIL}
+    assert "eth9" in by_node["spark3"].text
+    for n in ("spark1", "spark2", "spark4"):
+        assert by_node[n].short == "stopped" and "after rank 2 failed" in by_node[n].text
