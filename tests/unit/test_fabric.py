@@ -275,3 +275,17 @@ def test_one_rank_failing_stops_the_others_at_once(clean_env: dict[str, str]) ->
     assert "eth9" in by_node["spark3"].text
     for n in ("spark1", "spark2", "spark4"):
         assert by_node[n].short == "stopped" and "after rank 2 failed" in by_node[n].text
+
+
+@pytest.mark.parametrize("body, key", [('backend = "mpi"', "backend"), ("sizes = [0]", "sizes"),
+                                       ("iters = 0", "fabric"), ("speed = 1", "speed")])
+def test_recipe_fabric_section_is_validated(tmp_path: Path, body: str, key: str) -> None:
+    from sparkctl.errors import UsageError
+    from sparkctl.recipes import load_recipe
+
+    text = (Path(fabric.__file__).parent / "recipes" / "lab.toml").read_text().partition("\n[fabric]")[0]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text + "\n[fabric]\n" + body + "\n")
+    with pytest.raises(UsageError, match=f"bad.toml/fabric.*{key}" if key != "fabric" else "bad.toml/fabric"):
+        load_recipe(str(bad))
+    assert load_recipe("glm53-exl3-tp4").fabric.busbw_floor_gbps == 5.0
