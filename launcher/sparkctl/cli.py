@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "Plan memory per rank and the exact KV-cache bytes (offline)."),
     "render": ("render", "Render env.tp4 and the per-rank docker/vllm command lines (offline)."),
     "check": ("check", "Preflight every node in parallel; write env.tp4 with the discovered pins."),
+    "nccl-report": ("nccl_report", "Explain NCCL_DEBUG=INFO logs: per rank NCCL version, transport, findings."),
     "verify-model": ("verify_model", "Verify the checkpoint's layout and EXL3 ABI from its headers."),
     "build": ("build", "Build the image chain on every rank (or once, shipping missing layers)."),
     "bake": ("bake", "Render docker-bake.hcl for CI builds of the image chain (linux/arm64)."),

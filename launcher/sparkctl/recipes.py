@@ -44,6 +44,20 @@ class ContainerOptions:
 
 
 @dataclass(frozen=True)
+class FabricTest:
+    """`check --fabric`: how the collective runs, and the floor its busbw must reach."""
+
+    backend: str = "nccl"  # nccl (production: GPUs) or gloo (the lab: CPU only)
+    image: str = ""  # empty: the chain image that will serve (IMAGE); the lab names its torch image
+    sizes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20, 256 << 20)
+    warmup: int = 2
+    iters: int = 5
+    timeout_s: float = 60.0
+    busbw_floor_gbps: float = 0.0  # 0: no floor
+    expect_rdma: bool = True  # a rank on NET/Socket is a failure
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     path: Path
@@ -57,6 +71,7 @@ class Recipe:
     tag_prefix: str
     layers: tuple[ImageLayer, ...]
     layout_name: str
+    fabric: FabricTest = FabricTest()
 
     @property
     def checkpoint_layout(self) -> dict[str, Any]:
@@ -121,7 +136,7 @@ def _str_list(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
 
 def _parse(data: dict[str, Any], path: Path) -> Recipe:
     where = str(path)
-    known_top = {"name", "description", "defaults", "memory", "vllm", "container", "images", "checkpoint"}
+    known_top = {"name", "description", "defaults", "memory", "vllm", "container", "images", "checkpoint", "fabric"}
     for key in data:
         if key not in known_top:
             raise UsageError(f"{where}/{key}: unknown section", fix=f"known: {', '.join(sorted(known_top))}")
@@ -163,6 +178,7 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
             raise UsageError(f"{lw}: should be a table")
         layers.append(ImageLayer(name=_get(layer, "name", str, lw), payload=_str_list(layer, "payload", lw)))
     ckpt = _get(data, "checkpoint", dict, where, {})
+    fabric = _fabric(_get(data, "fabric", dict, where, {}), f"{where}/fabric")
     return Recipe(
         name=name,
         path=path,
@@ -176,4 +192,32 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         tag_prefix=_get(images, "tag_prefix", str, f"{where}/images", f"sparkctl/{name}"),
         layers=tuple(layers),
         layout_name=_get(ckpt, "layout", str, f"{where}/checkpoint", name),
+        fabric=fabric,
     )
+
+
+def _fabric(data: dict[str, Any], where: str) -> FabricTest:
+    d = FabricTest()
+    known = set(FabricTest.__dataclass_fields__)
+    for key in data:
+        if key not in known:
+            raise UsageError(f"{where}/{key}: unknown key", fix=f"known: {', '.join(sorted(known))}")
+    backend = _get(data, "backend", str, where, d.backend)
+    if backend not in ("nccl", "gloo"):
+        raise UsageError(f"{where}/backend: should be nccl or gloo, got {backend!r}")
+    sizes = _get(data, "sizes", list, where, list(d.sizes))
+    if not sizes or not all(isinstance(x, int) and not isinstance(x, bool) and 4 <= x <= 1 << 32 for x in sizes):
+        raise UsageError(f"{where}/sizes: should be a list of byte counts from 4 to 4 GiB")
+    fab = FabricTest(
+        backend=backend,
+        image=_get(data, "image", str, where, d.image),
+        sizes=tuple(sizes),
+        warmup=_get(data, "warmup", int, where, d.warmup),
+        iters=_get(data, "iters", int, where, d.iters),
+        timeout_s=float(_get(data, "timeout_s", (int, float), where, d.timeout_s)),
+        busbw_floor_gbps=float(_get(data, "busbw_floor_gbps", (int, float), where, d.busbw_floor_gbps)),
+        expect_rdma=_get(data, "expect_rdma", bool, where, d.expect_rdma),
+    )
+    if not (0 <= fab.warmup <= 100 and 1 <= fab.iters <= 1000 and 5 <= fab.timeout_s <= 600 and fab.busbw_floor_gbps >= 0):
+        raise UsageError(f"{where}: warmup 0..100, iters 1..1000, timeout_s 5..600, busbw_floor_gbps >= 0")
+    return fab

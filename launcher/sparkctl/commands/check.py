@@ -17,6 +17,7 @@ from rich.table import Table
 from ..check import CHECKS, CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, CheckReport, Finding, run_check
 from ..cli import Globals
 from ..errors import CheckFailed, UsageError
+from ..fabric import FabricReport
 from ..output import console, emit_json, warn
 from ..render import render_all, resolve_pins, write_private
 
@@ -35,14 +36,19 @@ NODES_PER_TABLE = 5
 @click.option("--timeout", "command_timeout", type=float, default=60.0, show_default=True,
               help="Per-node timeout of each probe, s.")  # fmt: skip
 @click.option("--no-verify", is_flag=True, help="Skip the header-level checkpoint verification on the head.")
+@click.option("--fabric", is_flag=True,
+              help="Also run an all-reduce across the ranks in the serving image, with the pins `up` would set.")
+@click.option("--fabric-timeout", type=float, default=None,
+              help="Bound of the fabric test, s (default: the recipe's [fabric] timeout_s).")
 @click.pass_obj
 def command(
-    g: Globals, force_render: bool, out: Path, connect_timeout: float, command_timeout: float, no_verify: bool
+    g: Globals, force_render: bool, out: Path, connect_timeout: float, command_timeout: float, no_verify: bool,
+    fabric: bool, fabric_timeout: float | None,
 ) -> None:
     """Check every node: SSH, Docker, GPU, memory, limits, fabric (found per node), reachability,
     ports, disk, model folder, checkpoint headers, image, stale containers, memory plan."""
-    if connect_timeout <= 0 or command_timeout <= 0:
-        raise UsageError("timeouts must be positive")
+    if connect_timeout <= 0 or command_timeout <= 0 or (fabric_timeout is not None and not 5 <= fabric_timeout <= 600):
+        raise UsageError("timeouts must be positive (--fabric-timeout: 5 to 600 s)")
     s = g.settings()
     warn(s.warnings)
     report = run_check(
@@ -52,18 +58,51 @@ def command(
         command_timeout=command_timeout,
         verify=not no_verify,
     )
+    fabric_report = _fabric(g, s, report, connect_timeout, command_timeout, fabric_timeout) if fabric else None
     env_path, render_error = None, None
     if report.ok or force_render:
         env_path, render_error = _write_env(s, report, out)
     if g.json:
-        emit_json(_as_json(report, env_path, render_error))
+        emit_json(_as_json(report, env_path, render_error) | ({"fabric": fabric_report.to_dict()}
+                                                               if fabric_report else {}))
     else:
         _print(report, env_path, render_error, g.verbosity)
+        if fabric_report:
+            _print_fabric(fabric_report)
     if not report.ok:
         nodes = sorted({f.node for f in report.failed}, key=lambda n: [*report.nodes, CLUSTER_ROW].index(n))
         raise CheckFailed(f"check failed: {len(report.failed)} problem(s) on {', '.join(nodes)}")
     if render_error:
         raise CheckFailed(f"env.tp4 not written: {render_error}")
+
+
+def _fabric(g: Globals, s: Any, report: CheckReport, connect_timeout: float, command_timeout: float,
+            fabric_timeout: float | None) -> FabricReport | None:
+    """Run the fabric test with the pins this check found; its findings join the report's."""
+    from ..cluster import Cluster
+    from ..fabric import run_fabric_test, skipped
+
+    pins = resolve_pins(s, report.pins)
+    missing = [f"rank {r}" for r, p in enumerate(pins) if p.missing()]
+    if missing:
+        report.findings.extend(skipped(report.nodes, f"fabric pins unknown for {', '.join(missing)}"))
+        return None
+    say = console(g.json).print
+    with Cluster(s.nodes, g.ssh_config_path(), connect_timeout=connect_timeout,
+                 command_timeout=command_timeout) as cluster:
+        fr = run_fabric_test(cluster, s, pins, timeout_s=fabric_timeout, say=lambda m: say(m, markup=False))
+    report.findings.extend(fr.findings)
+    report.timing["fabric"] = fr.seconds
+    return fr
+
+
+def _print_fabric(fr: FabricReport) -> None:
+    from ..fabric import size_label
+
+    c = console(False)
+    sizes = ", ".join(f"{size_label(k)} {v:g}" for k, v in fr.busbw_by_size().items())
+    c.print(f"\nfabric test ({fr.backend}, {fr.image}): {fr.seconds:.1f}s, all-reduce busbw GB/s (slowest rank): "
+            f"{sizes or 'none measured'}", markup=False)
 
 
 def _write_env(s: Any, report: CheckReport, out: Path) -> tuple[Path | None, str | None]:
@@ -102,7 +141,7 @@ def _as_json(report: CheckReport, env_path: Path | None, render_error: str | Non
 def _print(report: CheckReport, env_path: Path | None, render_error: str | None, verbosity: int) -> None:
     c = console(False)
     rows = [*report.nodes, *([CLUSTER_ROW] if any(f.node == CLUSTER_ROW for f in report.findings) else [])]
-    columns = [*CHECKS, *(c for c in ("checkpoint", "api") if any(f.check == c for f in report.findings))]
+    columns = [*CHECKS, *(c for c in ("checkpoint", "api", "collective") if any(f.check == c for f in report.findings))]
     # Checks down, nodes across (a few per table, so it fits a terminal with 16 nodes too).
     title = f"sparkctl check — {len(report.nodes)} node(s), {report.timing.get('total', 0):.1f}s"
     for i in range(0, len(rows), NODES_PER_TABLE):

@@ -67,6 +67,19 @@ def down_cmd(purge: bool) -> None:
     say("lab: down")
 
 
+@command.command(name="torch")
+def torch_cmd() -> None:
+    """Load the lab's torch image (engine + CPU torch wheel, for `check --fabric`) into every lab host."""
+    from ..lab.state import HostPaths
+    from ..lab.torch_image import TORCH_IMAGE, ensure_torch
+
+    files, hosts, _ = manage.status(deep=False)
+    if not hosts:
+        raise CheckFailed(f"the lab is not up (no state in {files.root})", fix="sparkctl lab up")
+    key = ensure_torch([HostPaths.of(h.name, files.root) for h in hosts])
+    say(f"lab: {TORCH_IMAGE} ({key}) on {', '.join(h.name for h in hosts)}")
+
+
 def _print_json(files: manage.LabFiles, result: tuple[manage.LabFiles, list[manage.HostStatus], dict]) -> None:
     _, hosts, state = result
     doc = {

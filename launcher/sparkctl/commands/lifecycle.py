@@ -11,6 +11,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,12 @@ def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
 
 
 def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
-                  source: str = "sparkctl up") -> service.UpOutcome:
+                  source: str = "sparkctl up",
+                  before_start: Callable[[list[Any], dict[str, Any]], None] | None = None) -> service.UpOutcome:
     """The body of `up` under the cluster lock (the caller holds it): preflight every node, plan,
     render, start; a started service is recorded in the head's history. `watch` and `rollback`
-    come through here too, so they start exactly what `up` would."""
+    come through here too, so they start exactly what `up` would. before_start(pins, containers per
+    node) runs after rendering and before anything starts (`up --fabric-test`); it raises to refuse."""
     # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
     # GID index drifts), its containers and its image; the head also reads the checkpoint.
     image = str(s.get("IMAGE"))
@@ -119,6 +122,8 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     plan = _plan(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
     pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
     rendered = render_all(s, plan, pins, source=source)
+    if before_start is not None:
+        before_start(pins, {n: r[1][0] for n, r in ok.items()})
     try:
         write_private(ENV_TP4, rendered.env_tp4)
     except OSError as exc:
@@ -139,8 +144,10 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
 @click.option("--recreate", is_flag=True, help="Replace the containers even when nothing changed.")
 @click.option("--image", "image_ref", metavar="REF",
               help="Run this chain image (a tag, or a content hash: its `<IMAGE>-<hash12>` tag).")
+@click.option("--fabric-test", is_flag=True,
+              help="Before starting, run an all-reduce across the ranks in the serving image (check --fabric).")
 @click.pass_context
-def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None) -> None:
+def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_test: bool) -> None:
     """Start the service: workers, then the head. Changes nothing if an identical service runs."""
     g = _globals(ctx)
     if image_ref:
@@ -155,7 +162,9 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None) -> None:
         _require_all(cluster, "up refused")
         head = cluster.node(s.head)
         with cluster_lock(head, s.head, s.cluster_name, "up"):
-            outcome = start_service(cluster, s, recreate=recreate, say=lambda m: out.print(m, markup=False))
+            gate = (lambda pins, states: _fabric_gate(cluster, s, pins, states, out)) if fabric_test else None
+            outcome = start_service(cluster, s, recreate=recreate, say=lambda m: out.print(m, markup=False),
+                                    before_start=gate)
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
     if g.json:
@@ -166,6 +175,23 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None) -> None:
     else:
         out.print(f"up: the service is already running with config {outcome.config_hash}; nothing changed",
                   markup=False)
+
+
+def _fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any], out: Any) -> None:
+    """`up --fabric-test`: the collective must pass before any container of the service starts."""
+    from ..fabric import run_fabric_test, size_label
+
+    if any(c.running for cs in states.values() for c in cs):
+        out.print("fabric test skipped: this cluster's service is running (it holds the GPUs and "
+                  "MASTER_PORT); `sparkctl down` first to test the fabric", markup=False)
+        return
+    report = run_fabric_test(cluster, s, pins, say=lambda m: out.print(m, markup=False))
+    bad = [f for f in report.findings if f.status == "fail"]
+    if bad:
+        raise CheckFailed("up refused: the fabric test failed, nothing was started:\n  " + "\n  ".join(
+            f.text + (f"\n    fix: {f.fix}" if f.fix else "") for f in bad))
+    sizes = ", ".join(f"{size_label(k)} {v:g}" for k, v in report.busbw_by_size().items())
+    out.print(f"fabric test passed in {report.seconds:.1f}s (busbw GB/s: {sizes})", markup=False)
 
 
 # ----------------------------------------------------------------------------------------- wait
