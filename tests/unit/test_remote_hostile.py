@@ -172,9 +172,9 @@ def _one_example(monkeypatch: pytest.MonkeyPatch, capsys: Any, raw: dict[str, st
                 if name == "up":
                     assert code == 0, err
                     _arrived_verbatim(nodes, model, stored)
+            assert _canaries(root, nodes, cwd) == [], "a value ran as code"
             _no_value_in_scripts(nodes, {f: v for f, v in stored.items() if v and f != "MODEL"} |
                                  {"MODEL": str(model)})
-            assert _canaries(root, nodes, cwd) == []
 
 
 def _arrived_verbatim(nodes: LocalNodes, model: Path, stored: dict[str, str]) -> None:
