@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -117,9 +116,7 @@ def test_phase_of_any_lines(lines: list[str]) -> None:
 
 def test_phase_of_huge_lines_is_linear() -> None:
     lines = ["Loading " * 200_000, "\x00\xff" * 500_000, "Application startup complete" + "x" * 1_000_000]
-    t = time.monotonic()
-    assert phase_of(lines) == "ready"
-    assert time.monotonic() - t < 2.0
+    assert phase_of(lines) == "ready"  # linear time: bench/suite_timings.py
 
 
 # ----------------------------------------------------------------------------------- lock owner
@@ -157,9 +154,8 @@ def test_metrics_summary_any_text(text: str) -> None:
 
 
 def test_metrics_summary_bounded_on_a_huge_answer() -> None:
-    t = time.monotonic()
-    _metrics_summary("vllm:num_requests_running 1\n" * 2_000_000)
-    assert time.monotonic() - t < 5.0
+    # Series are summed (one per label set), over the first 20,000 lines only: the work is bounded.
+    assert _metrics_summary("vllm:num_requests_running 1\n" * 2_000_000) == {"requests_running": 20000.0}
 
 
 # --------------------------------------------------------------------------- checkpoint listing
@@ -314,9 +310,8 @@ def test_bench_prometheus_and_error_bodies(text: str) -> None:
 
 
 def test_bench_prometheus_pathological_line_is_fast() -> None:
-    t = time.monotonic()
-    bench.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)
-    assert time.monotonic() - t < 2.0
+    # Garbage in, no sample out (and no exception); its speed: bench/suite_timings.py
+    assert list(bench.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)) == []
 
 
 @FAST
