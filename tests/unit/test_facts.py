@@ -3,6 +3,8 @@ ParseError, never another exception."""
 
 from __future__ import annotations
 
+import typing
+
 import ipaddress
 import json
 import os
@@ -358,10 +360,16 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 def _parses_or_parse_error(parser: Callable[[str], Any], text: str) -> None:
+    """A parser returns what its signature promises, the same for the same text, or raises ParseError."""
     try:
-        parser(text)
+        got = parser(text)
     except f.ParseError:
-        pass
+        return
+    want = typing.get_type_hints(parser).get("return")
+    if want is None:  # a lambda around a parser: the parser it wraps
+        want = typing.get_type_hints(f.parse_probe_sections)["return"]
+    assert isinstance(got, typing.get_origin(want) or want), (parser, type(got))
+    assert parser(text) == got  # a pure function of its input
 
 
 @FUZZ
