@@ -3,13 +3,12 @@ ParseError, never another exception."""
 
 from __future__ import annotations
 
-import typing
-
 import ipaddress
 import json
 import os
 import shutil
 import subprocess
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
