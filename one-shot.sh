@@ -111,8 +111,9 @@ run_tests() {
   "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench"
   say "mypy"
   (cd "$here" && "$venv/bin/mypy")
-  say "unit tests"
-  (cd "$here" && "$venv/bin/pytest" -q -m "not lab" tests "$@")
+  say "unit tests (with the coverage floor: never lower it)"
+  (cd "$here" && "$venv/bin/pytest" -q -m "not lab" --cov=sparkctl --cov-report=term:skip-covered \
+    --cov-fail-under=78 tests "$@")
   if [[ $(id -u) -ne 0 ]]; then
     say "lab tests skipped: they need root (network namespaces, sshd and dockerd per host)"
     return 0
