@@ -82,19 +82,24 @@ class _Channel:
         self._cv = threading.Condition()
         self._readers: list[threading.Thread] = []
         self._rfd, self._wfd = os.pipe()
+        self._fd_lock = threading.Lock()  # no poke after close: a closed fd number is soon another's
         self._sent: Sent | None = None
         self.status_event = threading.Event()  # paramiko's: set once the exit status is in
         os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)  # a full pipe is already "readable": drop the poke
 
     # -- select() support: the pipe is readable whenever there may be something to read
     def fileno(self) -> int:
         return self._rfd
 
     def _poke(self) -> None:
-        try:
-            os.write(self._wfd, b"x")
-        except OSError:
-            pass
+        with self._fd_lock:
+            if self._wfd < 0:
+                return
+            try:
+                os.write(self._wfd, b"x")
+            except OSError:
+                pass
 
     def settimeout(self, t: float | None) -> None:
         pass
@@ -126,7 +131,10 @@ class _Channel:
 
     def _read(self, stream: Any, err: bool) -> None:
         while True:
-            chunk = stream.read1(65536)
+            try:
+                chunk = stream.read1(65536)
+            except (ValueError, OSError):  # closed under us by close(): the channel is gone
+                chunk = b""
             with self._cv:
                 if not chunk:
                     break
@@ -166,11 +174,14 @@ class _Channel:
         return data
 
     def _drain(self) -> None:
-        try:
-            while os.read(self._rfd, 4096):
+        with self._fd_lock:
+            if self._rfd < 0:
+                return
+            try:
+                while os.read(self._rfd, 4096):
+                    pass
+            except OSError:
                 pass
-        except OSError:
-            pass
 
     def recv_ready(self) -> bool:
         self._drain()  # before looking: a poke that comes after this leaves the pipe readable again
@@ -220,11 +231,10 @@ class _Channel:
                     stream.close()
             except OSError:
                 pass
-        for fd in (self._rfd, self._wfd):
-            try:
+        with self._fd_lock:
+            for fd in (self._rfd, self._wfd):
                 os.close(fd)
-            except OSError:
-                pass
+            self._rfd = self._wfd = -1
 
 
 class _SftpFile:
