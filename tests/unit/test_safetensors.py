@@ -128,23 +128,33 @@ _entry = st.fixed_dictionaries({"dtype": st.sampled_from(["F16", "BF16", "I32", 
            lambda d: json.dumps(d, separators=(",", ":")).encode()))
 def test_fuzz_parse_header_only_raises_header_error(raw: bytes) -> None:
     try:
-        parse_header(raw)
+        header = parse_header(raw)
     except HeaderError:
-        pass
+        return
+    # Accepted only what is a JSON object, with exactly its non-metadata keys as tensors.
+    doc = json.loads(raw)
+    assert isinstance(doc, dict)
+    assert list(header.kinds) == [k for k in doc if k != "__metadata__"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.binary(min_size=0, max_size=64), st.integers(0, 2**64 - 1), st.binary(max_size=64))
+@given(st.binary(max_size=64) | st.binary(max_size=63).map(lambda b: b"{" + b),  # often a JSON-looking start
+       st.integers(0, 2**64 - 1) | st.integers(0, 130), st.binary(max_size=64))
 def test_fuzz_read_header_bytes(prefix_tail: bytes, length: int, body: bytes) -> None:
     data = length.to_bytes(8, "little") + prefix_tail + body
     try:
-        read_header_bytes(io.BytesIO(data), len(data))
+        got = read_header_bytes(io.BytesIO(data), len(data))
     except HeaderError:
         pass
+    else:  # exactly the `length` bytes after the prefix, never more
+        assert got == data[8:8 + length] and len(got) == length
     try:
-        read_header_bytes(io.BytesIO(prefix_tail), len(prefix_tail))
+        got = read_header_bytes(io.BytesIO(prefix_tail), len(prefix_tail))
     except HeaderError:
         pass
+    else:
+        n = int.from_bytes(prefix_tail[:8], "little")
+        assert len(prefix_tail) >= 8 and got == prefix_tail[8:8 + n] and len(got) == n
 
 
 # -- the column-wise fast path must accept exactly what json.loads + _validate accept, with the same result

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -109,17 +108,25 @@ def test_inspect_cluster_deep_nesting_and_failure() -> None:
 # ---------------------------------------------------------------------------------- log phases
 
 
+PHASE_LINES = ["INFO rendezvous of 4 ranks", "Starting to load model /models/lab", "Loading weights took 3s",
+               "Capturing CUDA graph shapes", "INFO:     Application startup complete."]
+
+
 @FAST
-@given(st.lists(st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("latin-1")), max_size=20))
+@given(st.lists(st.sampled_from(PHASE_LINES) | st.text(max_size=300)
+                | st.binary(max_size=300).map(lambda b: b.decode("latin-1")), max_size=20))
 def test_phase_of_any_lines(lines: list[str]) -> None:
-    assert phase_of(lines) in {"starting", *(name for name, _ in PHASES)}
+    order = ["starting", *(name for name, _ in PHASES)]
+    got = phase_of(lines)
+    # The furthest phase any single line shows (log order does not matter: ranks interleave)...
+    assert got == max((phase_of([ln]) for ln in lines), key=order.index, default="starting")
+    # ...so more lines never move it back.
+    assert order.index(phase_of([*lines, "Loading weights"])) >= order.index(got)
 
 
 def test_phase_of_huge_lines_is_linear() -> None:
     lines = ["Loading " * 200_000, "\x00\xff" * 500_000, "Application startup complete" + "x" * 1_000_000]
-    t = time.monotonic()
-    assert phase_of(lines) == "ready"
-    assert time.monotonic() - t < 2.0
+    assert phase_of(lines) == "ready"  # linear time: bench/suite_timings.py
 
 
 # ----------------------------------------------------------------------------------- lock owner
@@ -157,9 +164,8 @@ def test_metrics_summary_any_text(text: str) -> None:
 
 
 def test_metrics_summary_bounded_on_a_huge_answer() -> None:
-    t = time.monotonic()
-    _metrics_summary("vllm:num_requests_running 1\n" * 2_000_000)
-    assert time.monotonic() - t < 5.0
+    # Series are summed (one per label set), over the first 20,000 lines only: the work is bounded.
+    assert _metrics_summary("vllm:num_requests_running 1\n" * 2_000_000) == {"requests_running": 20000.0}
 
 
 # --------------------------------------------------------------------------- checkpoint listing
@@ -314,9 +320,8 @@ def test_bench_prometheus_and_error_bodies(text: str) -> None:
 
 
 def test_bench_prometheus_pathological_line_is_fast() -> None:
-    t = time.monotonic()
-    bench.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)
-    assert time.monotonic() - t < 2.0
+    # Garbage in, no sample out (and no exception); its speed: bench/suite_timings.py
+    assert list(bench.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)) == []
 
 
 @FAST

@@ -156,7 +156,9 @@ def test_hostile_scan_documents_never_raise() -> None:
     for doc in ({}, {"error": {}}, {"shards": {"a.safetensors": {"header": "!!notb64"}}},
                 {"json": {ckptgen.INDEX: {"data": b'{"weight_map": {"a": 1}}'}}},
                 {"json": {"config.json": {"data": b"[]"}}, "shards": {"x/y.safetensors": {"error": {}}}}):
-        verify_scan(doc, TINY)
+        report = verify_scan(doc, TINY)
+        # None of these is a checkpoint: each is an error finding (not a crash, not a pass).
+        assert not report.ok and any(f.severity == "error" for f in report.findings), doc
 
 
 def test_compare_nodes_names_the_odd_node(tmp_path: Path) -> None:

@@ -1,0 +1,232 @@
+"""The lifecycle paths nothing else tested (issue 21), on local nodes that really run every command.
+
+The nodes are local folders (tests/unit/localnodes.py) with a stateful `docker` stand-in that records
+every call in order, so the order of actions across nodes is observable: `up` starts the workers before
+the head, `down` removes the head first, a failed `up` rolls back, `status` exits 1 when a rank is gone,
+`logs --rank`/`-f`, `audit`'s merge by time, `build --dry-run` changes nothing, and `wait` does not call
+a service ready whose /v1/models lacks the model or whose chat fails.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import write_model
+from tests.unit.localnodes import LocalNodes, local_nodes
+
+NODES = ["spark1", "spark2", "spark3", "spark4"]
+SERVED = "lab-model"
+PAYLOAD = ["patch_dcp.py", "exl3.py", "build_v145.sh", "patch_aarch64.py", "ablit_runtime.py", "patch_keys3.py"]
+
+
+def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
+    from sparkctl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+@pytest.fixture
+def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
+    monkeypatch.chdir(tmp_path)
+    model = write_model(tmp_path / "model", 1_000_000, 2)
+    (model / "serving").mkdir()
+    for f in PAYLOAD:
+        (model / "serving" / f).write_text(f"# {f}\n")
+    for k in ("SPARKCTL_ENV_FILE", "TP", "DCP", "VLLM_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    env = {"NODES": " ".join(NODES), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
+           "FABRIC_SUBNET": "10.232.0.0/24", "SERVED_MODEL_NAME": SERVED, "VLLM_API_KEY": "k-local"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with local_nodes(monkeypatch, tmp_path / "lab", NODES) as ln:
+        for n in NODES:
+            ln.docker(n, "pull", "sparkctl-lab/chain:keys3")
+        (ln.root / "docker-calls.jsonl").unlink()  # the scene is set: record only what sparkctl does
+        yield ln
+
+
+def calls(ln: LocalNodes, verb: str) -> list[tuple[str, int]]:
+    """(node, order) of every `docker VERB ...`, in the order they happened."""
+    return [(c["node"], c["seq"]) for c in ln.docker_calls() if c["argv"][:1] == [verb]]
+
+
+def containers(ln: LocalNodes, name: str) -> list[str]:
+    r = ln.docker(name, "ps", "-aq", "--filter", "label=sparkctl.cluster=t")
+    return r.stdout.split()
+
+
+def test_up_starts_every_worker_before_the_head(nodes: LocalNodes, capsys: Any) -> None:
+    code, out, err = run(["up"], capsys)
+    assert code == 0, err
+    runs = calls(nodes, "run")
+    assert sorted(n for n, _ in runs) == sorted(NODES)
+    head_at = next(seq for n, seq in runs if n == "spark1")
+    assert all(seq < head_at for n, seq in runs if n != "spark1"), runs
+    assert out.index("started rank 0 on spark1") > max(out.index(f"started rank {r}") for r in (1, 2, 3))
+
+
+def test_a_failed_up_rolls_back_everything_it_started(nodes: LocalNodes, capsys: Any) -> None:
+    (nodes.root / "docker-fail-spark3").touch()  # `docker run` fails there: not a signal, a plain error
+    code, out, err = run(["up"], capsys)
+    assert code == 1
+    assert "spark3" in err and "stub refuses to run here" in err
+    assert not [n for n, _ in calls(nodes, "run") if n == "spark1"], "the head started after a worker failed"
+    assert all(containers(nodes, n) == [] for n in NODES), "a container survived the rollback"
+    started = [n for n, _ in calls(nodes, "run") if n != "spark3"]
+    assert started, "nothing was started, so nothing was rolled back"
+    assert all((nodes.home(n) / ".sparkctl" / "t").is_dir() for n in NODES)
+    assert not list((nodes.home("spark2") / ".sparkctl" / "t").glob("rank*.env")), "the env file stayed"
+
+
+def test_down_removes_the_head_first(nodes: LocalNodes, capsys: Any) -> None:
+    assert run(["up"], capsys)[0] == 0
+    code, out, err = run(["down"], capsys)
+    assert code == 0, err
+    removed = calls(nodes, "rm")
+    head_at = next(seq for n, seq in removed if n == "spark1")
+    assert all(head_at < seq for n, seq in removed if n != "spark1"), removed
+    assert all(containers(nodes, n) == [] for n in NODES)
+
+
+def test_status_exits_1_when_a_rank_is_gone(nodes: LocalNodes, capsys: Any) -> None:
+    from sparkctl.lab.local import local_standin
+    from tests.unit.test_standin import write_checkpoint
+
+    assert run(["up"], capsys)[0] == 0
+    with local_standin(write_checkpoint(nodes.root / "served"), env={}, served_name=SERVED,
+                       extra_args=["--api-key", "k-local"]) as url:
+        code, out, err = run(["--json", "status", "--url", url], capsys)
+        assert code == 0, out + err  # the control: all ranks up, the head healthy
+        doc = json.loads(out)
+        assert doc["ok"] is True and SERVED in doc["head"]["models"]
+        gone = containers(nodes, "spark3")
+        nodes.docker("spark3", "rm", "-f", *gone)
+        code, out, err = run(["--json", "status", "--url", url], capsys)
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False and "rank 2 (spark3): no container" in doc["problems"]
+
+
+def test_logs_rank_shows_only_that_rank_and_follow_follows(nodes: LocalNodes, capsys: Any) -> None:
+    assert run(["up"], capsys)[0] == 0
+    code, out, err = run(["logs", "--rank", "2", "--tail", "5"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines and all(ln.startswith("[2 spark3] ") for ln in lines), out
+    logs = [c for c in nodes.docker_calls() if c["argv"][:1] == ["logs"]]
+    assert [c["node"] for c in logs] == ["spark3"]
+    assert logs[0]["argv"] == ["logs", "--tail", "5", "sparkctl-t-rank2"]
+    code, out, err = run(["logs", "-f", "--rank", "0", "--rank", "3"], capsys)
+    assert code == 0, err
+    followed = [c for c in nodes.docker_calls() if c["argv"][:1] == ["logs"]][1:]
+    assert sorted(c["node"] for c in followed) == ["spark1", "spark4"]
+    assert all("--follow" in c["argv"] for c in followed)
+    assert {ln.split("]")[0] for ln in out.splitlines()} == {"[0 spark1", "[3 spark4"}
+    code, _, err = run(["logs", "--rank", "4"], capsys)
+    assert code == 2 and "ranks are 0..3" in err
+
+
+def test_audit_merges_every_node_by_time(nodes: LocalNodes, capsys: Any) -> None:
+    when = {"spark1": ["2026-01-01T00:00:03Z", "2026-01-01T00:00:07Z"], "spark2": ["2026-01-01T00:00:01Z"],
+            "spark3": ["2026-01-01T00:00:05Z"], "spark4": ["2026-01-01T00:00:02Z", "2026-01-01T00:00:06Z"]}
+    for n, stamps in when.items():
+        d = nodes.home(n) / ".sparkctl" / "t"
+        d.mkdir(parents=True)
+        (d / "audit.log").write_text("not json\n" + "".join(json.dumps({"when": w, "who": "u@h", "action": f"a-{n}"})
+                                                             + "\n" for w in stamps))
+    code, out, err = run(["--json", "audit"], capsys)
+    assert code == 0, err
+    got = [(e["when"], e["node"]) for e in json.loads(out)["entries"]]
+    assert got == sorted((w, n) for n, ws in when.items() for w in ws)
+    code, out, _ = run(["audit", "--tail", "1"], capsys)  # the last line per node
+    assert [ln.split()[1] for ln in out.splitlines()] == ["spark2", "spark3", "spark4", "spark1"]
+
+
+def test_build_dry_run_changes_nothing(nodes: LocalNodes, capsys: Any) -> None:
+    code, out, err = run(["build", "--dry-run"], capsys)
+    assert code == 0, err
+    assert "dcp" in out and "keys3" in out and "build" in out
+    verbs = {c["argv"][0] for c in nodes.docker_calls()}
+    assert verbs <= {"version", "image"}, verbs  # looked; built, pulled and loaded nothing
+    assert not any(c["argv"][:1] in (["build"], ["load"], ["tag"], ["rmi"]) for c in nodes.docker_calls())
+    code, out, err = run(["build"], capsys)  # the control: the same plan really builds
+    assert code == 0, err
+    assert len(calls(nodes, "build")) == 5 * len(NODES)
+
+
+# ------------------------------------------------------------------------------- wait's last steps
+
+
+@contextmanager
+def head_api(answer: Callable[[str], tuple[int, Any]]) -> Iterator[str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def reply(self) -> None:
+            code, body = answer(self.path)
+            data = json.dumps(body).encode() if not isinstance(body, str) else body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = reply  # noqa: N815 - http.server's names
+
+    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+        daemon_threads = True
+
+    srv = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _models(names: list[str]) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": n, "object": "model"} for n in names]}
+
+
+CHAT_OK = {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant",
+           "content": "hello there from the head"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 5}}
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("ready", None),
+    ("model-missing", "not ready within 2s"),
+    ("chat-fails", "the head answered HTTP 500"),
+])
+def test_wait_needs_the_model_listed_and_a_chat_answer(nodes: LocalNodes, capsys: Any, case: str,
+                                                       expected: str | None) -> None:
+    def answer(path: str) -> tuple[int, Any]:
+        if path == "/health":
+            return 200, ""
+        if path == "/v1/models":
+            return 200, _models(["some-other-model"] if case == "model-missing" else [SERVED])
+        if path == "/v1/chat/completions":
+            return (500, {"error": {"message": "boom"}}) if case == "chat-fails" else (200, CHAT_OK)
+        return 404, {}
+
+    assert run(["up"], capsys)[0] == 0
+    with head_api(answer) as url:
+        code, out, err = run(["wait", "--timeout", "2", "--url", url], capsys)
+    if expected is None:
+        assert code == 0, err
+        assert "hello there from the head" in out
+    else:
+        assert code == 1 and expected in err, err

@@ -1,0 +1,123 @@
+"""README's Safety claims, offline, on local nodes that really run every command (localnodes.py).
+
+The lab proves the same on real SSH and Docker (test_secrets_lab.py, test_foreign_lab.py,
+test_lifecycle_lab.py::test_model_is_read_only_in_every_container); these run in every unit run and
+see every command string that crossed to a node.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import write_model
+from tests.unit.localnodes import LocalNodes, local_nodes
+
+NODES = ["spark1", "spark2", "spark3", "spark4"]
+PAYLOAD = ["patch_dcp.py", "exl3.py", "build_v145.sh", "patch_aarch64.py", "ablit_runtime.py", "patch_keys3.py"]
+HF = "hf_SECRETzq81vX"
+KEY = "sk-SECRETm2Pq9w"
+EVERY_COMMAND = [["config"], ["--json", "config"], ["verify-model"], ["check"], ["build", "--dry-run"], ["build"],
+                 ["up"], ["--json", "up"], ["status"], ["--json", "status"], ["logs", "--tail", "5"], ["audit"],
+                 ["--json", "audit"], ["wait", "--timeout", "1"], ["lock", "status"], ["down"],
+                 ["--json", "down"]]
+
+
+def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
+    from sparkctl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+@pytest.fixture
+def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
+    monkeypatch.chdir(tmp_path)
+    model = write_model(tmp_path / "model", 1_000_000, 2)
+    (model / "serving").mkdir()
+    for f in PAYLOAD:
+        (model / "serving" / f).write_text(f"# {f}\n")
+    for k in ("SPARKCTL_ENV_FILE", "TP", "DCP"):
+        monkeypatch.delenv(k, raising=False)
+    # Secrets come from an env file, as a user keeps them.
+    (tmp_path / "cluster.env").write_text(f"HF_TOKEN={HF}\nVLLM_API_KEY={KEY}\n")
+    env = {"NODES": " ".join(NODES), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
+           "FABRIC_SUBNET": "10.232.0.0/24", "SPARKCTL_ENV_FILE": str(tmp_path / "cluster.env")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with local_nodes(monkeypatch, tmp_path / "lab", NODES) as ln:
+        for n in NODES:
+            ln.docker(n, "pull", "sparkctl-lab/chain:keys3")
+        yield ln
+
+
+def test_secrets_travel_only_on_stdin_into_a_0600_file_that_down_removes(nodes: LocalNodes, capsys: Any,
+                                                                         tmp_path: Path) -> None:
+    seen_env_file = False
+    for argv in EVERY_COMMAND:
+        code, out, err = run(argv, capsys)
+        assert code in (0, 1), (argv, err)
+        assert HF not in out + err and KEY not in out + err, f"{argv} showed a secret"
+        if argv[-1] == "up":
+            for rank, n in enumerate(NODES):
+                f = nodes.home(n) / ".sparkctl" / "t" / f"rank{rank}.env"
+                assert stat.S_IMODE(f.stat().st_mode) == 0o600
+                assert stat.S_IMODE(f.parent.stat().st_mode) == 0o700
+                assert f"HF_TOKEN={HF}" in f.read_text() and f"VLLM_API_KEY={KEY}" in f.read_text()
+                seen_env_file = True
+    assert seen_env_file
+    for sent in nodes.sent:  # every command string that crossed to a node
+        assert HF not in sent.command and KEY not in sent.command, sent.command[:200]
+        if HF in sent.stdin.decode("utf-8", "replace"):
+            assert "sparkctl-start" in sent.command  # the env file's writer reads it from stdin
+    for call in nodes.docker_calls():
+        assert not any(HF in a or KEY in a for a in call["argv"]), call["argv"]
+    for n in NODES:  # down removed the env files; the audit holds no secret
+        state = nodes.home(n) / ".sparkctl" / "t"
+        assert not list(state.glob("rank*.env"))
+        assert HF not in (state / "audit.log").read_text() and KEY not in (state / "audit.log").read_text()
+    tp4 = (tmp_path / "env" / "env.tp4").read_text()  # written by check and up
+    assert HF not in tp4 and KEY not in tp4 and "\nHF_TOKEN=" not in tp4
+
+
+def test_the_model_is_mounted_read_only_on_every_rank(nodes: LocalNodes, capsys: Any) -> None:
+    assert run(["up"], capsys)[0] == 0
+    runs = [c["argv"] for c in nodes.docker_calls() if c["argv"][:1] == ["run"]]
+    assert len(runs) == len(NODES)
+    model = str(Path.cwd() / "model")
+    for argv in runs:
+        mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "--mount"]
+        mine = [m for m in mounts if f"source={model}," in m]
+        assert len(mine) == 1 and mine[0].split(",")[-1] == "readonly", mounts
+        assert not any(a in ("-v", "--volume") or a.startswith("--volume=") for a in argv)
+
+
+def test_up_down_and_rollback_touch_only_this_clusters_containers(nodes: LocalNodes, capsys: Any) -> None:
+    foreign = {"other": ["--label", "sparkctl.cluster=othercluster"], "plain": [],
+               "prefix": ["--label", "sparkctl.cluster=t2"], "rank-only": ["--label", "sparkctl.rank=0"]}
+    for n in NODES:
+        for name, labels in foreign.items():
+            assert nodes.docker(n, "run", "--detach", "--name", f"{name}-{n}", *labels, "busybox").returncode == 0
+
+    def survivors() -> dict[str, list[str]]:
+        out = {}
+        for n in NODES:
+            state = json.loads((nodes.root / f"docker-{n}.json").read_text())["containers"]
+            out[n] = sorted(c["Name"].lstrip("/") for c in state.values())
+        return out
+
+    planted = {n: sorted(f"{k}-{n}" for k in foreign) for n in NODES}
+    assert run(["up"], capsys)[0] == 0
+    assert run(["up", "--recreate"], capsys)[0] == 0
+    assert run(["down"], capsys)[0] == 0
+    assert survivors() == planted
+    (nodes.root / "docker-fail-spark4").touch()  # a failed up: its rollback sweeps too
+    assert run(["up"], capsys)[0] == 1
+    assert survivors() == planted
