@@ -224,7 +224,7 @@ def _error_tail(tail: Sequence[str]) -> str:
 @dataclass
 class Job:
     recipe: Any
-    chain: list[im.LayerSpec]
+    chains: dict[str, list[im.LayerSpec]]  # per node: the chain as its own serving/ defines it
     model: str
     base_ref: str
     only: str | None
@@ -234,9 +234,10 @@ class Job:
 
 def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) -> None:
     """Build the chain on one node, deciding each layer with the real parent ID as it goes."""
+    chain = job.chains[node.name]
     base = facts.image(job.base_ref)
     if base is None:
-        first = job.chain[0].name
+        first = chain[0].name
         job.board.set(node.name, first, "pulling base")
         res = node.docker(["pull", job.base_ref], timeout=PULL_TIMEOUT)
         got = inspect_images(node, [job.base_ref]) if res.ok else []
@@ -248,7 +249,7 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
     parent_id: str | None = base.id  # what the next layer is built FROM
     parent_hash: str | None = im.parent_key(base)  # what the next layer's content hash says of it
     rebuilt = False
-    for layer in job.chain:
+    for layer in chain:
         existing = facts.image(layer.tag)
         if job.only is not None and layer.name != job.only:
             action = "stale" if rebuilt else "keep"
@@ -258,7 +259,7 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
             parent_hash = im.parent_key(existing) if existing and not rebuilt else None
             continue
         if parent_id is None or parent_hash is None:
-            prev = job.chain[layer.index - 1].tag
+            prev = chain[layer.index - 1].tag
             result.layers[layer.name] = LayerResult(layer.name, "blocked", f"{prev} is not on the node")
             raise NodeError(node.name, "build", f"layer {layer.name}: its parent {prev} is not on the node",
                             "run `sparkctl build` without --only to build the chain")
@@ -285,7 +286,7 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
             result.layers[layer.name] = LayerResult(layer.name, "failed", _error_tail(tail), seconds)
             job.board.set(node.name, layer.name, "failed")
             raise NodeError(node.name, "build", f"layer {layer.name}: docker build failed (exit {code}): {_error_tail(tail)}",
-                            f"fix {layer.dockerfile_path} or the payload in {im.serving_dir(job.model)}/ on {node.name}")
+                            f"fix {im.serving_dir(job.model)}/{layer.dockerfile_name} or what it copies on {node.name}")
         built = inspect_images(node, [layer.tag])
         if not built:
             raise NodeError(node.name, "build", f"layer {layer.name}: built, but {layer.tag} is not there")
@@ -293,12 +294,12 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
         job.board.set(node.name, layer.name, f"built {seconds:.1f}s")
         parent_id, parent_hash = built[0].id, step.content_hash
         rebuilt = True
-    top = inspect_images(node, [job.chain[-1].tag])
+    top = inspect_images(node, [chain[-1].tag])
     result.image_id = top[0].id if top else None
 
 
-def probe(cluster: Cluster, chain: list[im.LayerSpec], model: str, base_ref: str) -> dict[str, im.RankFacts | NodeError]:
-    argv = im.probe_argv(model, im.payload_files(chain), [base_ref, *(layer.tag for layer in chain)])
+def probe(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, base_ref: str) -> dict[str, im.RankFacts | NodeError]:
+    argv = im.probe_argv(model, chain, [base_ref, *(layer.tag for layer in chain)])
 
     def one(node: Node) -> im.RankFacts:
         res = node.run(argv, timeout=60)
@@ -315,14 +316,13 @@ def probe(cluster: Cluster, chain: list[im.LayerSpec], model: str, base_ref: str
 @click.option("--only", "only", metavar="LAYER", help="Build just this layer (its parent must be on the node).")
 @click.option("--no-cache", is_flag=True, help="Rebuild even when the content hash matches (docker build --no-cache).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (what builds, skips or ships where, and why); change nothing.")
-@click.option("--images-dir", metavar="DIR", help="Use this images folder instead of the shipped one (for testing a change).")
 @click.pass_context
-def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dry_run: bool, images_dir: str | None) -> None:
+def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dry_run: bool) -> None:
     """Build the image chain on every rank (or once on the head with --ship)."""
     g = ctx.obj
     settings = g.settings()
     recipe = settings.recipe
-    chain = im.load_chain(recipe, images_dir)
+    chain = im.load_chain(recipe)
     im.select_layers(chain, only)  # an unknown --only is a usage error before any connection
     nodes: list[str] = settings.nodes
     model = str(settings.model)
@@ -341,15 +341,21 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
                 results[node].fix = f"start the Docker engine on {node} (or fix DOCKER_HOST for its SSH sessions)"
             else:
                 facts[node] = f
-        missing = {n: facts[n].missing for n in builders if n in facts and facts[n].missing}
-        if missing:
-            raise im.missing_payload_error(missing, chain, model)
+        chains: dict[str, list[im.LayerSpec]] = {}
+        problems: dict[str, list[str]] = {}
+        for n in builders:
+            if n in facts:
+                chains[n], trouble = facts[n].chain(chain)
+                if trouble:
+                    problems[n] = trouble
+        if problems:
+            raise im.chain_error(problems, model)
         if dry_run:
-            out["plan"] = _plan(chain, facts, results, builders, base_ref, only, no_cache, ship)
+            out["plan"] = _plan(chain, chains, facts, results, builders, base_ref, only, no_cache, ship)
             _finish(g, out, results, print_plan=True)
             return
         board = Board(nodes, [layer.name for layer in chain], quiet=g.verbosity < 0 or g.json)
-        job = Job(recipe, chain, model, base_ref, only, no_cache, board)
+        job = Job(recipe, chains, model, base_ref, only, no_cache, board)
         with board:
             todo = [n for n in builders if results[n].ok]
 
@@ -377,7 +383,7 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
 # ------------------------------------------------------------------------------------ shipping
 
 
-def ship_chain(cluster: Cluster, chain: list[im.LayerSpec], facts: dict[str, im.RankFacts],
+def ship_chain(cluster: Cluster, chain: Sequence[im.LayerRef], facts: dict[str, im.RankFacts],
                results: dict[str, RankResult], board: Board) -> dict[str, Any]:
     head_name = cluster.names[0]
     head = cluster.node(head_name)
@@ -522,7 +528,7 @@ def _wait_exit(chan: paramiko.Channel, sink: bytearray, timeout: float) -> int:
 # ------------------------------------------------------------------------------------ verify + report
 
 
-def verify(cluster: Cluster, chain: list[im.LayerSpec], results: dict[str, RankResult], ship: bool) -> None:
+def verify(cluster: Cluster, chain: Sequence[im.LayerRef], results: dict[str, RankResult], ship: bool) -> None:
     """Read back every rank's top image; with --ship every rank must have the head's exact image ID."""
     top = chain[-1].tag
     live = [n for n in cluster.names if results[n].ok]
@@ -545,21 +551,22 @@ def verify(cluster: Cluster, chain: list[im.LayerSpec], results: dict[str, RankR
                 r.fix = "run `sparkctl build --ship` again"
 
 
-def _plan(chain: list[im.LayerSpec], facts: dict[str, im.RankFacts], results: dict[str, RankResult],
+def _plan(refs: Sequence[im.LayerRef], chains: dict[str, list[im.LayerSpec]], facts: dict[str, im.RankFacts], results: dict[str, RankResult],
           builders: list[str], base_ref: str, only: str | None, no_cache: bool, ship: bool) -> dict[str, Any]:
     plan: dict[str, Any] = {}
+    top_tag = refs[-1].tag
     for n, r in results.items():
         if not r.ok:
             plan[n] = {"error": r.error}
             continue
         if n in builders:
-            steps = im.plan_build(chain, facts[n], base_ref, only=only, no_cache=no_cache)
+            steps = im.plan_build(chains[n], facts[n], base_ref, only=only, no_cache=no_cache)
             plan[n] = {"steps": [vars(s) for s in steps]}
             continue
         head_steps = plan[builders[0]].get("steps", [])
         head_builds = any(s["action"] == "build" for s in head_steps)
-        head_top = facts[builders[0]].image(chain[-1].tag) if builders[0] in facts else None
-        mine = facts[n].image(chain[-1].tag)
+        head_top = facts[builders[0]].image(top_tag) if builders[0] in facts else None
+        mine = facts[n].image(top_tag)
         if head_builds or head_top is None:
             plan[n] = {"ship": "the layers it lacks of the head's new image (known after the head builds)"}
         elif mine is not None and mine.id == head_top.id:
@@ -567,7 +574,7 @@ def _plan(chain: list[im.LayerSpec], facts: dict[str, im.RankFacts], results: di
         else:
             held = im.held_chain_ids(facts[n].images)
             lack = sum(1 for cid in im.chain_ids(head_top.layers) if cid not in held)
-            plan[n] = {"ship": f"{lack} of {len(head_top.layers)} layers of the head's {chain[-1].tag}"}
+            plan[n] = {"ship": f"{lack} of {len(head_top.layers)} layers of the head's {top_tag}"}
     return plan
 
 

@@ -1,0 +1,115 @@
+"""The checkpoint's own image chain on the lab, the production code path end to end.
+
+The lab's generated checkpoint ships serving/Dockerfile.{dcp,mul1,v145,keys,keys3}; `sparkctl build`
+builds them on four hosts over the lab's engine image, whose ENTRYPOINT is `vllm serve` as in vLLM's
+OpenAI image; each layer's change is really in the image; the service comes up through that
+entrypoint; a Dockerfile that cannot take its parent is refused before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkctl.lab.client import Lab
+from sparkctl.lab.state import ENGINE_IMAGE
+from sparkctl.recipes import load_recipe
+
+pytestmark = pytest.mark.lab
+
+NODES = ["spark1", "spark2", "spark3", "spark4"]
+RECIPE = load_recipe("lab")
+TAGS = [f"{RECIPE.tag_prefix}:{name}" for name in RECIPE.layer_names()]
+CLUSTER = {"CLUSTER_NAME": "chaintest", "PORT": "18890", "MASTER_PORT": "39503"}
+
+
+def sk(lab: Lab, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**lab.env(), "NODES": " ".join(NODES), **CLUSTER}
+    return subprocess.run([sys.executable, "-m", "sparkctl", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def inspect(lab: Lab, node: str, ref: str) -> dict[str, Any] | None:
+    res = lab.docker(node, "image", "inspect", ref)
+    return json.loads(res.stdout)[0] if res.returncode == 0 else None
+
+
+@pytest.fixture
+def four(lab: Lab) -> Iterator[Lab]:
+    missing = [n for n in NODES if n not in lab.names]
+    if missing:
+        pytest.skip(f"the lab has no {', '.join(missing)}")
+    sk(lab, "down", timeout=60)
+    try:
+        yield lab
+    finally:
+        sk(lab, "lock", "--force-unlock", timeout=30)
+        sk(lab, "down", timeout=60)
+
+
+def test_the_checkpoints_chain_builds_on_four_hosts_and_serves_through_the_entrypoint(four: Lab) -> None:
+    lab = four
+    for node in NODES:
+        engine = inspect(lab, node, ENGINE_IMAGE)
+        assert engine is not None and engine["Config"]["Entrypoint"] == ["vllm", "serve"], node
+        lab.docker(node, "rmi", "-f", *TAGS, timeout=120)
+    res = sk(lab, "--json", "build")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    for rank in doc["ranks"]:
+        assert [x["action"] for x in rank["layers"]] == ["built"] * 5, rank
+    # Every layer's change is in the top image (the checkpoint's self-tests ran at build time; this
+    # reads the result back through the same `--entrypoint` override sparkctl renders).
+    probe = ("import sys, importlib.metadata as m, exllamav3, exl3, ablit_runtime;"
+             "print(m.version('exllamav3'), exllamav3.USE_AVX, 'vllm_dcp_patch' in sys.modules,"
+             " exl3.SCALAR_MARKERS, ablit_runtime.enabled())")
+    for node in NODES:
+        out = lab.docker(node, "run", "--rm", "--entrypoint", "python3", TAGS[-1], "-c", probe)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1.4.5", "False", "True", "True", "False"], (node, out.stdout)
+        # the base underneath still has the old exllamav3: the change is the chain's
+        base = lab.docker(node, "run", "--rm", "--entrypoint", "python3", ENGINE_IMAGE, "-c",
+                          "import importlib.metadata as m; print(m.version('exllamav3'))")
+        assert base.stdout.strip() == "0.0.43"
+    up = sk(lab, "up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    wait = sk(lab, "wait", "--timeout", "60")
+    assert wait.returncode == 0 and "ready after" in wait.stdout, wait.stdout + wait.stderr
+    for i, node in enumerate(NODES):
+        info = lab.docker(node, "inspect", f"sparkctl-chaintest-rank{i}")
+        c = json.loads(info.stdout)[0]
+        assert c["Config"]["Image"] == TAGS[-1]
+        assert c["Path"] == "vllm" and c["Args"][:2] == ["serve", "/models/lab"], (c["Path"], c["Args"][:3])
+
+
+def test_the_old_command_line_does_not_start_on_a_base_with_an_entrypoint(four: Lab) -> None:
+    """What `docker run IMAGE vllm serve ...` (sparkctl before --entrypoint) does on vLLM's image:
+    the entrypoint runs `vllm serve vllm serve /models/lab ...`, and vllm refuses it."""
+    lab = four
+    res = lab.docker("spark1", "run", "--rm", ENGINE_IMAGE, "vllm", "serve", "/models/lab", "--port", "18891")
+    assert res.returncode != 0
+    assert "unrecognized arguments" in res.stderr or "error" in res.stderr.lower(), res.stderr
+
+
+def test_a_dockerfile_that_cannot_take_its_parent_is_refused_before_anything_builds(four: Lab) -> None:
+    lab = four
+    sk(lab, "build")
+    before = {n: [(inspect(lab, n, t) or {}).get("Id") for t in TAGS] for n in NODES}
+    target: Path = lab.host("spark3").model_dir / "serving" / "Dockerfile.v145"
+    original = target.read_bytes()
+    target.write_bytes(original.replace(b"ARG BASE\nFROM ${BASE}\n", b"FROM sparkctl-lab/base:bookworm\n"))
+    try:
+        res = sk(lab, "build", "--no-cache")
+    finally:
+        target.write_bytes(original)
+    assert res.returncode == 2, res.stderr
+    assert "spark3: /models/lab/serving/Dockerfile.v145 (layer v145) builds FROM sparkctl-lab/base:bookworm" in res.stderr
+    assert "Traceback" not in res.stderr
+    after = {n: [(inspect(lab, n, t) or {}).get("Id") for t in TAGS] for n in NODES}
+    assert after == before
