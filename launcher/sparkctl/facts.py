@@ -453,6 +453,7 @@ class Image:
     labels: dict[str, str]
     layers: tuple[str, ...]
     architecture: str | None = None
+    repo_digests: tuple[str, ...] = ()  # `repo@sha256:...` it was pulled as (none after save | load or a build)
 
 
 @_guard
@@ -474,6 +475,7 @@ def parse_image_inspect(text: str) -> list[Image]:
                 labels={str(k): str(v) for k, v in _dict(_dict(item.get("Config")).get("Labels")).items()},
                 layers=tuple(str(x) for x in _list(_dict(item.get("RootFS")).get("Layers"))),
                 architecture=_opt_str(item.get("Architecture")),
+                repo_digests=tuple(d for d in _list(item.get("RepoDigests")) if isinstance(d, str)),
             )
         )
     return out
@@ -495,10 +497,10 @@ def normalize_image_ref(ref: str) -> str:
 
 
 def find_image(images: Iterable[Image], ref: str) -> Image | None:
-    """The inspected image that `ref` names (by tag, or by full/short ID)."""
+    """The inspected image that `ref` names (by tag, by `repo@sha256:` digest, or by full/short ID)."""
     want = normalize_image_ref(ref)
     for img in images:
-        if want in img.repo_tags or ref in (img.id, img.id.removeprefix("sha256:")):
+        if want in img.repo_tags or ref in img.repo_digests or ref in (img.id, img.id.removeprefix("sha256:")):
             return img
         if len(ref) >= 12 and img.id.removeprefix("sha256:").startswith(ref.removeprefix("sha256:")):
             return img

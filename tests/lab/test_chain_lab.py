@@ -113,3 +113,45 @@ def test_a_dockerfile_that_cannot_take_its_parent_is_refused_before_anything_bui
     assert "Traceback" not in res.stderr
     after = {n: [(inspect(lab, n, t) or {}).get("Id") for t in TAGS] for n in NODES}
     assert after == before
+
+
+def base_findings(lab: Lab) -> dict[str, dict[str, Any]]:
+    res = sk(lab, "--json", "check", timeout=300)
+    doc = json.loads(res.stdout)
+    return {f["node"]: f for f in doc["findings"] if f["check"] == "base"}
+
+
+def test_a_stale_base_on_one_host_is_found_by_check_and_fixed_by_one_build(four: Lab) -> None:
+    lab = four
+    assert sk(lab, "build").returncode == 0
+    head_id = inspect(lab, "spark1", ENGINE_IMAGE)["Id"]  # type: ignore[index]
+    # spark2's tag now names another image, as a mutable tag pulled at another time leaves it
+    victim = "spark2"
+    made = lab.docker(victim, "run", "--name", "stale-base", "--entrypoint", "sh", ENGINE_IMAGE, "-c",
+                      "echo older > /etc/sparkctl-stale")
+    assert made.returncode == 0, made.stderr
+    try:
+        assert lab.docker(victim, "commit", "stale-base", ENGINE_IMAGE).returncode == 0
+    finally:
+        lab.docker(victim, "rm", "-f", "stale-base")
+    assert inspect(lab, victim, ENGINE_IMAGE)["Id"] != head_id  # type: ignore[index]
+
+    found = base_findings(lab)
+    assert found[victim]["status"] == "fail" and "stale" in json.dumps(found[victim]), found[victim]
+    assert all(found[n]["status"] == "ok" for n in NODES if n != victim), found
+
+    res = sk(lab, "--json", "build")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["base"]["id"] == head_id and list(doc["base"]["stale"]) == [victim]
+    assert doc["base"]["fixed_by"] == {victim: "ship"}  # no registry digest in the lab: sent from the head
+    assert inspect(lab, victim, ENGINE_IMAGE)["Id"] == head_id  # type: ignore[index]
+    ranks = {r["node"]: r for r in doc["ranks"]}
+    assert [x["action"] for x in ranks[victim]["layers"]] == ["built"] * 5  # its chain now rests on the head's base
+    assert all(x["action"] == "skip" for n in NODES if n != victim for x in ranks[n]["layers"])
+
+    found = base_findings(lab)
+    assert all(f["status"] == "ok" for f in found.values()), found
+    again = json.loads(sk(lab, "--json", "build").stdout)  # and no loop: the next build changes nothing
+    assert again["base"]["stale"] == {}
+    assert all(x["action"] == "skip" for r in again["ranks"] for x in r["layers"])

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import click
@@ -34,10 +34,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from .. import basepin
 from .. import images as im
 from ..cluster import Cluster, Node, NodeError, remote_command, wait_channel
 from ..errors import CheckFailed
-from ..facts import Image, ParseError, parse_image_inspect
+from ..facts import Image, ParseError, normalize_image_ref, parse_image_inspect
 from ..output import emit_json
 from ..resources import probe_script
 
@@ -351,12 +352,20 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
         if problems:
             raise im.chain_error(problems, model)
         if dry_run:
+            head_base = facts[nodes[0]].image(base_ref) if nodes[0] in facts else None
+            if head_base is not None:
+                p = basepin.pin(base_ref, head_base)
+                out["base"] = {**p.as_dict(), "stale": {n: why for n in nodes[1:] if n in facts
+                                                        if (why := basepin.stale(p, facts[n].image(base_ref)))}}
             out["plan"] = _plan(chain, chains, facts, results, builders, base_ref, only, no_cache, ship)
             _finish(g, out, results, print_plan=True)
             return
         board = Board(nodes, [layer.name for layer in chain], quiet=g.verbosity < 0 or g.json)
         job = Job(recipe, chains, model, base_ref, only, no_cache, board)
         with board:
+            base = align_base(cluster, facts, results, base_ref, board)
+            if base is not None:
+                out["base"] = base
             todo = [n for n in builders if results[n].ok]
 
             def one(node: Node) -> None:
@@ -380,19 +389,93 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
     _finish(g, out, results)
 
 
+# ------------------------------------------------------------------------------------ the base, pinned
+
+
+def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[str, RankResult], base_ref: str,
+               board: Board) -> dict[str, Any] | None:
+    """Resolve BASE_IMAGE on the head (pulling it there if needed) and give every other rank that very
+    image: pulled by digest when the head has one, else sent from the head (layers it lacks only).
+    Updates `facts` so the build sees the aligned base. A rank still different afterwards fails with
+    the reason: one `build` fixes a stale base or says why it cannot, it never sends the user round."""
+    head_name = cluster.names[0]
+    if head_name not in facts or not results[head_name].ok:
+        return None
+    head = cluster.node(head_name)
+    img = facts[head_name].image(base_ref)
+    if img is None:
+        board.note(head_name, f"pulling base {base_ref}")
+        res = head.docker(["pull", base_ref], timeout=PULL_TIMEOUT)
+        got = inspect_images(head, [base_ref]) if res.ok else []
+        if not got:
+            tail = _error_tail(res.stderr.splitlines() or res.stdout.splitlines()) or f"exit {res.exit_code}"
+            results[head_name].error = f"base image {base_ref} is not on the head and cannot be pulled: {tail}"
+            results[head_name].fix = f"load or pull {base_ref} on {head_name}, or set BASE_IMAGE"
+            return None
+        img = got[0]
+        _replace_image(facts, head_name, base_ref, img)
+    pin = basepin.pin(base_ref, img)
+    stale = {n: reason for n in cluster.names[1:] if n in facts and results[n].ok
+             if (reason := basepin.stale(pin, facts[n].image(base_ref)))}
+    report: dict[str, Any] = {**pin.as_dict(), "stale": dict(stale), "fixed_by": {}}
+    if not stale:
+        return report
+    if pin.digest:
+        digest = pin.digest
+
+        def pull(node: Node) -> None:
+            board.note(node.name, f"pulling base {digest}")
+            if node.docker(["pull", digest], timeout=PULL_TIMEOUT).ok:
+                node.docker(["tag", digest, base_ref], timeout=60)
+
+        cluster.run_all(pull, nodes=list(stale))
+        for n in stale:
+            report["fixed_by"][n] = "pull"
+    for n in stale:
+        got = inspect_images(cluster.node(n), [base_ref])
+        _replace_image(facts, n, base_ref, got[0] if got else None)
+    still = [n for n in stale if basepin.stale(pin, facts[n].image(base_ref))]
+    if still:  # no digest (a base built or loaded locally), or the pull did not give the head's image
+        ship_images(cluster, [base_ref], facts, results, board, still)
+        for n in still:
+            report["fixed_by"][n] = "ship"
+            got = inspect_images(cluster.node(n), [base_ref])
+            _replace_image(facts, n, base_ref, got[0] if got else None)
+    for n in stale:
+        left = basepin.stale(pin, facts[n].image(base_ref))
+        if left and results[n].ok:
+            results[n].error = f"{left}, and neither pulling {pin.describe()} nor sending the head's base fixed it"
+            results[n].fix = f"check the Docker engine and disk space on {n}"
+        elif not left:
+            board.note(n, f"base = head's {pin.describe()}")
+    return report
+
+
+def _replace_image(facts: dict[str, im.RankFacts], node: str, ref: str, image: Image | None) -> None:
+    """`facts[node]` with `ref` now naming `image` (the tag left whatever image had it before)."""
+    tag = normalize_image_ref(ref)
+    kept = tuple(i for i in facts[node].images if tag not in i.repo_tags and ref not in i.repo_digests)
+    facts[node] = replace(facts[node], images=kept + ((image,) if image else ()))
+
+
 # ------------------------------------------------------------------------------------ shipping
 
 
 def ship_chain(cluster: Cluster, chain: Sequence[im.LayerRef], facts: dict[str, im.RankFacts],
                results: dict[str, RankResult], board: Board) -> dict[str, Any]:
+    targets = [n for n in cluster.names[1:] if results[n].ok and n in facts]
+    return ship_images(cluster, [layer.tag for layer in chain], facts, results, board, targets)
+
+
+def ship_images(cluster: Cluster, tags: list[str], facts: dict[str, im.RankFacts], results: dict[str, RankResult],
+                board: Board, targets: list[str]) -> dict[str, Any]:
+    """Send `targets` the head's images for `tags`, only the layers each lacks (the chain, or the base)."""
     head_name = cluster.names[0]
     head = cluster.node(head_name)
-    tags = [layer.tag for layer in chain]
     head_images = {img_tag: img for img in inspect_images(head, tags) for img_tag in img.repo_tags if img_tag in tags}
     if len(head_images) != len(tags):
-        raise CheckFailed(f"{head_name}: the chain is not complete on the head after building",
+        raise CheckFailed(f"{head_name}: {', '.join(t for t in tags if t not in head_images)} not on the head",
                           fix="run `sparkctl build --ship` again")
-    targets = [n for n in cluster.names[1:] if results[n].ok and n in facts]
     top = head_images[tags[-1]]
     # A rank whose every chain tag already has the head's image ID needs nothing: not even a save.
     need = [n for n in targets if any((facts[n].image(t) or _NONE).id != head_images[t].id for t in tags)]
