@@ -59,6 +59,7 @@ class LayerRef:
     name: str
     tag: str  # <tag_prefix>:<name>
     dockerfile_name: str  # e.g. Dockerfile.v145
+    expect: tuple[tuple[str, str], ...] = ()  # versions the built image must report (recipe `expect`)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ def load_chain(recipe: Recipe) -> list[LayerRef]:
         if layer.name in seen:
             raise UsageError(f"{recipe.path}/images/layers/{i}: layer {layer.name!r} is listed twice")
         seen.add(layer.name)
-        chain.append(LayerRef(i, layer.name, layer_tag(recipe, layer.name), layer.dockerfile))
+        chain.append(LayerRef(i, layer.name, layer_tag(recipe, layer.name), layer.dockerfile,
+                              tuple(sorted(layer.expect.items()))))
     return chain
 
 
@@ -125,7 +127,8 @@ def resolve_chain(chain: Sequence[LayerRef], files: Mapping[str, str],
                             "(letters, digits, '.', '_', '-', '/')")
         if unmatched or bad:
             continue
-        out.append(LayerSpec(ref.index, ref.name, ref.tag, ref.dockerfile_name, text, info.base_arg, tuple(payload)))
+        out.append(LayerSpec(ref.index, ref.name, ref.tag, ref.dockerfile_name, ref.expect, text, info.base_arg,
+                             tuple(payload)))
     return out, problems
 
 
@@ -379,6 +382,69 @@ def build_argv(recipe: Recipe, layer: LayerSpec, model: str, digests: Mapping[st
     pairs = [x for name in layer.payload for x in (name, digests[name])]
     return ["sh", "-c", BUILD_SCRIPT, "sparkctl-build", serving_dir(model), str(len(layer.payload)), *pairs,
             "env", "DOCKER_BUILDKIT=0", *docker]
+
+
+# ------------------------------------------------------------------------------------ versions
+
+# Run inside a built image (`--entrypoint python3`, no network, no GPU): the versions that matter, each
+# from its distribution's metadata; vLLM from `vllm --version` when it is not a distribution (the lab's
+# stand-in); NCCL from torch when torch has it, else from the nvidia-nccl wheel. "absent" otherwise.
+VERSIONS_SCRIPT = r"""
+import importlib.metadata as m, json, shutil, subprocess
+def dist(*names):
+    for n in names:
+        try:
+            return m.version(n)
+        except Exception:
+            pass
+    return None
+out = {"vllm": dist("vllm"), "torch": dist("torch"), "exllamav3": dist("exllamav3"), "nccl": None}
+if out["vllm"] is None and shutil.which("vllm"):
+    try:
+        words = subprocess.run(["vllm", "--version"], capture_output=True, text=True, timeout=60).stdout.split()
+        out["vllm"] = words[-1] if words else None
+    except Exception:
+        pass
+try:
+    import torch
+    v = torch.cuda.nccl.version()
+    out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+except Exception:
+    out["nccl"] = dist("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+print("@@versions " + json.dumps({k: v or "absent" for k, v in out.items()}, sort_keys=True))
+"""
+
+
+def versions_argv(tag: str) -> list[str]:
+    """`docker run` of the version probe in a built layer (arguments for Node.docker)."""
+    return ["run", "--rm", "--network", "none", "--entrypoint", "python3", tag, "-c", VERSIONS_SCRIPT]
+
+
+def parse_versions(text: str) -> dict[str, str]:
+    for line in reversed(text.splitlines()):
+        if line.startswith("@@versions "):
+            doc = json.loads(line.removeprefix("@@versions "))
+            if isinstance(doc, dict):
+                return {str(k): str(v) for k, v in doc.items()}
+    raise ParseError("the version probe printed no @@versions line")
+
+
+def version_problems(expect: Mapping[str, str], versions: Mapping[str, str]) -> list[str]:
+    """What a built layer reports against what the recipe expects of it."""
+    return [f"{key} is {versions.get(key, 'absent')}, the recipe expects {want}"
+            for key, want in sorted(expect.items()) if versions.get(key) != want]
+
+
+def version_disagreements(by_rank: Mapping[str, Mapping[str, str]], head: str) -> dict[str, str]:
+    """Ranks whose image reports other versions than the head's for the same layer (node -> what differs)."""
+    ref = by_rank.get(head) or next(iter(by_rank.values()), {})
+    out: dict[str, str] = {}
+    for node, versions in by_rank.items():
+        diff = [f"{k} {versions.get(k, 'absent')} (head: {ref.get(k, 'absent')})"
+                for k in sorted(set(ref) | set(versions)) if versions.get(k) != ref.get(k)]
+        if diff:
+            out[node] = ", ".join(diff)
+    return out
 
 
 _STEP_RE = re.compile(r"^Step (\d+)/(\d+) :")

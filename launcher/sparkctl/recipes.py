@@ -17,6 +17,7 @@ from typing import Any
 from .errors import UsageError
 from .resources import recipes_dir
 
+VERSION_KEYS = ("vllm", "torch", "exllamav3", "nccl")  # what `build` reads from each image it builds
 _PLAIN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 DEFAULT_RECIPE = "glm53-exl3-tp4"
@@ -37,6 +38,7 @@ class ImageLayer:
 
     name: str
     dockerfile: str
+    expect: dict[str, str] = field(default_factory=dict)  # versions the built image must report (vllm, torch, exllamav3, nccl)
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,11 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         if "payload" in layer:
             raise UsageError(f"{lw}/payload: no longer used: the layer's Dockerfile in $MODEL/serving/ says "
                              "what it copies", fix=f"remove payload from {path}")
-        layers.append(ImageLayer(name=lname, dockerfile=dockerfile))
+        expect = _get(layer, "expect", dict, lw, {})
+        for key, value in expect.items():
+            if key not in VERSION_KEYS or not isinstance(value, str):
+                raise UsageError(f"{lw}/expect/{key}: expected one of {', '.join(VERSION_KEYS)} = \"<version>\"")
+        layers.append(ImageLayer(name=lname, dockerfile=dockerfile, expect=dict(expect)))
     ckpt = _get(data, "checkpoint", dict, where, {})
     return Recipe(
         name=name,

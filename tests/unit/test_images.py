@@ -707,3 +707,29 @@ def test_fan_out_ends_every_ranks_stream_before_waiting_for_any_load(monkeypatch
     ends = [n for kind, n in events if kind == "eof" and n != "head"]
     first_wait = next(i for i, (kind, _) in enumerate(events) if kind == "wait")
     assert sorted(ends) == ranks and all(events.index(("eof", n)) < first_wait for n in ranks), events
+
+
+def test_version_probe_runs_in_a_python_and_reads_distributions(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "exllamav3-1.4.5.dist-info").mkdir(parents=True)
+    (site / "exllamav3-1.4.5.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: exllamav3\nVersion: 1.4.5\n")
+    res = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); exec({im.VERSIONS_SCRIPT!r})"],
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/nonexistent"})
+    versions = im.parse_versions(res.stdout)
+    assert versions == {"exllamav3": "1.4.5", "nccl": "absent", "torch": "absent", "vllm": "absent"}
+    assert im.version_problems({"exllamav3": "1.4.5"}, versions) == []
+    assert im.version_problems({"exllamav3": "1.4.5"}, {**versions, "exllamav3": "0.0.43"}) == [
+        "exllamav3 is 0.0.43, the recipe expects 1.4.5"]
+    assert im.versions_argv("t:v145")[:7] == ["run", "--rm", "--network", "none", "--entrypoint", "python3", "t:v145"]
+
+
+def test_versions_are_compared_with_the_heads() -> None:
+    head = {"vllm": "0.33.0", "exllamav3": "1.4.5"}
+    assert im.version_disagreements({"spark1": head, "spark2": head, "spark3": {**head, "exllamav3": "0.0.43"}},
+                                    "spark1") == {"spark3": "exllamav3 0.0.43 (head: 1.4.5)"}
+
+
+def test_every_recipe_expects_exllamav3_1_4_5_after_v145() -> None:
+    for name in available_recipes():
+        chain = im.load_chain(load_recipe(name))
+        assert dict(next(x for x in chain if x.name == "v145").expect) == {"exllamav3": "1.4.5"}, name

@@ -58,6 +58,7 @@ class LayerResult:
     reason: str = ""
     seconds: float = 0.0
     image_id: str | None = None
+    versions: dict[str, str] | None = None  # what the built image reports (images.VERSIONS_SCRIPT)
 
 
 @dataclass
@@ -291,12 +292,41 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
         built = inspect_images(node, [layer.tag])
         if not built:
             raise NodeError(node.name, "build", f"layer {layer.name}: built, but {layer.tag} is not there")
-        result.layers[layer.name] = LayerResult(layer.name, "built", step.reason, round(seconds, 2), built[0].id)
+        versions = layer_versions(node, layer)
+        result.layers[layer.name] = LayerResult(layer.name, "built", step.reason, round(seconds, 2), built[0].id,
+                                                versions)
         job.board.set(node.name, layer.name, f"built {seconds:.1f}s")
         parent_id, parent_hash = built[0].id, step.content_hash
         rebuilt = True
     top = inspect_images(node, [chain[-1].tag])
     result.image_id = top[0].id if top else None
+
+
+def layer_versions(node: Node, layer: im.LayerSpec) -> dict[str, str]:
+    """Run the version probe in a layer just built; a version the recipe expects and the image lacks
+    fails this rank here, not the service later."""
+    res = node.docker(im.versions_argv(layer.tag), timeout=300)
+    try:
+        versions = im.parse_versions(res.stdout)
+    except (ParseError, ValueError):
+        raise NodeError(node.name, "build", f"layer {layer.name}: the version probe failed (exit {res.exit_code}): "
+                        f"{res.stderr.strip()[-300:]}", f"check that {layer.tag} has python3") from None
+    problems = im.version_problems(dict(layer.expect), versions)
+    if problems:
+        raise NodeError(node.name, "build", f"layer {layer.name}: {'; '.join(problems)}",
+                        f"fix serving/{layer.dockerfile_name} (or the recipe's expect for {layer.name})")
+    return versions
+
+
+def compare_versions(results: dict[str, RankResult], head: str) -> None:
+    """Every rank that built a layer must report the same versions for it as the head (or the first)."""
+    layers = {name for r in results.values() for name in r.layers}
+    for name in sorted(layers):
+        by_rank = {n: v for n, r in results.items()
+                   if r.ok and name in r.layers and (v := r.layers[name].versions) is not None}
+        for n, diff in im.version_disagreements(by_rank, head).items():
+            results[n].error = f"layer {name} reports other versions than on the head: {diff}"
+            results[n].fix = f"the ranks build different things: compare $MODEL/serving/ on {n} with the head's"
 
 
 def probe(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, base_ref: str) -> dict[str, im.RankFacts | NodeError]:
@@ -386,6 +416,7 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
                         if results[n].ok:
                             results[n].error = f"not shipped: the head {head} failed to build"
         verify(cluster, chain, results, ship)
+        compare_versions(results, nodes[0])
     _finish(g, out, results)
 
 
