@@ -23,6 +23,7 @@ LABEL_RECIPE = "sparkctl.recipe"
 LABEL_LAYER = "sparkctl.layer"
 LABEL_CONTENT_HASH = "sparkctl.content-hash"
 LABEL_VERSION = "sparkctl.version"
+LABEL_VERSIONS = "sparkctl.versions"  # JSON: what the image reports (vllm, torch, exllamav3, nccl), see images.py
 REMOTE_STATE_DIR = ".sparkctl"  # relative to the SSH user's home: where rank env files live on a node
 
 

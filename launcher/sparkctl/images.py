@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dockerfile
-from .builders import LABEL_CONTENT_HASH, docker_build_argv, image_labels
+from .builders import LABEL_CONTENT_HASH, LABEL_VERSIONS, docker_build_argv, image_labels
 from .errors import UsageError
 from .facts import Image, ParseError, parse_image_inspect
 from .recipes import Recipe
@@ -445,6 +445,26 @@ def version_disagreements(by_rank: Mapping[str, Mapping[str, str]], head: str) -
         if diff:
             out[node] = ", ".join(diff)
     return out
+
+
+def label_versions_argv(tag: str, versions: Mapping[str, str]) -> list[str]:
+    """Record the versions on the layer's image as a label: a build of `FROM <the image ID>` (sent on
+    stdin, no context) that adds only the label — no filesystem layer, the other labels (content
+    hash included) inherited — and takes the tag over. `check` reads it from the image inspect it does."""
+    doc = json.dumps(dict(sorted(versions.items())), separators=(",", ":"))
+    return ["env", "DOCKER_BUILDKIT=0", "docker", "build", "--quiet", "--tag", tag, "--label", f"{LABEL_VERSIONS}={doc}", "-"]
+
+
+def read_versions(image: Image) -> dict[str, str] | None:
+    """The versions label of an image sparkctl built (None: no label, or not readable)."""
+    raw = image.labels.get(LABEL_VERSIONS)
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return {str(k): str(v) for k, v in doc.items()} if isinstance(doc, dict) else None
 
 
 _STEP_RE = re.compile(r"^Step (\d+)/(\d+) :")

@@ -68,6 +68,8 @@ def test_the_checkpoints_chain_builds_on_four_hosts_and_serves_through_the_entry
         versions = {x["layer"]: x["versions"] for x in rank["layers"]}
         assert [versions[n]["exllamav3"] for n in RECIPE.layer_names()] == ["0.0.43", "0.0.43", "1.4.5", "1.4.5", "1.4.5"]
         assert versions["keys3"] == {"exllamav3": "1.4.5", "nccl": "absent", "torch": "absent", "vllm": "0.33.0"}
+        top = inspect(lab, rank["node"], TAGS[-1])
+        assert top is not None and json.loads(top["Config"]["Labels"]["sparkctl.versions"]) == versions["keys3"]
     # Every layer's change is in the top image (the checkpoint's self-tests ran at build time; this
     # reads the result back through the same `--entrypoint` override sparkctl renders).
     probe = ("import sys, importlib.metadata as m, exllamav3, exl3, ablit_runtime;"
@@ -154,8 +156,12 @@ def test_a_stale_base_on_one_host_is_found_by_check_and_fixed_by_one_build(four:
     assert [x["action"] for x in ranks[victim]["layers"]] == ["built"] * 5  # its chain now rests on the head's base
     assert all(x["action"] == "skip" for n in NODES if n != victim for x in ranks[n]["layers"])
 
-    found = base_findings(lab)
+    res = sk(lab, "--json", "check", timeout=300)
+    findings = json.loads(res.stdout)["findings"]
+    found = {f["node"]: f for f in findings if f["check"] == "base"}
     assert all(f["status"] == "ok" for f in found.values()), found
+    versions = [f for f in findings if f["check"] == "versions"]
+    assert len(versions) == 4 and all(f["status"] == "ok" for f in versions), versions
     again = json.loads(sk(lab, "--json", "build").stdout)  # and no loop: the next build changes nothing
     assert again["base"]["stale"] == {}
     assert all(x["action"] == "skip" for r in again["ranks"] for x in r["layers"])

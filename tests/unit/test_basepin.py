@@ -57,3 +57,24 @@ def test_check_names_the_stale_rank_and_sends_it_to_one_build() -> None:
     assert out["spark3"].fix == f"run `sparkctl build`: it gives spark3 the head's base ({DIGEST}), once"
     missing_on_head = C.rule_base_image({"spark1": [], "spark2": [img(OLD)]}, "spark1", REF)
     assert {f.status for f in missing_on_head.values()} == {WARN}
+
+
+def test_check_compares_the_recorded_versions_across_ranks_and_with_the_recipe() -> None:
+    from sparkctl import images as im
+
+    good = {"exllamav3": "1.4.5", "nccl": "2.27.7", "torch": "2.9.0", "vllm": "0.33.0"}
+
+    def top(versions: dict[str, str] | None) -> list[F.Image]:
+        labels = {"sparkctl.versions": json.dumps(versions)} if versions is not None else {}
+        return [F.Image(id=NEW, repo_tags=("sparkctl/glm53-exl3:keys3",), labels=labels, layers=())]
+
+    argv = im.label_versions_argv("sparkctl/glm53-exl3:keys3", good)
+    label = argv[argv.index("--label") + 1]
+    assert label == 'sparkctl.versions={"exllamav3":"1.4.5","nccl":"2.27.7","torch":"2.9.0","vllm":"0.33.0"}'
+    assert im.read_versions(top(good)[0]) == good
+    images = {"spark1": top(good), "spark2": top(good), "spark3": top({**good, "torch": "2.8.0"}),
+              "spark4": top({**good, "exllamav3": "0.0.43"}), "spark5": top(None)}
+    out = C.rule_versions(images, "spark1", "sparkctl/glm53-exl3:keys3", {"exllamav3": "1.4.5"})
+    assert {n: f.status for n, f in out.items()} == {"spark1": OK, "spark2": OK, "spark3": FAIL, "spark4": FAIL}
+    assert "torch 2.8.0 (head: 2.9.0)" in out["spark3"].reason
+    assert "exllamav3 is 0.0.43, the recipe expects 1.4.5" in out["spark4"].reason

@@ -293,6 +293,13 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
         if not built:
             raise NodeError(node.name, "build", f"layer {layer.name}: built, but {layer.tag} is not there")
         versions = layer_versions(node, layer)
+        code, tail = run_lines(node, im.label_versions_argv(layer.tag, versions), stdin=f"FROM {built[0].id}\n".encode(),
+                               timeout=300, on_line=lambda line: None)
+        labelled = inspect_images(node, [layer.tag]) if code == 0 else []
+        if not labelled:
+            raise NodeError(node.name, "build", f"layer {layer.name}: recording its versions failed (exit {code}): "
+                            f"{_error_tail(tail)}", f"check the Docker engine on {node.name}")
+        built = labelled
         result.layers[layer.name] = LayerResult(layer.name, "built", step.reason, round(seconds, 2), built[0].id,
                                                 versions)
         job.board.set(node.name, layer.name, f"built {seconds:.1f}s")
