@@ -13,6 +13,7 @@ def test_the_parent_argument_is_declared_before_from_and_used_by_the_final_stage
     # an ARG after FROM is a build-stage argument, not one FROM can use
     info = D.parse("FROM ghcr.io/a/b:exl3\nARG BASE\n")
     assert info.base_arg is None and info.first_from == "ghcr.io/a/b:exl3"
+    assert D.parse("FROM debian:bookworm AS a\nARG BASE\nFROM ${BASE}\n").base_arg is None  # Docker would not expand it
     # a final stage from a fixed image does not rest on the parent, even if an earlier one did
     assert D.parse("ARG BASE\nFROM ${BASE} AS a\nFROM debian:bookworm\n").base_arg is None
 
