@@ -42,7 +42,7 @@ REPEAT = 3
 CHANGE = (
     "\n# bench: a new revision of the keys3 patch (regenerates a ~200 KB source file)\n"
     "RUN python3 -c 'import random; r = random.Random(7); words = [\"tensor\", \"rank\", \"layer\", \"expert\", "
-    "\"codebook\", \"shard\", \"kv\", \"scale\"]; open(\"/opt/sparkctl/serving/keys3/patched_module.py\", \"w\")"
+    "\"codebook\", \"shard\", \"kv\", \"scale\"]; open(\"/opt/serving/keys3/patched_module.py\", \"w\")"
     ".write(\"\".join(\"def f%d(%s):\\n    return %s * %d\\n\" % (i, r.choice(words), r.choice(words), r.randrange(10**6)) "
     "for i in range(6000)))'\n"
 )
