@@ -133,6 +133,7 @@ def test_a_stale_base_on_one_host_is_found_by_check_and_fixed_by_one_build(four:
     head_id = inspect(lab, "spark1", ENGINE_IMAGE)["Id"]  # type: ignore[index]
     # spark2's tag now names another image, as a mutable tag pulled at another time leaves it
     victim = "spark2"
+    lab.docker(victim, "rmi", "-f", *TAGS, timeout=120)  # so its chain must be built again, on whatever base it has
     made = lab.docker(victim, "run", "--name", "stale-base", "--entrypoint", "sh", ENGINE_IMAGE, "-c",
                       "echo older > /etc/sparkctl-stale")
     assert made.returncode == 0, made.stderr
@@ -153,8 +154,11 @@ def test_a_stale_base_on_one_host_is_found_by_check_and_fixed_by_one_build(four:
     assert doc["base"]["fixed_by"] == {victim: "ship"}  # no registry digest in the lab: sent from the head
     assert inspect(lab, victim, ENGINE_IMAGE)["Id"] == head_id  # type: ignore[index]
     ranks = {r["node"]: r for r in doc["ranks"]}
-    assert [x["action"] for x in ranks[victim]["layers"]] == ["built"] * 5  # its chain now rests on the head's base
+    assert [x["action"] for x in ranks[victim]["layers"]] == ["built"] * 5
     assert all(x["action"] == "skip" for n in NODES if n != victim for x in ranks[n]["layers"])
+    # built on the head's base, so the same content hash as every other rank (a stale base gave another: the loop)
+    hashes = {n: inspect(lab, n, TAGS[-1])["Config"]["Labels"]["sparkctl.content-hash"] for n in NODES}  # type: ignore[index]
+    assert len(set(hashes.values())) == 1, hashes
 
     res = sk(lab, "--json", "check", timeout=300)
     findings = json.loads(res.stdout)["findings"]
