@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,6 @@ from typing import Any
 from sparkctl.lab import manage
 from sparkctl.lab.client import Lab
 from sparkctl.recipes import load_recipe
-from sparkctl.resources import data_dir
 
 # SPARKCTL_BENCH_RANKS="spark1 spark2 spark5 spark6" picks other lab hosts (head first); default spark1..4.
 RANKS = os.environ.get("SPARKCTL_BENCH_RANKS", "spark1 spark2 spark3 spark4").split()
@@ -44,7 +42,7 @@ REPEAT = 3
 CHANGE = (
     "\n# bench: a new revision of the keys3 patch (regenerates a ~200 KB source file)\n"
     "RUN python3 -c 'import random; r = random.Random(7); words = [\"tensor\", \"rank\", \"layer\", \"expert\", "
-    "\"codebook\", \"shard\", \"kv\", \"scale\"]; open(\"/opt/sparkctl/serving/keys3/patched_module.py\", \"w\")"
+    "\"codebook\", \"shard\", \"kv\", \"scale\"]; open(\"/opt/serving/keys3/patched_module.py\", \"w\")"
     ".write(\"\".join(\"def f%d(%s):\\n    return %s * %d\\n\" % (i, r.choice(words), r.choice(words), r.randrange(10**6)) "
     "for i in range(6000)))'\n"
 )
@@ -125,12 +123,11 @@ def main() -> int:
 
         before = image(lab, "spark1", TOP)
         assert before is not None
-        with tempfile.TemporaryDirectory() as tmp:
-            images = Path(tmp) / "images"
-            shutil.copytree(data_dir("images"), images)
-            with open(images / "lab" / "keys3" / "Dockerfile", "a") as f:
-                f.write(CHANGE)
-            _, doc = sparkctl(lab, RANKS, "--ship", "--images-dir", str(images))
+        head_dockerfile = lab.host("spark1").model_dir / "serving" / "Dockerfile.keys3"
+        original = head_dockerfile.read_bytes()
+        try:
+            head_dockerfile.write_bytes(original + CHANGE.encode())
+            _, doc = sparkctl(lab, RANKS, "--ship")
             after = image(lab, "spark1", TOP)
             assert after is not None
             new = [d for d in after["RootFS"]["Layers"] if d not in set(before["RootFS"]["Layers"])]
@@ -147,7 +144,9 @@ def main() -> int:
             ids = {n: (image(lab, n, TOP) or {}).get("Id") for n in RANKS}
             if len(set(ids.values())) != 1:
                 misses.append(f"image IDs differ after --ship: {ids}")
-        sparkctl(lab, ["spark1"])  # back to the shipped Dockerfiles on the head
+        finally:
+            head_dockerfile.write_bytes(original)
+        sparkctl(lab, ["spark1"])  # back to the checkpoint's Dockerfiles on the head
 
         def ship_full(targets: list[str]) -> float:
             times = []

@@ -23,6 +23,7 @@ LABEL_RECIPE = "sparkctl.recipe"
 LABEL_LAYER = "sparkctl.layer"
 LABEL_CONTENT_HASH = "sparkctl.content-hash"
 LABEL_VERSION = "sparkctl.version"
+LABEL_VERSIONS = "sparkctl.versions"  # JSON: what the image reports (vllm, torch, exllamav3, nccl), see images.py
 REMOTE_STATE_DIR = ".sparkctl"  # relative to the SSH user's home: where rank env files live on a node
 
 
@@ -214,7 +215,11 @@ def _container_options(settings: Settings) -> list[str]:
 
 
 def docker_run_argv(settings: Settings, spec: RankSpec, cfg_hash: str) -> list[str]:
+    """`docker run` of one rank. The entrypoint is explicit: vLLM's image (and the base built on it)
+    has ENTRYPOINT ["vllm", "serve"], so `IMAGE vllm serve ...` would run `vllm serve vllm serve ...`;
+    `--entrypoint vllm IMAGE serve ...` runs the same command whatever the image declares."""
     cluster = settings.cluster_name
+    entrypoint, *args = spec.vllm_argv
     return [
         "docker", "run", "--detach",
         "--name", container_name(cluster, spec.rank),
@@ -225,8 +230,9 @@ def docker_run_argv(settings: Settings, spec: RankSpec, cfg_hash: str) -> list[s
         "--restart", "no",
         *_container_options(settings),
         "--env-file", remote_env_file(cluster, spec.rank),
+        "--entrypoint", entrypoint,
         str(settings.get("IMAGE")),
-        *spec.vllm_argv,
+        *args,
     ]
 
 
@@ -235,8 +241,10 @@ def image_labels(recipe: str, layer: str, content_hash: str) -> dict[str, str]:
     return {LABEL_RECIPE: recipe, LABEL_LAYER: layer, LABEL_CONTENT_HASH: content_hash, LABEL_VERSION: __version__}
 
 
-def docker_build_argv(tag: str, base: str, labels: dict[str, str], context: str, *, no_cache: bool = False) -> list[str]:
-    argv = ["docker", "build", "--tag", tag, "--build-arg", f"BASE={base}"]
+def docker_build_argv(tag: str, base: str, labels: dict[str, str], context: str, *, no_cache: bool = False,
+                      base_arg: str = "BASE") -> list[str]:
+    """`docker build` of one chain layer; `base_arg` is the Dockerfile's build argument for its parent."""
+    argv = ["docker", "build", "--tag", tag, "--build-arg", f"{base_arg}={base}"]
     for key, value in sorted(labels.items()):
         argv += ["--label", f"{key}={value}"]
     if no_cache:

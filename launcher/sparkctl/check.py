@@ -105,6 +105,8 @@ class Needs:
     cluster: str
     model: str
     given_pins: tuple[RankPins, ...] = ()
+    base_image: str = ""  # BASE_IMAGE: every rank must hold the head's (sparkctl.basepin)
+    expect: tuple[tuple[str, str], ...] = ()  # versions the recipe expects of the chain (its layers' expect)
 
     @classmethod
     def from_settings(cls, s: Settings) -> Needs:
@@ -120,6 +122,8 @@ class Needs:
             cluster=s.cluster_name,
             model=str(s.model),
             given_pins=tuple(s.rank_pins(r) for r in range(len(s.nodes))),
+            base_image=str(s.get("BASE_IMAGE") or ""),
+            expect=tuple(sorted({k: v for layer in s.recipe.layers for k, v in layer.expect.items()}.items())),
         )
 
 
@@ -615,6 +619,56 @@ def rule_image(
     return out
 
 
+def rule_versions(images: Mapping[str, list[F.Image] | None], head: str, ref: str,
+                  expect: Mapping[str, str]) -> dict[str, Finding]:
+    """What IMAGE reports (the `sparkctl.versions` label `build` records after its version probe) is the
+    same on every rank and what the recipe expects (e.g. exllamav3 1.4.5 after v145). An image without
+    the label (not built by this sparkctl) is not judged here."""
+    from .images import read_versions, version_disagreements, version_problems
+
+    found = {n: v for n, imgs in images.items() if imgs is not None
+             if (img := F.find_image(imgs, ref)) is not None and (v := read_versions(img)) is not None}
+    out: dict[str, Finding] = {}
+    differ = version_disagreements(found, head)
+    for n, versions in found.items():
+        problems = version_problems(expect, versions)
+        if problems:
+            out[n] = _f(n, "versions", FAIL, "expect", f"{n}: {ref}: {'; '.join(problems)}",
+                        "fix the checkpoint's serving/Dockerfile.* and run `sparkctl build`")
+        elif n in differ:
+            out[n] = _f(n, "versions", FAIL, "differs", f"{n}: {ref} reports {differ[n]}",
+                        "run `sparkctl build` so every rank builds the same chain")
+        else:
+            short = " ".join(f"{k}={v}" for k, v in sorted(versions.items()) if v != "absent")
+            out[n] = _f(n, "versions", OK, short[:40] or "-", f"{n}: {ref}: {short or 'nothing importable'}")
+    return out
+
+
+def rule_base_image(images: Mapping[str, list[F.Image] | None], head: str, ref: str) -> dict[str, Finding]:
+    """Every rank holds the head's base image (by image ID: RepoDigests do not survive save | load).
+    A rank with another one is the stale-base case: one `sparkctl build` gives it the head's."""
+    from .basepin import pin, stale
+
+    head_img = F.find_image(images.get(head) or [], ref)
+    if head_img is None:
+        return {n: _f(n, "base", WARN, "missing", f"{n}: base image {ref} is not on the head {head} yet",
+                      "run `sparkctl build` (it pulls the base on the head first)") for n in images if images[n] is not None}
+    p = pin(ref, head_img)
+    out: dict[str, Finding] = {}
+    for n, imgs in images.items():
+        if imgs is None:
+            continue  # rule_image already says the images could not be read
+        why = stale(p, F.find_image(imgs, ref))
+        short = p.id.removeprefix("sha256:")[:12]
+        if why is None:
+            out[n] = _f(n, "base", OK, short, f"{n}: {ref} = {p.describe()}")
+        else:
+            missing = "not on the node" in why
+            out[n] = _f(n, "base", WARN if missing else FAIL, "missing" if missing else "stale", f"{n}: {why}",
+                        f"run `sparkctl build`: it gives {n} the head's base ({p.describe()}), once")
+    return out
+
+
 def rule_checkpoint(report: Any, error: str | None) -> list[Finding]:
     """Header-level verification of the checkpoint on the head (sparkctl.verify over ckpt_scan)."""
     if error:
@@ -825,7 +879,7 @@ def gather(
     ready = f"@@sparkctl {nonce} ready\n".encode()
 
     def args(head: bool) -> list[str]:  # the CUDA banner and the listening ports: the head's only
-        return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image], df_paths=DF_PATHS,
+        return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image, *([needs.base_image] if needs.base_image else [])], df_paths=DF_PATHS,
                             api=True, banner=head, listening=head)  # fmt: skip
 
     head_args, other_args = args(True), args(False)
@@ -970,6 +1024,13 @@ def evaluate(
         {n: f.problems.get("docker-images", "") for n, f in good.items()},
     ).values()
     findings += [_f(n, "image", SKIP, "-", f"{n}: not checked (Docker engine)") for n in engine_down]
+    findings += rule_versions(
+        {n: f.images for n, f in good.items() if n not in engine_down}, head, needs.image, dict(needs.expect)
+    ).values()
+    if needs.base_image:
+        findings += rule_base_image(
+            {n: f.images for n, f in good.items() if n not in engine_down}, head, needs.base_image
+        ).values()
     if verify_scan is not None and head in gathered and head in good:
         scan = gathered[head][1]
         if isinstance(scan, dict):

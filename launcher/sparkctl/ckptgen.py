@@ -204,19 +204,14 @@ def config_json(pack: str) -> dict[str, object]:
     }
 
 
-SERVING: dict[str, str] = {
-    "patch_dcp.py": "# dcp layer: decode-context-parallel fixes for the base image's vLLM (test payload).\n"
-                    "PATCH = 'dcp'\n",
-    "exl3.py": "# mul1 layer: EXL3 overlay with mcg/mul1 markers and per-layer codebook detection (test payload).\n"
-               "CODEBOOKS = ('mcg', 'mul1')\nALLOWED_BITS = (3, 4, 5, 6)\n",
-    "build_v145.sh": "#!/bin/sh\n# v145 layer: build exllamav3 1.4.5 against the base image's torch (test payload).\n"
-                     "set -eu\necho 'exllamav3 1.4.5'\n",
-    "patch_aarch64.py": "# v145 layer: aarch64 stubs for exllamav3's AVX all-reduce / CPU-MoE (test payload).\n"
-                        "PATCH = 'aarch64'\n",
-    "ablit_runtime.py": "# keys layer: load-time abliteration hook; unused with ABLIT=0 (test payload).\n"
-                        "ENABLED = False\n",
-    "patch_keys3.py": "# keys3 layer: final launcher fixes (test payload).\nPATCH = 'keys3'\n",
-}
+# The checkpoint's own image chain (serving/Dockerfile.* and what they copy): see ckpt_serving/README.md.
+SERVING_SOURCE = Path(__file__).resolve().parent / "ckpt_serving"
+
+
+def serving_files() -> dict[str, bytes]:
+    """Every file of the lab checkpoint's serving/ folder (relative path -> bytes)."""
+    return {p.relative_to(SERVING_SOURCE).as_posix(): p.read_bytes() for p in sorted(SERVING_SOURCE.rglob("*"))
+            if p.is_file() and p.name != "README.md" and "__pycache__" not in p.parts}
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -282,9 +277,11 @@ def make_checkpoint(dest: Path, pack: str = "tiny", *, sparse: bool | None = Non
         _write_shard(dest / "lm_head-6bit" / "lm_head-6bit.safetensors",
                      exl3("lm_head", d.hidden, d.vocab, 6, "mul1"), sparse=sparse, seed=0)
     if serving:
-        (dest / "serving").mkdir(exist_ok=True)
-        for fname, text in SERVING.items():
-            (dest / "serving" / fname).write_text(text)
+        for fname, data in serving_files().items():
+            (dest / "serving" / fname).parent.mkdir(parents=True, exist_ok=True)
+            (dest / "serving" / fname).write_bytes(data)
+            if fname.endswith(".sh"):
+                (dest / "serving" / fname).chmod(0o755)
     return dest
 
 

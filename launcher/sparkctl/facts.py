@@ -453,6 +453,7 @@ class Image:
     labels: dict[str, str]
     layers: tuple[str, ...]
     architecture: str | None = None
+    repo_digests: tuple[str, ...] = ()  # `repo@sha256:...` it was pulled as (none after save | load or a build)
 
 
 @_guard
@@ -474,6 +475,7 @@ def parse_image_inspect(text: str) -> list[Image]:
                 labels={str(k): str(v) for k, v in _dict(_dict(item.get("Config")).get("Labels")).items()},
                 layers=tuple(str(x) for x in _list(_dict(item.get("RootFS")).get("Layers"))),
                 architecture=_opt_str(item.get("Architecture")),
+                repo_digests=tuple(d for d in _list(item.get("RepoDigests")) if isinstance(d, str)),
             )
         )
     return out
@@ -495,10 +497,10 @@ def normalize_image_ref(ref: str) -> str:
 
 
 def find_image(images: Iterable[Image], ref: str) -> Image | None:
-    """The inspected image that `ref` names (by tag, or by full/short ID)."""
+    """The inspected image that `ref` names (by tag, by `repo@sha256:` digest, or by full/short ID)."""
     want = normalize_image_ref(ref)
     for img in images:
-        if want in img.repo_tags or ref in (img.id, img.id.removeprefix("sha256:")):
+        if want in img.repo_tags or ref in img.repo_digests or ref in (img.id, img.id.removeprefix("sha256:")):
             return img
         if len(ref) >= 12 and img.id.removeprefix("sha256:").startswith(ref.removeprefix("sha256:")):
             return img
@@ -549,14 +551,15 @@ DOCKER_SECTIONS: Final = ("docker-version", "docker-ps", "docker-images")
 """The problem keys of the three Docker facts, whether they came from the CLI or from the API."""
 
 
-def docker_api_paths(cluster: str, image: str | None) -> list[str]:
+def docker_api_paths(cluster: str, image: str | None, *more: str) -> list[str]:
     """Engine API paths the probe asks (with curl over the engine's unix socket): this cluster's
-    containers, the image. (The engine's version comes with every answer's headers.) Percent-encoded
-    here, so nothing in them is URL syntax."""
+    containers, then each image (IMAGE, and BASE_IMAGE when asked). (The engine's version comes with
+    every answer's headers.) Percent-encoded here, so nothing in them is URL syntax."""
     filters = urllib.parse.quote(json.dumps({"label": [f"sparkctl.cluster={cluster}"]}), safe="")
     paths = [f"/containers/json?all=1&filters={filters}"]
-    if image:
-        paths.append(f"/images/{urllib.parse.quote(image, safe='/:@')}/json")
+    for ref in (image, *more):
+        if ref:
+            paths.append(f"/images/{urllib.parse.quote(ref, safe='/:@')}/json")
     return paths
 
 
@@ -630,15 +633,18 @@ def docker_facts_from_api(sec: Section, nonce: str) -> DockerFacts:
         except ParseError as exc:
             problems["docker-ps"] = str(exc)
     images: list[Image] | None = None
-    if len(replies) > 1 and replies[1][0] == 404:
-        images = []
-    elif len(replies) > 1:
-        i = body_json(1, "docker-images")
+    for n in range(1, len(replies)):  # one answer per image asked; 404: not on the node
+        if replies[n][0] == 404:
+            images = images if images is not None else []
+            continue
+        i = body_json(n, "docker-images")
         if i is not None:
             try:
-                images = parse_image_inspect(json.dumps([i]))
+                images = (images or []) + parse_image_inspect(json.dumps([i]))
             except ParseError as exc:
                 problems["docker-images"] = str(exc)
+    if "docker-images" in problems:
+        images = None
     return DockerFacts(version, containers, images, problems)
 
 
@@ -905,7 +911,7 @@ def probe_args(
     args = [f"cluster={cluster}"] + ([] if docker else ["docker=no"]) + ([] if banner else ["banner=no"])
     args += [] if listening else ["listening=no"]
     if docker and api:
-        args += [f"api={p}" for p in docker_api_paths(cluster, images[0] if images else None)]
+        args += [f"api={p}" for p in docker_api_paths(cluster, images[0] if images else None, *images[1:])]
     if model:
         args.append(f"model={model}")
     args += [f"df={p}" for p in df_paths]

@@ -1,12 +1,13 @@
 """The image chain: per-layer build contexts, content hashes, and the per-rank plan. Pure: no I/O on nodes.
 
-A recipe's chain is `base → layer 1 → … → layer n`; layer i is `images/<dockerfiles>/<name>/Dockerfile`
-built `FROM` the image of layer i-1 (`--build-arg BASE=<parent image ID>`) and tagged
-`<tag_prefix>:<name>`. Its build context is staged **on the node** (the payload lives in the checkpoint's
-`serving/` folder, which is on the node): sparkctl sends the Dockerfile on the SSH channel's stdin, the
-node copies only the listed payload files next to it, checks their SHA-256 against what was planned,
-and builds. So the payload never crosses the network, and a node whose `serving/` differs (the NFS
-mistake) builds — and labels — what it really has.
+A recipe's chain is `base → layer 1 → … → layer n`, and it is the checkpoint's own: layer i is
+`$MODEL/serving/Dockerfile.<name>` (build context `serving/`), built `FROM` the image of layer i-1
+through the build argument the Dockerfile declares for its parent (`ARG X` then `FROM ${X}`; see
+sparkctl.dockerfile) and tagged `<tag_prefix>:<name>`. The probe reads each node's Dockerfiles and the
+digests of its serving/ files; the context is staged **on the node**: sparkctl sends the Dockerfile it
+read (and hashed) on the SSH channel's stdin, the node copies only the files its COPY/ADD name next to
+it, checks their SHA-256 against what was planned, and builds. So nothing crosses the network, and a
+node whose `serving/` differs (the NFS mistake) builds — and labels — what it really has.
 
 Content hash of a layer (label `sparkctl.content-hash`) =
     sha256("sparkctl-content-hash/1", Dockerfile bytes, each staged file's name and bytes, parent key)
@@ -25,6 +26,8 @@ without opening its file, so a stripped archive loads to the identical image ID.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import re
@@ -33,14 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .builders import LABEL_CONTENT_HASH, docker_build_argv, image_labels
+from . import dockerfile
+from .builders import LABEL_CONTENT_HASH, LABEL_VERSIONS, docker_build_argv, image_labels
 from .errors import UsageError
 from .facts import Image, ParseError, parse_image_inspect
 from .recipes import Recipe
-from .resources import data_dir
 
 HASH_SCHEME = "sparkctl-content-hash/1"
-_PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
 # What `docker save` writes: hex folder names / blobs/sha256/<hex>; anything else is refused.
 _MEMBER_RE = re.compile(r"^(?:[0-9a-f]{64}(?:/layer\.tar|\.json)|blobs/sha256/[0-9a-f]{64})$")
 
@@ -49,60 +52,87 @@ _MEMBER_RE = re.compile(r"^(?:[0-9a-f]{64}(?:/layer\.tar|\.json)|blobs/sha256/[0
 
 
 @dataclass(frozen=True)
-class LayerSpec:
+class LayerRef:
+    """A layer as the recipe names it: its Dockerfile's name in the checkpoint's serving/ folder."""
+
     index: int  # 0 = the first layer on the base image
     name: str
     tag: str  # <tag_prefix>:<name>
-    dockerfile: bytes
-    dockerfile_path: Path
-    payload: tuple[str, ...]
+    dockerfile_name: str  # e.g. Dockerfile.v145
+    expect: tuple[tuple[str, str], ...] = ()  # versions the built image must report (recipe `expect`)
+
+
+@dataclass(frozen=True)
+class LayerSpec(LayerRef):
+    """A layer resolved against one copy of serving/: the Dockerfile's bytes, the build argument that
+    takes the parent image, and the context files its COPY/ADD read (paths relative to serving/)."""
+
+    dockerfile: bytes = b""
+    base_arg: str = "BASE"
+    payload: tuple[str, ...] = ()
 
     @property
     def dockerfile_sha256(self) -> str:
         return hashlib.sha256(self.dockerfile).hexdigest()
 
-
-def images_root(override: str | Path | None = None) -> Path:
-    """The folder holding `chain/` and `lab/` (the shipped images/, or a copy given with --images-dir)."""
-    if override is not None:
-        root = Path(override)
-        if not root.is_dir():
-            raise UsageError(f"images folder {root} does not exist", fix="pass --images-dir a folder with <dockerfiles>/<layer>/Dockerfile")
-        return root
-    return data_dir("images")
+    @property
+    def dockerfile_path(self) -> str:
+        return f"serving/{self.dockerfile_name}"
 
 
 def layer_tag(recipe: Recipe, layer: str) -> str:
     return f"{recipe.tag_prefix}:{layer}"
 
 
-def load_chain(recipe: Recipe, root: str | Path | None = None) -> list[LayerSpec]:
-    """The recipe's layers in build order, each with its Dockerfile read from the images folder."""
+def load_chain(recipe: Recipe) -> list[LayerRef]:
+    """The recipe's layers in build order (their Dockerfiles are read on the node, in serving/)."""
     if not recipe.layers:
         raise UsageError(f"recipe {recipe.name} has no [[images.layers]]", fix=f"add the chain to {recipe.path}")
-    folder = images_root(root) / recipe.dockerfiles
-    chain: list[LayerSpec] = []
+    chain: list[LayerRef] = []
     seen: set[str] = set()
     for i, layer in enumerate(recipe.layers):
-        where = f"{recipe.path}/images/layers/{i}"
         if layer.name in seen:
-            raise UsageError(f"{where}: layer {layer.name!r} is listed twice")
+            raise UsageError(f"{recipe.path}/images/layers/{i}: layer {layer.name!r} is listed twice")
         seen.add(layer.name)
-        for name in layer.payload:
-            if not _PAYLOAD_NAME_RE.match(name):
-                raise UsageError(f"{where}/payload: {name!r} must be a plain file name in $MODEL/serving/ "
-                                 "(letters, digits, '.', '_', '-'; no folders)")
-        path = folder / layer.name / "Dockerfile"
-        try:
-            text = path.read_bytes()
-        except FileNotFoundError:
-            raise UsageError(f"layer {layer.name}: {path} not found",
-                             fix=f"write it, or fix [images] dockerfiles = {recipe.dockerfiles!r} in {recipe.path}") from None
-        chain.append(LayerSpec(i, layer.name, layer_tag(recipe, layer.name), text, path, tuple(layer.payload)))
+        chain.append(LayerRef(i, layer.name, layer_tag(recipe, layer.name), layer.dockerfile,
+                              tuple(sorted(layer.expect.items()))))
     return chain
 
 
-def select_layers(chain: Sequence[LayerSpec], only: str | None) -> list[LayerSpec]:
+def resolve_chain(chain: Sequence[LayerRef], files: Mapping[str, str],
+                  dockerfiles: Mapping[str, bytes | None]) -> tuple[list[LayerSpec], list[str]]:
+    """Resolve every layer against one serving/ folder: `files` maps each file (relative path) to its
+    SHA-256, `dockerfiles` each Dockerfile name to its bytes (None: not there). Returns the layers and
+    the problems (one line each: what is missing or what the Dockerfile would need)."""
+    out: list[LayerSpec] = []
+    problems: list[str] = []
+    for ref in chain:
+        where = f"serving/{ref.dockerfile_name} (layer {ref.name})"
+        text = dockerfiles.get(ref.dockerfile_name)
+        if text is None:
+            problems.append(f"{where} is missing")
+            continue
+        info = dockerfile.parse(text.decode("utf-8", errors="replace"))
+        if info.base_arg is None:
+            problems.append(f"{where} builds FROM {info.first_from or '(nothing)'}, not from a build argument: "
+                            "sparkctl passes the previous layer's image as `ARG <NAME>` + `FROM ${NAME}`; "
+                            "change the file to take its parent that way")
+            continue
+        payload, unmatched = dockerfile.match_sources(info.sources, files)
+        for src in unmatched:
+            problems.append(f"{where} copies {src}, which is not in serving/")
+        bad = [f for f in payload if not _PAYLOAD_NAME_RE.match(f) or ".." in f.split("/")]
+        for name in bad:
+            problems.append(f"{where} copies serving/{name!r}: sparkctl stages only plain names "
+                            "(letters, digits, '.', '_', '-', '/')")
+        if unmatched or bad:
+            continue
+        out.append(LayerSpec(ref.index, ref.name, ref.tag, ref.dockerfile_name, ref.expect, text, info.base_arg,
+                             tuple(payload)))
+    return out, problems
+
+
+def select_layers(chain: Sequence[LayerRef], only: str | None) -> list[LayerRef]:
     """The layers `--only` names (all of them without it)."""
     if only is None:
         return list(chain)
@@ -110,11 +140,6 @@ def select_layers(chain: Sequence[LayerSpec], only: str | None) -> list[LayerSpe
         if layer.name == only:
             return [layer]
     raise UsageError(f"--only {only}: no such layer", fix=f"use one of: {', '.join(x.name for x in chain)}")
-
-
-def payload_files(chain: Iterable[LayerSpec]) -> list[str]:
-    """Every payload file name the chain needs, once, in chain order."""
-    return list(dict.fromkeys(name for layer in chain for name in layer.payload))
 
 
 def serving_dir(model: str | Path) -> str:
@@ -147,36 +172,35 @@ def content_hash(layer: LayerSpec, digests: Mapping[str, str], parent_id: str) -
     return "sha256:" + h.hexdigest()
 
 
-def missing_payload_error(missing: Mapping[str, Sequence[str]], chain: Sequence[LayerSpec], model: str) -> UsageError:
-    """One error for every node that lacks payload files: which file, which layer, which node."""
-    by_file = {name: layer.name for layer in reversed(chain) for name in layer.payload}
-    lines = []
-    for node, names in missing.items():
-        for name in names:
-            lines.append(f"{node}: {serving_dir(model)}/{name} (payload of layer {by_file.get(name, '?')}) is missing")
+def chain_error(problems: Mapping[str, Sequence[str]], model: str) -> UsageError:
+    """One error for every node whose serving/ cannot build the chain: which node, which file, why."""
+    lines = [f"{node}: {serving_dir(model)}/{p.removeprefix('serving/')}" for node, ps in problems.items() for p in ps]
     return UsageError(
-        "payload files missing, nothing was built:\n  " + "\n  ".join(lines),
-        fix="put the checkpoint's serving/ files in place on those nodes (same MODEL path everywhere; "
-            "an NFS server node must bind-mount its own export at that path)",
+        "the checkpoint's image chain cannot be built, nothing was built:\n  " + "\n  ".join(lines),
+        fix="put the checkpoint's serving/ folder (its Dockerfile.* and what they copy) in place on those nodes "
+            "(same MODEL path everywhere; an NFS server node must bind-mount its own export at that path)",
     )
 
 
 # ------------------------------------------------------------------------------------ node facts
 
-# One round trip per rank: tools, payload digests, engine, and the chain's images.
-PROBE_SCRIPT = r"""# sparkctl build probe. $1 = serving dir, $2 = number of payload files, then the files, then image refs.
+# One round trip per rank: tools, every file of serving/ with its digest, the chain's Dockerfiles (base64),
+# the engine, and the chain's images.
+PROBE_SCRIPT = r"""# sparkctl build probe. $1 = serving dir, $2 = number of Dockerfiles, then their names, then image refs.
 set -u
 serving=$1; n=$2; shift 2
 echo "@@tools"
-for t in zstd pigz gzip tar sha256sum mktemp; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
-echo "@@payload"
+for t in zstd pigz gzip tar sha256sum mktemp base64; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
+echo "@@files"
+if [ -d "$serving" ]; then (cd "$serving" && find . -type f -exec sha256sum {} + 2>/dev/null | head -n 5000); fi
+echo "@@dockerfiles"
 i=0
 while [ "$i" -lt "$n" ]; do
   f=$1; shift; i=$((i + 1))
-  if [ -f "$serving/$f" ] && sum=$(sha256sum < "$serving/$f" 2>/dev/null); then
-    echo "${sum%% *} $f"
+  if [ -f "$serving/$f" ] && text=$(base64 < "$serving/$f" | tr -d '\n'); then
+    echo "$f $text"
   else
-    echo "missing $f"
+    echo "- $f"
   fi
 done
 echo "@@engine"
@@ -196,8 +220,8 @@ class RankFacts:
     """What the probe found on one rank."""
 
     tools: frozenset[str]
-    digests: dict[str, str]  # payload file -> sha256 hex
-    missing: tuple[str, ...]  # payload files not there
+    digests: dict[str, str]  # file under serving/ (relative path) -> sha256 hex
+    dockerfiles: dict[str, bytes | None]  # the chain's Dockerfile names -> bytes (None: not there)
     engine_ok: bool
     engine: str  # server version, or why the engine is not reachable
     images: tuple[Image, ...] = ()
@@ -207,9 +231,14 @@ class RankFacts:
 
         return find_image(self.images, ref)
 
+    def chain(self, refs: Sequence[LayerRef]) -> tuple[list[LayerSpec], list[str]]:
+        """The chain as this rank's serving/ defines it, and what keeps it from building."""
+        return resolve_chain(refs, self.digests, self.dockerfiles)
 
-def probe_argv(model: str, files: Sequence[str], refs: Sequence[str]) -> list[str]:
-    return ["sh", "-c", PROBE_SCRIPT, "sparkctl-probe", serving_dir(model), str(len(files)), *files, *refs]
+
+def probe_argv(model: str, chain: Sequence[LayerRef], refs: Sequence[str]) -> list[str]:
+    names = list(dict.fromkeys(layer.dockerfile_name for layer in chain))
+    return ["sh", "-c", PROBE_SCRIPT, "sparkctl-probe", serving_dir(model), str(len(names)), *names, *refs]
 
 
 def parse_probe(text: str) -> RankFacts:
@@ -224,13 +253,20 @@ def parse_probe(text: str) -> RankFacts:
     if "end" not in sections:
         raise ParseError("the build probe's output is cut short (no @@end)")
     digests: dict[str, str] = {}
-    missing: list[str] = []
-    for line in sections.get("payload", []):
-        word, _, name = line.partition(" ")
-        if word == "missing":
-            missing.append(name)
-        elif re.fullmatch(r"[0-9a-f]{64}", word):
-            digests[name] = word
+    for line in sections.get("files", []):
+        m = re.fullmatch(r"([0-9a-f]{64}) [ *]\./(.+)", line)
+        if m:
+            digests[m.group(2)] = m.group(1)
+    dockerfiles: dict[str, bytes | None] = {}
+    for line in sections.get("dockerfiles", []):
+        name, _, value = line.partition(" ")
+        if name == "-":
+            dockerfiles[value] = None
+        elif name:
+            try:
+                dockerfiles[name] = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise ParseError(f"the build probe sent {name} garbled") from None
     engine_line = " ".join(sections.get("engine", [])).strip()
     status, _, detail = engine_line.partition(" ")
     images_text = "\n".join(sections.get("images", [])).strip()
@@ -238,7 +274,7 @@ def parse_probe(text: str) -> RankFacts:
     return RankFacts(
         tools=frozenset(x.strip() for x in sections.get("tools", []) if x.strip()),
         digests=digests,
-        missing=tuple(missing),
+        dockerfiles=dockerfiles,
         engine_ok=status == "ok",
         engine=detail.strip() or "no answer from `docker version`",
         images=images,
@@ -320,6 +356,7 @@ cat > "$ctx/Dockerfile"
 i=0
 while [ "$i" -lt "$n" ]; do
   name=$1; want=$2; shift 2; i=$((i + 1))
+  case "$name" in */*) mkdir -p -- "$ctx/${name%/*}" ;; esac
   cp -- "$serving/$name" "$ctx/$name"
   got=$(sha256sum < "$ctx/$name"); got=${got%% *}
   if [ "$got" != "$want" ]; then
@@ -340,11 +377,94 @@ def build_argv(recipe: Recipe, layer: LayerSpec, model: str, digests: Mapping[st
     so the image built is exactly the one the content hash names, and it needs no buildx plugin.
     """
     labels = image_labels(recipe.name, layer.name, chash)
-    docker = docker_build_argv(layer.tag, parent_id, labels, ".", no_cache=no_cache)
+    docker = docker_build_argv(layer.tag, parent_id, labels, ".", no_cache=no_cache, base_arg=layer.base_arg)
     docker = [*docker[:-1], "--force-rm", docker[-1]]
     pairs = [x for name in layer.payload for x in (name, digests[name])]
     return ["sh", "-c", BUILD_SCRIPT, "sparkctl-build", serving_dir(model), str(len(layer.payload)), *pairs,
             "env", "DOCKER_BUILDKIT=0", *docker]
+
+
+# ------------------------------------------------------------------------------------ versions
+
+# Run inside a built image (`--entrypoint python3`, no network, no GPU): the versions that matter, each
+# from its distribution's metadata; vLLM from `vllm --version` when it is not a distribution (the lab's
+# stand-in); NCCL from torch when torch has it, else from the nvidia-nccl wheel. "absent" otherwise.
+VERSIONS_SCRIPT = r"""
+import importlib.metadata as m, json, shutil, subprocess
+def dist(*names):
+    for n in names:
+        try:
+            return m.version(n)
+        except Exception:
+            pass
+    return None
+out = {"vllm": dist("vllm"), "torch": dist("torch"), "exllamav3": dist("exllamav3"), "nccl": None}
+if out["vllm"] is None and shutil.which("vllm"):
+    try:
+        words = subprocess.run(["vllm", "--version"], capture_output=True, text=True, timeout=60).stdout.split()
+        out["vllm"] = words[-1] if words else None
+    except Exception:
+        pass
+try:
+    import torch
+    v = torch.cuda.nccl.version()
+    out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+except Exception:
+    out["nccl"] = dist("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+print("@@versions " + json.dumps({k: v or "absent" for k, v in out.items()}, sort_keys=True))
+"""
+
+
+def versions_argv(tag: str) -> list[str]:
+    """`docker run` of the version probe in a built layer (arguments for Node.docker)."""
+    return ["run", "--rm", "--network", "none", "--entrypoint", "python3", tag, "-c", VERSIONS_SCRIPT]
+
+
+def parse_versions(text: str) -> dict[str, str]:
+    for line in reversed(text.splitlines()):
+        if line.startswith("@@versions "):
+            doc = json.loads(line.removeprefix("@@versions "))
+            if isinstance(doc, dict):
+                return {str(k): str(v) for k, v in doc.items()}
+    raise ParseError("the version probe printed no @@versions line")
+
+
+def version_problems(expect: Mapping[str, str], versions: Mapping[str, str]) -> list[str]:
+    """What a built layer reports against what the recipe expects of it."""
+    return [f"{key} is {versions.get(key, 'absent')}, the recipe expects {want}"
+            for key, want in sorted(expect.items()) if versions.get(key) != want]
+
+
+def version_disagreements(by_rank: Mapping[str, Mapping[str, str]], head: str) -> dict[str, str]:
+    """Ranks whose image reports other versions than the head's for the same layer (node -> what differs)."""
+    ref = by_rank.get(head) or next(iter(by_rank.values()), {})
+    out: dict[str, str] = {}
+    for node, versions in by_rank.items():
+        diff = [f"{k} {versions.get(k, 'absent')} (head: {ref.get(k, 'absent')})"
+                for k in sorted(set(ref) | set(versions)) if versions.get(k) != ref.get(k)]
+        if diff:
+            out[node] = ", ".join(diff)
+    return out
+
+
+def label_versions_argv(tag: str, versions: Mapping[str, str]) -> list[str]:
+    """Record the versions on the layer's image as a label: a build of `FROM <the image ID>` (sent on
+    stdin, no context) that adds only the label — no filesystem layer, the other labels (content
+    hash included) inherited — and takes the tag over. `check` reads it from the image inspect it does."""
+    doc = json.dumps(dict(sorted(versions.items())), separators=(",", ":"))
+    return ["env", "DOCKER_BUILDKIT=0", "docker", "build", "--quiet", "--tag", tag, "--label", f"{LABEL_VERSIONS}={doc}", "-"]
+
+
+def read_versions(image: Image) -> dict[str, str] | None:
+    """The versions label of an image sparkctl built (None: no label, or not readable)."""
+    raw = image.labels.get(LABEL_VERSIONS)
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return {str(k): str(v) for k, v in doc.items()} if isinstance(doc, dict) else None
 
 
 _STEP_RE = re.compile(r"^Step (\d+)/(\d+) :")

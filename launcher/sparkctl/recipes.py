@@ -8,6 +8,7 @@ rules. Loading checks the file's shape and names the file and the key that is wr
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,9 @@ from typing import Any
 
 from .errors import UsageError
 from .resources import recipes_dir
+
+VERSION_KEYS = ("vllm", "torch", "exllamav3", "nccl")  # what `build` reads from each image it builds
+_PLAIN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 DEFAULT_RECIPE = "glm53-exl3-tp4"
 
@@ -29,8 +33,11 @@ class MemoryProfile:
 
 @dataclass(frozen=True)
 class ImageLayer:
+    """One layer of the chain: its Dockerfile is `$MODEL/serving/<dockerfile>`, built in `serving/`."""
+
     name: str
-    payload: tuple[str, ...]
+    dockerfile: str
+    expect: dict[str, str] = field(default_factory=dict)  # versions the built image must report (vllm, torch, exllamav3, nccl)
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,6 @@ class Recipe:
     vllm_extra_args: tuple[str, ...]
     dspark_speculative_config: str | None
     container: ContainerOptions
-    dockerfiles: str
     tag_prefix: str
     layers: tuple[ImageLayer, ...]
     layout_name: str
@@ -176,7 +182,19 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         lw = f"{where}/images/layers/{i}"
         if not isinstance(layer, dict):
             raise UsageError(f"{lw}: should be a table")
-        layers.append(ImageLayer(name=_get(layer, "name", str, lw), payload=_str_list(layer, "payload", lw)))
+        lname = _get(layer, "name", str, lw)
+        dockerfile = _get(layer, "dockerfile", str, lw, f"Dockerfile.{lname}")
+        if not _PLAIN_NAME_RE.match(dockerfile):
+            raise UsageError(f"{lw}/dockerfile: {dockerfile!r} should be a file name in $MODEL/serving/ "
+                             "(letters, digits, '.', '_', '-'; no folders)")
+        if "payload" in layer:
+            raise UsageError(f"{lw}/payload: no longer used: the layer's Dockerfile in $MODEL/serving/ says "
+                             "what it copies", fix=f"remove payload from {path}")
+        expect = _get(layer, "expect", dict, lw, {})
+        for key, value in expect.items():
+            if key not in VERSION_KEYS or not isinstance(value, str):
+                raise UsageError(f"{lw}/expect/{key}: expected one of {', '.join(VERSION_KEYS)} = \"<version>\"")
+        layers.append(ImageLayer(name=lname, dockerfile=dockerfile, expect=dict(expect)))
     ckpt = _get(data, "checkpoint", dict, where, {})
     fabric = _fabric(_get(data, "fabric", dict, where, {}), f"{where}/fabric")
     return Recipe(
@@ -188,7 +206,6 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         vllm_extra_args=_str_list(vllm, "extra_args", f"{where}/vllm"),
         dspark_speculative_config=_get(vllm, "dspark_speculative_config", str, f"{where}/vllm", None),
         container=container,
-        dockerfiles=_get(images, "dockerfiles", str, f"{where}/images", "chain"),
         tag_prefix=_get(images, "tag_prefix", str, f"{where}/images", f"sparkctl/{name}"),
         layers=tuple(layers),
         layout_name=_get(ckpt, "layout", str, f"{where}/checkpoint", name),

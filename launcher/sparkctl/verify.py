@@ -21,7 +21,7 @@ The rules are parameterised by a recipe's checkpoint `layout`, a plain dict (rec
     shards            expected number of index shards (a warning when it differs)
     optional_files    {relative path: {"classes": {...}, "note": "..."}}: extra safetensors files
                       (e.g. the 6-bit head) checked with their own class rules when present
-    serving_files     files the image layers copy from serving/ (a warning when missing)
+    serving_files     the chain's Dockerfiles in serving/ (reported as shipped / missing; a warning when missing)
     provenance        {rule key: "seed" | "vllm source" | "assumed"}: where each expected value comes
                       from. A checkpoint that differs from an *assumed* value (quantization_config,
                       config.json, kv_a width) gets a warning saying what was found, never an error:
@@ -717,12 +717,20 @@ def _optional_files(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], mai
 
 
 def _serving_files(scan: Mapping[str, Any], layout: Mapping[str, Any], findings: list[Finding]) -> None:
+    """The checkpoint's image chain (serving/Dockerfile.* that `build` builds): which it ships, which not."""
     files = scan.get("files") or {}
-    for name in layout.get("serving_files") or []:
-        if f"serving/{name}" not in files:
+    wanted = list(layout.get("serving_files") or [])
+    shipped = [name for name in wanted if f"serving/{name}" in files]
+    for name in wanted:
+        if name not in shipped:
             findings.append(Finding("warn", "serving-file-missing",
-                                    f"serving/{name} is missing: the image layer that copies it cannot build",
+                                    f"serving/{name} is missing: `sparkctl build` cannot build the image layer it defines",
                                     "download the checkpoint's serving/ folder too", f"serving/{name}"))
+    if wanted:
+        missing = [n for n in wanted if n not in shipped]
+        findings.append(Finding("info", "serving-chain",
+                                f"image chain in serving/: ships {', '.join(shipped) or 'none'}"
+                                + (f"; missing {', '.join(missing)}" if missing else ""), "", "serving/"))
 
 
 def _deep(scan: Mapping[str, Any], findings: list[Finding], summary: Summary) -> None:

@@ -20,7 +20,6 @@ import pytest
 from sparkctl import __version__
 from sparkctl.lab.client import Lab
 from sparkctl.recipes import load_recipe
-from sparkctl.resources import data_dir
 
 pytestmark = pytest.mark.lab
 
@@ -98,18 +97,23 @@ def test_a_changed_dockerfile_rebuilds_that_layer_and_later_ones_only(chain_lab:
     code, _, err = build(lab)
     assert code == 0, err
     before = {n: {t: inspect(lab, n, t)["Id"] for t in TAGS} for n in RANKS}  # type: ignore[index]
-    images = tmp_path / "images"
-    shutil.copytree(data_dir("images"), images)
-    with open(images / "lab" / "v145" / "Dockerfile", "a") as f:
-        f.write("# a change to the v145 layer\n")
-    code, doc, err = build(lab, "--images-dir", str(images))
+    originals = {}
+    for node in RANKS:  # each lab host has its own copy of the checkpoint, as a real node may
+        path = lab.host(node).model_dir / "serving" / "Dockerfile.v145"
+        originals[path] = path.read_bytes()
+        path.write_bytes(originals[path] + b"# a change to the v145 layer\n")
+    try:
+        code, doc, err = build(lab)
+    finally:
+        for path, data in originals.items():
+            path.write_bytes(data)
     assert code == 0, err
     for node in RANKS:
         assert actions(doc, node) == {"dcp": "skip", "mul1": "skip", "v145": "built", "keys": "built", "keys3": "built"}
         after = {t: inspect(lab, node, t)["Id"] for t in TAGS}  # type: ignore[index]
         assert after[TAGS[0]] == before[node][TAGS[0]] and after[TAGS[1]] == before[node][TAGS[1]]
         assert all(after[t] != before[node][t] for t in TAGS[2:])
-    # back to the shipped Dockerfiles (rebuilds v145 onwards again)
+    # back to the checkpoint's Dockerfiles (rebuilds v145 onwards again)
     code, _, err = build(lab)
     assert code == 0, err
 
@@ -125,7 +129,7 @@ def test_a_missing_payload_fails_before_anything_builds(chain_lab: Lab, tmp_path
     finally:
         shutil.move(moved, serving / "patch_keys3.py")
     assert code == 2, err
-    assert "spark2" in err and "patch_keys3.py" in err and "keys3" in err
+    assert "spark2: /models/lab/serving/Dockerfile.keys3 (layer keys3) copies patch_keys3.py, which is not in serving/" in err
     after = {n: [(inspect(lab, n, t) or {}).get("Id") for t in TAGS] for n in RANKS}
     assert after == before  # nothing was built anywhere, even with --no-cache
 

@@ -94,7 +94,7 @@ def test_images_are_loaded_everywhere(lab: Lab) -> None:
     for name in lab.names:
         res = lab.docker(name, "image", "inspect", "--format", "{{.Size}}", "sparkctl-lab/base:bookworm")
         assert res.returncode == 0 and int(res.stdout) >= 100 * 10**6
-        res = lab.docker(name, "run", "--rm", "sparkctl-lab/engine:latest", "vllm", "--version")
+        res = lab.docker(name, "run", "--rm", "--entrypoint", "vllm", "sparkctl-lab/engine:latest", "--version")
         assert res.returncode == 0 and res.stdout.strip()
 
 

@@ -799,3 +799,22 @@ def test_checkpoint_from_scan_refuses_hostile_scans_with_value_error() -> None:
                  {"json": {"config.json": {"data": 5}}}, {"json": {"config.json": {"data": "!!notbase64"}}}):
         with pytest.raises(ValueError):
             checkpoint_from_scan(scan, "/m")
+
+
+def test_docker_api_asks_for_every_image_and_reads_each_answer() -> None:
+    """IMAGE and BASE_IMAGE both (the base rule needs the second): one API path and one answer each."""
+    nonce = "0123456789abcdef"
+    paths = F.docker_api_paths("c", "sparkctl/glm53-exl3:keys3", "ghcr.io/miaai-lab/x:exl3")
+    assert paths[1:] == ["/images/sparkctl/glm53-exl3:keys3/json", "/images/ghcr.io/miaai-lab/x:exl3/json"]
+    assert F.probe_args(cluster="c", images=["a:1", "b:2"], api=True)[1:4] == [f"api={p}" for p in F.docker_api_paths("c", "a:1", "b:2")]
+    ok = "HTTP/1.1 200 OK\r\nServer: Docker/20.10.24+dfsg1 (linux)\r\n\r\n"
+
+    def reply(code: int, body: str) -> str:
+        return f"{body}\n@@sparkctl {nonce} http {code}\n"
+
+    base = {"Id": "sha256:" + "b" * 64, "RepoTags": ["ghcr.io/miaai-lab/x:exl3"], "RepoDigests": [], "Config": {},
+            "RootFS": {"Layers": []}}
+    got = F.docker_facts_from_api(F.Section("docker-api", "socket unix:///s\n" + reply(200, ok + "[]")
+                                            + reply(404, ok.replace("200 OK", "404 X") + '{"message": "No such image"}')
+                                            + reply(200, ok + json.dumps(base)), "", 0), nonce)  # fmt: skip
+    assert got.images is not None and [i.id for i in got.images] == [base["Id"]] and not got.problems

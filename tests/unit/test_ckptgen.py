@@ -40,16 +40,20 @@ def test_tiny_pack_is_small_real_and_consistent(tmp_path: Path) -> None:
     assert qc == {"quant_method": "exl3", "bits": 3, "scope": "glm53_routed_experts_only"}
 
 
-def test_serving_payload_is_valid_code(tmp_path: Path) -> None:
+def test_serving_ships_the_chain_and_its_payload_as_code(tmp_path: Path) -> None:
     d = ckptgen.make_checkpoint(tmp_path / "tiny")
-    for name in ("patch_dcp.py", "exl3.py", "build_v145.sh", "patch_aarch64.py", "ablit_runtime.py",
-                 "patch_keys3.py"):
+    names = sorted(p.relative_to(d / "serving").as_posix() for p in (d / "serving").rglob("*") if p.is_file())
+    assert names == ["Dockerfile.dcp", "Dockerfile.keys", "Dockerfile.keys3", "Dockerfile.mul1", "Dockerfile.v145",
+                     "ablit_runtime.py", "exl3.py", "patch_dcp.py", "patch_keys3.py", "v145/build.sh",
+                     "v145/exllamav3/__init__.py", "v145/patch_aarch64.py"]
+    for name in names:
         text = (d / "serving" / name).read_text()
-        assert text.splitlines()[0].startswith(("#", "#!"))
         if name.endswith(".py"):
             ast.parse(text)
-        else:
+        elif name.endswith(".sh"):
             subprocess.run(["sh", "-n", str(d / "serving" / name)], check=True)
+        else:
+            assert "ARG BASE\nFROM ${BASE}\n" in text, name
     assert not (ckptgen.make_checkpoint(tmp_path / "bare", serving=False) / "serving").exists()
 
 

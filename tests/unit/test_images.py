@@ -1,4 +1,5 @@
-"""The image chain's pure parts: staging, content hashes, the plan, shipping selection, the bake file."""
+"""The image chain's pure parts: resolving the checkpoint's Dockerfiles, content hashes, the plan,
+shipping selection, the bake file."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,26 +15,31 @@ from typing import Any
 
 import pytest
 
+from sparkctl import ckptgen
 from sparkctl import images as im
 from sparkctl.builders import LABEL_CONTENT_HASH
-from sparkctl.ckptgen import SERVING
-from sparkctl.commands.bake import render_bake, stage_contexts
+from sparkctl.commands.bake import local_chain, render_bake, stage_contexts
 from sparkctl.errors import UsageError
 from sparkctl.facts import Image
 from sparkctl.recipes import available_recipes, load_recipe
-from sparkctl.resources import data_dir
 
-DIGESTS = {name: f"{i:064x}" for i, name in enumerate(SERVING)}
+SERVING = ckptgen.serving_files()  # the lab checkpoint's serving/: relative path -> bytes
+DIGESTS = {name: hashlib.sha256(data).hexdigest() for name, data in SERVING.items()}
+DOCKERFILES: dict[str, bytes | None] = {n: d for n, d in SERVING.items() if n.startswith("Dockerfile.")}
 BASE_ID = "sha256:" + "b" * 64
+V145_FILES = ("v145/build.sh", "v145/exllamav3/__init__.py", "v145/patch_aarch64.py")
 
 
-def lab_chain() -> list[im.LayerSpec]:
-    return im.load_chain(load_recipe("lab"))
+def lab_chain(dockerfiles: dict[str, bytes | None] | None = None) -> list[im.LayerSpec]:
+    chain, problems = im.resolve_chain(im.load_chain(load_recipe("lab")), DIGESTS,
+                                       DOCKERFILES if dockerfiles is None else dockerfiles)
+    assert not problems
+    return chain
 
 
 def facts(images: list[Image], digests: dict[str, str] | None = None) -> im.RankFacts:
     return im.RankFacts(tools=frozenset({"gzip"}), digests=dict(DIGESTS if digests is None else digests),
-                        missing=(), engine_ok=True, engine="20.10", images=tuple(images))
+                        dockerfiles=dict(DOCKERFILES), engine_ok=True, engine="20.10", images=tuple(images))
 
 
 def img(ref: str, id_: str, labels: dict[str, str] | None = None, layers: tuple[str, ...] = ()) -> Image:
@@ -67,44 +72,67 @@ def test_content_hash_is_the_same_on_every_rank_whatever_the_image_ids() -> None
 
 
 def hashlib_hex(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-# ------------------------------------------------------------------------------ the chain on disk
+# ------------------------------------------------------------------------------ the checkpoint's chain
 
 
 @pytest.mark.parametrize("recipe", available_recipes())
-def test_every_recipe_layer_has_a_dockerfile_that_copies_exactly_its_payload(recipe: str) -> None:
-    r = load_recipe(recipe)
-    chain = im.load_chain(r)
+def test_every_recipe_builds_the_checkpoints_own_dockerfiles(recipe: str) -> None:
+    chain = im.load_chain(load_recipe(recipe))
     assert [x.name for x in chain] == ["dcp", "mul1", "v145", "keys", "keys3"]
+    assert [x.dockerfile_name for x in chain] == [f"Dockerfile.{x.name}" for x in chain]
+
+
+def test_the_lab_checkpoints_dockerfiles_copy_what_they_ship_in_one_copy_and_one_run() -> None:
+    chain = lab_chain()
+    assert [x.payload for x in chain] == [("patch_dcp.py",), ("exl3.py",), V145_FILES, ("ablit_runtime.py",),
+                                          ("patch_keys3.py",)]
     for layer in chain:
         text = layer.dockerfile.decode()
         assert text.startswith("#"), f"{layer.dockerfile_path}: no header comment"
-        assert "ARG BASE\nFROM ${BASE}" in text
-        copied = [w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()[1:-1]]
-        assert sorted(copied) == sorted(layer.payload), layer.dockerfile_path
+        assert layer.base_arg == "BASE"
         # One COPY and one RUN that ends with the self-test: every layer-making instruction more is
         # one more layer for each rank's `docker load` (the classic builder commits even an empty RUN).
         made = [line.split()[0] for line in text.splitlines() if line.split()[:1] in (["RUN"], ["COPY"], ["ADD"])]
         assert made == ["COPY", "RUN"], (layer.dockerfile_path, made)
 
 
-def test_a_missing_dockerfile_names_the_layer_and_the_path(tmp_path: Path) -> None:
-    root = tmp_path / "images"
-    shutil.copytree(data_dir("images"), root)
-    (root / "lab" / "keys" / "Dockerfile").unlink()
-    with pytest.raises(UsageError, match=r"layer keys: .*lab/keys/Dockerfile not found"):
-        im.load_chain(load_recipe("lab"), root)
+def test_a_missing_dockerfile_names_the_layer_and_the_file() -> None:
+    refs = im.load_chain(load_recipe("lab"))
+    chain, problems = im.resolve_chain(refs, DIGESTS, {**DOCKERFILES, "Dockerfile.keys": None})
+    assert problems == ["serving/Dockerfile.keys (layer keys) is missing"]
+    assert [x.name for x in chain] == ["dcp", "mul1", "v145", "keys3"]
+    err = im.chain_error({"spark2": problems}, "/models/lab")
+    assert "spark2: /models/lab/serving/Dockerfile.keys (layer keys) is missing" in str(err)
+    assert "nothing was built" in str(err) and err.exit_code == 2
 
 
-def test_payload_names_must_be_plain_file_names() -> None:
-    r = load_recipe("lab")
-    bad = replace(r, layers=(replace(r.layers[0], payload=("../etc/passwd",)), *r.layers[1:]))
-    with pytest.raises(UsageError, match="plain file name"):
-        im.load_chain(bad)
+def test_a_dockerfile_from_a_fixed_image_is_refused_saying_what_it_needs() -> None:
+    fixed = b"FROM ghcr.io/miaai-lab/glm-5.3-flash-2x-dgx-sparks:exl3\nCOPY exl3.py /x/\nRUN true\n"
+    refs = im.load_chain(load_recipe("lab"))
+    _, problems = im.resolve_chain(refs, DIGESTS, {**DOCKERFILES, "Dockerfile.mul1": fixed})
+    assert len(problems) == 1
+    assert problems[0].startswith("serving/Dockerfile.mul1 (layer mul1) builds FROM ghcr.io/miaai-lab/")
+    assert "`ARG <NAME>` + `FROM ${NAME}`" in problems[0]
+
+
+def test_a_copy_source_that_is_not_in_serving_is_named() -> None:
+    refs = im.load_chain(load_recipe("lab"))
+    digests = {k: v for k, v in DIGESTS.items() if k != "patch_keys3.py"}
+    _, problems = im.resolve_chain(refs, digests, DOCKERFILES)
+    assert problems == ["serving/Dockerfile.keys3 (layer keys3) copies patch_keys3.py, which is not in serving/"]
+
+
+def test_the_parent_argument_is_the_one_the_dockerfile_declares() -> None:
+    text = (b"# header\nARG CUDA=13\nARG PARENT_IMAGE\nFROM --platform=linux/arm64 ${PARENT_IMAGE} AS build\n"
+            b"COPY --chown=0:0 [\"exl3.py\", \"/x/\"]\nCOPY --from=build /x /y\nFROM build\nRUN true\n")
+    chain = lab_chain({**DOCKERFILES, "Dockerfile.mul1": text})
+    mul1 = chain[1]
+    assert mul1.base_arg == "PARENT_IMAGE" and mul1.payload == ("exl3.py",)
+    argv = im.build_argv(load_recipe("lab"), mul1, "/models/lab", DIGESTS, BASE_ID, "sha256:" + "9" * 64)
+    assert f"PARENT_IMAGE={BASE_ID}" in argv and f"BASE={BASE_ID}" not in argv
 
 
 def test_only_names_a_layer() -> None:
@@ -135,15 +163,8 @@ def test_content_hash_is_stable_and_sensitive_to_each_input() -> None:
     # files the layer does not stage do not matter
     assert im.content_hash(v145, {**DIGESTS, "patch_keys3.py": "f" * 64}, BASE_ID) == h
     # a renamed file is a different context, even with the same bytes
-    renamed = replace(v145, payload=("build_v145.sh", "patch_arm64.py"))
-    assert im.content_hash(renamed, {**DIGESTS, "patch_arm64.py": DIGESTS["patch_aarch64.py"]}, BASE_ID) != h
-
-
-def test_missing_payload_error_names_file_layer_and_node() -> None:
-    err = im.missing_payload_error({"spark2": ["patch_keys3.py"]}, lab_chain(), "/models/lab")
-    assert "spark2: /models/lab/serving/patch_keys3.py (payload of layer keys3) is missing" in str(err)
-    assert "nothing was built" in str(err)
-    assert err.exit_code == 2
+    renamed = replace(v145, payload=("v145/build.sh", "v145/exllamav3/__init__.py", "v145/patch_arm64.py"))
+    assert im.content_hash(renamed, {**DIGESTS, "v145/patch_arm64.py": DIGESTS["v145/patch_aarch64.py"]}, BASE_ID) != h
 
 
 # ------------------------------------------------------------------------------ probe output
@@ -152,38 +173,42 @@ def test_missing_payload_error_names_file_layer_and_node() -> None:
 def test_parse_probe() -> None:
     inspect = json.loads(Path("tests/fixtures/docker/image-inspect.json").read_text())
     text = "\n".join([
-        "@@tools", "zstd", "gzip", "@@payload", f"{'a' * 64} patch_dcp.py", "missing exl3.py",
+        "@@tools", "zstd", "gzip", "@@files", f"{'a' * 64}  ./patch_dcp.py", f"{'b' * 64}  ./v145/build.sh",
+        "@@dockerfiles", "Dockerfile.dcp QVJHIEJBU0UK", "- Dockerfile.mul1",
         "@@engine", "ok 20.10.24+dfsg1", "@@images", json.dumps(inspect), "@@end",
     ])
     f = im.parse_probe(text)
     assert f.tools == {"zstd", "gzip"}
-    assert f.digests == {"patch_dcp.py": "a" * 64} and f.missing == ("exl3.py",)
+    assert f.digests == {"patch_dcp.py": "a" * 64, "v145/build.sh": "b" * 64}
+    assert f.dockerfiles == {"Dockerfile.dcp": b"ARG BASE\n", "Dockerfile.mul1": None}
     assert f.engine_ok and f.engine == "20.10.24+dfsg1"
     assert len(f.images) == len(inspect)
 
 
 def test_parse_probe_engine_down_and_cut_short() -> None:
-    f = im.parse_probe("@@tools\n@@payload\n@@engine\ndown Cannot connect to the Docker daemon\n@@images\n@@end\n")
+    f = im.parse_probe("@@tools\n@@files\n@@dockerfiles\n@@engine\ndown Cannot connect to the Docker daemon\n@@images\n@@end\n")
     assert not f.engine_ok and "Cannot connect" in f.engine
     from sparkctl.facts import ParseError
 
     with pytest.raises(ParseError, match="cut short"):
-        im.parse_probe("@@tools\n@@payload\n")
+        im.parse_probe("@@tools\n@@files\n")
+    with pytest.raises(ParseError, match="garbled"):
+        im.parse_probe("@@dockerfiles\nDockerfile.dcp not*base64\n@@end\n")
 
 
-def test_probe_runs_locally_against_a_serving_folder(tmp_path: Path) -> None:
-    serving = tmp_path / "serving"
-    serving.mkdir()
-    (serving / "patch_dcp.py").write_text("x = 1\n")
-    argv = im.probe_argv(str(tmp_path), ["patch_dcp.py", "exl3.py"], [])
+def test_probe_runs_locally_against_the_lab_checkpoints_serving_folder(tmp_path: Path) -> None:
+    model = ckptgen.make_checkpoint(tmp_path / "m")
+    (model / "serving" / "Dockerfile.keys").unlink()
+    refs = im.load_chain(load_recipe("lab"))
+    argv = im.probe_argv(str(model), refs, [])
     res = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin",
                          "DOCKER_HOST": "unix:///nonexistent.sock"})
     f = im.parse_probe(res.stdout)
-    import hashlib
-
-    assert f.digests == {"patch_dcp.py": hashlib.sha256(b"x = 1\n").hexdigest()}
-    assert f.missing == ("exl3.py",)
+    assert f.digests == {k: v for k, v in DIGESTS.items() if k != "Dockerfile.keys"}
+    assert f.dockerfiles == {**DOCKERFILES, "Dockerfile.keys": None}
     assert not f.engine_ok
+    chain, problems = f.chain(refs)
+    assert problems == ["serving/Dockerfile.keys (layer keys) is missing"]
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -257,9 +282,9 @@ def test_build_argv_stages_on_the_node_and_labels_the_image() -> None:
     argv = im.build_argv(recipe, layer, "/models/lab", DIGESTS, BASE_ID, "sha256:" + "9" * 64)
     assert argv[:2] == ["sh", "-c"] and argv[2] == im.BUILD_SCRIPT
     rest = argv[3:]
-    assert rest[:3] == ["sparkctl-build", "/models/lab/serving", "2"]
-    assert rest[3:7] == ["build_v145.sh", DIGESTS["build_v145.sh"], "patch_aarch64.py", DIGESTS["patch_aarch64.py"]]
-    docker = rest[7:]
+    assert rest[:3] == ["sparkctl-build", "/models/lab/serving", "3"]
+    assert rest[3:9] == [x for name in V145_FILES for x in (name, DIGESTS[name])]
+    docker = rest[9:]
     assert docker[:4] == ["env", "DOCKER_BUILDKIT=0", "docker", "build"]
     assert ["--tag", "sparkctl-lab/chain:v145"] == docker[4:6]
     assert f"BASE={BASE_ID}" in docker
@@ -269,25 +294,21 @@ def test_build_argv_stages_on_the_node_and_labels_the_image() -> None:
     assert docker[-2:] == ["--force-rm", "."]
 
 
-def test_build_script_stages_only_the_listed_files_and_checks_them(tmp_path: Path) -> None:
+def test_build_script_stages_only_the_copied_files_and_checks_them(tmp_path: Path) -> None:
     """Run BUILD_SCRIPT locally with a fake `docker build` that lists its context."""
-    import hashlib
-
-    serving = tmp_path / "serving"
-    serving.mkdir()
-    for name, text in SERVING.items():
-        (serving / name).write_text(text)
-    digests = {n: hashlib.sha256(t.encode()).hexdigest() for n, t in SERVING.items()}
+    model = ckptgen.make_checkpoint(tmp_path / "m")
+    serving = model / "serving"
     recipe = load_recipe("lab")
     layer = lab_chain()[2]
-    argv = im.build_argv(recipe, layer, str(tmp_path), digests, BASE_ID, "sha256:" + "9" * 64)
+    argv = im.build_argv(recipe, layer, str(model), DIGESTS, BASE_ID, "sha256:" + "9" * 64)
     cut = argv.index("env")
-    fake = [*argv[:cut], "sh", "-c", 'ls; cat Dockerfile | head -1']
+    fake = [*argv[:cut], "sh", "-c", 'find . -type f | sort; head -1 Dockerfile']
     res = subprocess.run(fake, input=layer.dockerfile, capture_output=True, timeout=30)
     assert res.returncode == 0, res.stderr
     listing = res.stdout.decode().splitlines()
-    assert listing[:3] == ["Dockerfile", "build_v145.sh", "patch_aarch64.py"]
-    (serving / "build_v145.sh").write_text("changed\n")
+    assert listing[:4] == ["./Dockerfile", "./v145/build.sh", "./v145/exllamav3/__init__.py", "./v145/patch_aarch64.py"]
+    assert listing[4] == layer.dockerfile.decode().splitlines()[0]
+    (serving / "v145" / "build.sh").write_text("changed\n")
     res = subprocess.run(fake, input=layer.dockerfile, capture_output=True, timeout=30)
     assert res.returncode == 65 and b"changed while building" in res.stderr
 
@@ -554,14 +575,18 @@ def parse_bake(text: str) -> dict[str, Any]:
     return {"targets": targets, "groups": groups, "variables": variables}
 
 
+def write_serving(dest: Path) -> Path:
+    for name, data in SERVING.items():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(data)
+    return dest
+
+
 @pytest.mark.parametrize("recipe_name", ["glm53-exl3-tp4", "lab"])
 def test_bake_file_structure_matches_the_recipe(recipe_name: str, tmp_path: Path) -> None:
     recipe = load_recipe(recipe_name)
-    chain = im.load_chain(recipe)
-    serving = tmp_path / "serving"
-    serving.mkdir()
-    for name, text in SERVING.items():
-        (serving / name).write_text(text)
+    serving = write_serving(tmp_path / "serving")
+    chain = local_chain(im.load_chain(recipe), serving)
     staged = stage_contexts(chain, serving, tmp_path / "bake")
     text = render_bake(recipe, chain, base_image=str(recipe.defaults["BASE_IMAGE"]),
                        contexts={k: str(v) for k, v in staged.items()}, registry="ghcr.io/acme")
@@ -582,7 +607,8 @@ def test_bake_file_structure_matches_the_recipe(recipe_name: str, tmp_path: Path
         assert t["labels"] == {"sparkctl.layer": layer.name}
         assert t["tags"] == [f"ghcr.io/acme/{recipe.tag_prefix}:{layer.name}"]
         ctx = Path(t["context"])
-        assert sorted(p.name for p in ctx.iterdir()) == sorted(["Dockerfile", *layer.payload])
+        assert sorted(p.relative_to(ctx).as_posix() for p in ctx.rglob("*") if p.is_file()) == sorted(
+            ["Dockerfile", *layer.payload])
         assert (ctx / "Dockerfile").read_bytes() == layer.dockerfile
         parent = f"target:{layer.name}"
     pushed = parse_bake(render_bake(recipe, chain, base_image="x/y:z", contexts={k: str(v) for k, v in staged.items()},
@@ -590,12 +616,21 @@ def test_bake_file_structure_matches_the_recipe(recipe_name: str, tmp_path: Path
     assert pushed["targets"]["_chain"]["output"] == ["type=registry"]
 
 
-def test_bake_stage_refuses_missing_payload(tmp_path: Path) -> None:
-    chain = lab_chain()
-    (tmp_path / "serving").mkdir()
-    with pytest.raises(UsageError, match=r"patch_dcp.py \(payload of layer dcp\)"):
-        stage_contexts(chain, tmp_path / "serving", tmp_path / "bake")
-    assert not (tmp_path / "bake").exists()
+def test_bake_sets_the_parent_argument_the_dockerfile_declares(tmp_path: Path) -> None:
+    serving = write_serving(tmp_path / "serving")
+    (serving / "Dockerfile.keys").write_bytes(b"ARG PARENT\nFROM $PARENT\nCOPY ablit_runtime.py /x/\n")
+    recipe = load_recipe("lab")
+    chain = local_chain(im.load_chain(recipe), serving)
+    staged = stage_contexts(chain, serving, tmp_path / "bake")
+    bake = parse_bake(render_bake(recipe, chain, base_image="x/y:z", contexts={k: str(v) for k, v in staged.items()}))
+    assert bake["targets"]["keys"]["args"] == {"PARENT": "parent"}
+
+
+def test_bake_refuses_a_serving_folder_that_cannot_build(tmp_path: Path) -> None:
+    serving = write_serving(tmp_path / "serving")
+    (serving / "patch_dcp.py").unlink()
+    with pytest.raises(UsageError, match=r"Dockerfile.dcp \(layer dcp\) copies patch_dcp.py, which is not in serving/"):
+        local_chain(im.load_chain(load_recipe("lab")), serving)
 
 
 def test_bake_command_writes_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -605,8 +640,7 @@ def test_bake_command_writes_the_file(tmp_path: Path, monkeypatch: pytest.Monkey
 
     serving = tmp_path / "m" / "serving"
     serving.mkdir(parents=True)
-    for name, text in SERVING.items():
-        (serving / name).write_text(text)
+    write_serving(serving)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("NODES", raising=False)
     res = CliRunner().invoke(cli, ["--recipe", "lab", "--model", str(tmp_path / "m"), "bake", "--out", "out/b.hcl"])
@@ -673,3 +707,29 @@ def test_fan_out_ends_every_ranks_stream_before_waiting_for_any_load(monkeypatch
     ends = [n for kind, n in events if kind == "eof" and n != "head"]
     first_wait = next(i for i, (kind, _) in enumerate(events) if kind == "wait")
     assert sorted(ends) == ranks and all(events.index(("eof", n)) < first_wait for n in ranks), events
+
+
+def test_version_probe_runs_in_a_python_and_reads_distributions(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "exllamav3-1.4.5.dist-info").mkdir(parents=True)
+    (site / "exllamav3-1.4.5.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: exllamav3\nVersion: 1.4.5\n")
+    res = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); exec({im.VERSIONS_SCRIPT!r})"],
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/nonexistent"})
+    versions = im.parse_versions(res.stdout)
+    assert versions == {"exllamav3": "1.4.5", "nccl": "absent", "torch": "absent", "vllm": "absent"}
+    assert im.version_problems({"exllamav3": "1.4.5"}, versions) == []
+    assert im.version_problems({"exllamav3": "1.4.5"}, {**versions, "exllamav3": "0.0.43"}) == [
+        "exllamav3 is 0.0.43, the recipe expects 1.4.5"]
+    assert im.versions_argv("t:v145")[:7] == ["run", "--rm", "--network", "none", "--entrypoint", "python3", "t:v145"]
+
+
+def test_versions_are_compared_with_the_heads() -> None:
+    head = {"vllm": "0.33.0", "exllamav3": "1.4.5"}
+    assert im.version_disagreements({"spark1": head, "spark2": head, "spark3": {**head, "exllamav3": "0.0.43"}},
+                                    "spark1") == {"spark3": "exllamav3 0.0.43 (head: 1.4.5)"}
+
+
+def test_every_recipe_expects_exllamav3_1_4_5_after_v145() -> None:
+    for name in available_recipes():
+        chain = im.load_chain(load_recipe(name))
+        assert dict(next(x for x in chain if x.name == "v145").expect) == {"exllamav3": "1.4.5"}, name

@@ -174,3 +174,20 @@ def test_docker_run_has_production_container_options(settings):
                  "--device /dev/infiniband", "--cap-add IPC_LOCK", "--gpus all", "--shm-size 64g",
                  "--label sparkctl.cluster=sparkctl", "--label sparkctl.rank=0", "--label sparkctl.config-hash=abc"]:
         assert part in text
+
+
+@pytest.mark.parametrize("recipe", ["glm53-exl3-tp4", "glm53-exl3-2.75bpw"])
+def test_every_production_docker_run_names_its_entrypoint(clean_env, tmp_path, recipe):
+    """vLLM's OpenAI image (and Mia's base on it) has ENTRYPOINT ["vllm", "serve"]: `IMAGE vllm serve`
+    would run `vllm serve vllm serve`. Every rank's command is `--entrypoint vllm IMAGE serve MODEL`."""
+    from tests.conftest import write_model
+
+    write_model(tmp_path / "m", 258_000_000_000, 81)
+    s = load_settings(cli={"recipe": recipe}, environ={"NODES": "spark1 spark2 spark3 spark4", "MODEL": MODEL, **PINS})
+    rendered = render_all(s, _plan(s, tmp_path / "m"), resolve_pins(s), now=NOW)
+    for argv in rendered.docker_argv:
+        image = argv.index(str(s.get("IMAGE")))
+        assert argv[image - 2: image] == ["--entrypoint", "vllm"]
+        assert argv[image + 1: image + 3] == ["serve", MODEL]
+        assert "vllm" not in argv[image + 1:]
+        assert argv[argv.index("--quantization") + 1] == "exl3"

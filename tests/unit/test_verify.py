@@ -139,11 +139,14 @@ def test_garbage_header_reads_little(tmp_path: Path) -> None:
 def test_missing_files_and_garbage_json(tmp_path: Path) -> None:
     d = tiny(tmp_path)
     (d / "config.json").write_text("{not json")
-    (d / "serving" / "exl3.py").unlink()
+    (d / "serving" / "Dockerfile.v145").unlink()
     (d / ckptgen.INDEX).unlink()
     r = verify_dir(d, TINY)
     assert {"file-missing", "json-invalid"} <= codes(r)
     assert "serving-file-missing" in codes(r, "warn")
+    chain = next(f for f in r.findings if f.code == "serving-chain")
+    assert chain.message == ("image chain in serving/: ships Dockerfile.dcp, Dockerfile.mul1, Dockerfile.keys, "
+                             "Dockerfile.keys3; missing Dockerfile.v145")
 
 
 def test_no_layout_is_structure_only(tmp_path: Path) -> None:

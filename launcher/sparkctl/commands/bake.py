@@ -2,13 +2,13 @@
 
 For CI (buildx exists there, under QEMU for linux/arm64): one target per layer, in the recipe's order,
 each built FROM the previous target through a named build context (`contexts = { parent =
-"target:<prev>" }`, `args = { BASE = "parent" }`); the first target's parent is the recipe's
+"target:<prev>" }`, `args = { <the Dockerfile's parent ARG> = "parent" }`); the first target's parent is the recipe's
 BASE_IMAGE. Group "default" = every layer in order.
 
-Each target's context is staged next to the bake file (`<out dir>/<layer>/`: the Dockerfile and only
-the payload files the recipe lists, copied from --payload, default $MODEL/serving), so a CI build sees
-exactly what `sparkctl build` stages on a node. A missing payload file is an error naming the file and
-the layer before anything is written.
+Each target's context is staged next to the bake file (`<out dir>/<layer>/`: the checkpoint's
+serving/Dockerfile.<layer> and only the files its COPY/ADD name, from --payload, default $MODEL/serving),
+so a CI build sees exactly what `sparkctl build` stages on a node. A missing Dockerfile or copied file is
+an error naming the file and the layer before anything is written.
 
 CI images carry sparkctl.recipe / layer / version labels but no sparkctl.content-hash: that hash
 includes the parent image ID on the node, which a registry build cannot know.
@@ -16,6 +16,7 @@ includes the parent image ID on the node, which a registry build cannot know.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -46,7 +47,7 @@ def render_bake(recipe: Recipe, chain: list[im.LayerSpec], *, base_image: str, c
     targets: list[dict[str, Any]] = []
     parent = "docker-image://${BASE_IMAGE}"
     for layer in chain:
-        targets.append({"name": layer.name, "context": contexts[layer.name], "parent": parent,
+        targets.append({"name": layer.name, "context": contexts[layer.name], "parent": parent, "arg": layer.base_arg,
                         "tags": target_tags(recipe, layer.name, registry)})
         parent = f"target:{layer.name}"
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
@@ -56,18 +57,28 @@ def render_bake(recipe: Recipe, chain: list[im.LayerSpec], *, base_image: str, c
         if '"' in value or "\\" in value or "\n" in value or "${" in value or "%{" in value:
             raise UsageError(f"{value!r} cannot be written into an HCL string")
     return env.get_template("docker-bake.hcl.j2").render(
-        recipe=recipe.name, version=__version__, dockerfiles=recipe.dockerfiles, layers=chain, targets=targets,
+        recipe=recipe.name, version=__version__, layers=chain, targets=targets,
         base_image=base_image, platforms=PLATFORMS, push=push, filename=filename,
     )
 
 
+def local_chain(refs: list[im.LayerRef], serving: Path) -> list[im.LayerSpec]:
+    """The chain as a local serving/ folder defines it (the same resolution `build` does on a node)."""
+    if not serving.is_dir():
+        raise UsageError(f"{serving} is not a folder", fix="pass --payload the checkpoint's serving/ folder (or set MODEL)")
+    files = {p.relative_to(serving).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(serving.rglob("*")) if p.is_file()}
+    dockerfiles = {ref.dockerfile_name: ((serving / ref.dockerfile_name).read_bytes()
+                                         if (serving / ref.dockerfile_name).is_file() else None) for ref in refs}
+    chain, problems = im.resolve_chain(refs, files, dockerfiles)
+    if problems:
+        raise UsageError("the chain cannot be built from " + str(serving) + ", nothing was written:\n  "
+                         + "\n  ".join(problems), fix="pass --payload the checkpoint's serving/ folder (or set MODEL)")
+    return chain
+
+
 def stage_contexts(chain: list[im.LayerSpec], payload: Path, dest: Path) -> dict[str, Path]:
-    """Copy each layer's Dockerfile and listed payload files into dest/<layer>/ (replacing it)."""
-    missing = [(layer, name) for layer in chain for name in layer.payload if not (payload / name).is_file()]
-    if missing:
-        lines = [f"{payload / name} (payload of layer {layer.name})" for layer, name in missing]
-        raise UsageError("payload files missing, nothing was written:\n  " + "\n  ".join(lines),
-                         fix="pass --payload the checkpoint's serving/ folder (or set MODEL)")
+    """Copy each layer's Dockerfile and the files it copies into dest/<layer>/ (replacing it)."""
     out: dict[str, Path] = {}
     for layer in chain:
         ctx = dest / layer.name
@@ -76,6 +87,7 @@ def stage_contexts(chain: list[im.LayerSpec], payload: Path, dest: Path) -> dict
         ctx.mkdir(parents=True)
         (ctx / "Dockerfile").write_bytes(layer.dockerfile)
         for name in layer.payload:
+            (ctx / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(payload / name, ctx / name)
         out[layer.name] = ctx
     return out
@@ -87,10 +99,8 @@ def stage_contexts(chain: list[im.LayerSpec], payload: Path, dest: Path) -> dict
 @click.option("--payload", metavar="DIR", help="The serving/ payload folder (default: $MODEL/serving).")
 @click.option("--push", is_flag=True, help="Targets push to the registry (output type=registry).")
 @click.option("--registry", metavar="REF", help="Prefix for the tags, e.g. ghcr.io/OWNER.")
-@click.option("--images-dir", metavar="DIR", help="Use this images folder instead of the shipped one.")
 @click.pass_context
-def command(ctx: click.Context, out: str, payload: str | None, push: bool, registry: str | None,
-            images_dir: str | None) -> None:
+def command(ctx: click.Context, out: str, payload: str | None, push: bool, registry: str | None) -> None:
     """Render docker-bake.hcl for CI builds of the image chain (linux/arm64)."""
     settings = ctx.obj.settings(validate=False)  # no nodes are needed to render a bake file
     recipe = settings.recipe
@@ -106,7 +116,7 @@ def command(ctx: click.Context, out: str, payload: str | None, push: bool, regis
         if not model:
             raise UsageError("no payload folder", fix="pass --payload DIR (the checkpoint's serving/) or set MODEL")
         payload = im.serving_dir(model)
-    chain = im.load_chain(recipe, images_dir)
+    chain = local_chain(im.load_chain(recipe), Path(payload))
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staged = stage_contexts(chain, Path(payload), out_path.parent)

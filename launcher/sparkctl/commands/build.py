@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import click
@@ -34,10 +34,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from .. import basepin
 from .. import images as im
 from ..cluster import Cluster, Node, NodeError, remote_command, wait_channel
 from ..errors import CheckFailed
-from ..facts import Image, ParseError, parse_image_inspect
+from ..facts import Image, ParseError, normalize_image_ref, parse_image_inspect
 from ..output import emit_json
 from ..resources import probe_script
 
@@ -57,6 +58,7 @@ class LayerResult:
     reason: str = ""
     seconds: float = 0.0
     image_id: str | None = None
+    versions: dict[str, str] | None = None  # what the built image reports (images.VERSIONS_SCRIPT)
 
 
 @dataclass
@@ -224,7 +226,7 @@ def _error_tail(tail: Sequence[str]) -> str:
 @dataclass
 class Job:
     recipe: Any
-    chain: list[im.LayerSpec]
+    chains: dict[str, list[im.LayerSpec]]  # per node: the chain as its own serving/ defines it
     model: str
     base_ref: str
     only: str | None
@@ -234,9 +236,10 @@ class Job:
 
 def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) -> None:
     """Build the chain on one node, deciding each layer with the real parent ID as it goes."""
+    chain = job.chains[node.name]
     base = facts.image(job.base_ref)
     if base is None:
-        first = job.chain[0].name
+        first = chain[0].name
         job.board.set(node.name, first, "pulling base")
         res = node.docker(["pull", job.base_ref], timeout=PULL_TIMEOUT)
         got = inspect_images(node, [job.base_ref]) if res.ok else []
@@ -248,7 +251,7 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
     parent_id: str | None = base.id  # what the next layer is built FROM
     parent_hash: str | None = im.parent_key(base)  # what the next layer's content hash says of it
     rebuilt = False
-    for layer in job.chain:
+    for layer in chain:
         existing = facts.image(layer.tag)
         if job.only is not None and layer.name != job.only:
             action = "stale" if rebuilt else "keep"
@@ -258,7 +261,7 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
             parent_hash = im.parent_key(existing) if existing and not rebuilt else None
             continue
         if parent_id is None or parent_hash is None:
-            prev = job.chain[layer.index - 1].tag
+            prev = chain[layer.index - 1].tag
             result.layers[layer.name] = LayerResult(layer.name, "blocked", f"{prev} is not on the node")
             raise NodeError(node.name, "build", f"layer {layer.name}: its parent {prev} is not on the node",
                             "run `sparkctl build` without --only to build the chain")
@@ -285,20 +288,56 @@ def build_rank(node: Node, facts: im.RankFacts, job: Job, result: RankResult) ->
             result.layers[layer.name] = LayerResult(layer.name, "failed", _error_tail(tail), seconds)
             job.board.set(node.name, layer.name, "failed")
             raise NodeError(node.name, "build", f"layer {layer.name}: docker build failed (exit {code}): {_error_tail(tail)}",
-                            f"fix {layer.dockerfile_path} or the payload in {im.serving_dir(job.model)}/ on {node.name}")
+                            f"fix {im.serving_dir(job.model)}/{layer.dockerfile_name} or what it copies on {node.name}")
         built = inspect_images(node, [layer.tag])
         if not built:
             raise NodeError(node.name, "build", f"layer {layer.name}: built, but {layer.tag} is not there")
-        result.layers[layer.name] = LayerResult(layer.name, "built", step.reason, round(seconds, 2), built[0].id)
+        versions = layer_versions(node, layer)
+        code, tail = run_lines(node, im.label_versions_argv(layer.tag, versions), stdin=f"FROM {built[0].id}\n".encode(),
+                               timeout=300, on_line=lambda line: None)
+        labelled = inspect_images(node, [layer.tag]) if code == 0 else []
+        if not labelled:
+            raise NodeError(node.name, "build", f"layer {layer.name}: recording its versions failed (exit {code}): "
+                            f"{_error_tail(tail)}", f"check the Docker engine on {node.name}")
+        built = labelled
+        result.layers[layer.name] = LayerResult(layer.name, "built", step.reason, round(seconds, 2), built[0].id,
+                                                versions)
         job.board.set(node.name, layer.name, f"built {seconds:.1f}s")
         parent_id, parent_hash = built[0].id, step.content_hash
         rebuilt = True
-    top = inspect_images(node, [job.chain[-1].tag])
+    top = inspect_images(node, [chain[-1].tag])
     result.image_id = top[0].id if top else None
 
 
-def probe(cluster: Cluster, chain: list[im.LayerSpec], model: str, base_ref: str) -> dict[str, im.RankFacts | NodeError]:
-    argv = im.probe_argv(model, im.payload_files(chain), [base_ref, *(layer.tag for layer in chain)])
+def layer_versions(node: Node, layer: im.LayerSpec) -> dict[str, str]:
+    """Run the version probe in a layer just built; a version the recipe expects and the image lacks
+    fails this rank here, not the service later."""
+    res = node.docker(im.versions_argv(layer.tag), timeout=300)
+    try:
+        versions = im.parse_versions(res.stdout)
+    except (ParseError, ValueError):
+        raise NodeError(node.name, "build", f"layer {layer.name}: the version probe failed (exit {res.exit_code}): "
+                        f"{res.stderr.strip()[-300:]}", f"check that {layer.tag} has python3") from None
+    problems = im.version_problems(dict(layer.expect), versions)
+    if problems:
+        raise NodeError(node.name, "build", f"layer {layer.name}: {'; '.join(problems)}",
+                        f"fix serving/{layer.dockerfile_name} (or the recipe's expect for {layer.name})")
+    return versions
+
+
+def compare_versions(results: dict[str, RankResult], head: str) -> None:
+    """Every rank that built a layer must report the same versions for it as the head (or the first)."""
+    layers = {name for r in results.values() for name in r.layers}
+    for name in sorted(layers):
+        by_rank = {n: v for n, r in results.items()
+                   if r.ok and name in r.layers and (v := r.layers[name].versions) is not None}
+        for n, diff in im.version_disagreements(by_rank, head).items():
+            results[n].error = f"layer {name} reports other versions than on the head: {diff}"
+            results[n].fix = f"the ranks build different things: compare $MODEL/serving/ on {n} with the head's"
+
+
+def probe(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, base_ref: str) -> dict[str, im.RankFacts | NodeError]:
+    argv = im.probe_argv(model, chain, [base_ref, *(layer.tag for layer in chain)])
 
     def one(node: Node) -> im.RankFacts:
         res = node.run(argv, timeout=60)
@@ -315,14 +354,13 @@ def probe(cluster: Cluster, chain: list[im.LayerSpec], model: str, base_ref: str
 @click.option("--only", "only", metavar="LAYER", help="Build just this layer (its parent must be on the node).")
 @click.option("--no-cache", is_flag=True, help="Rebuild even when the content hash matches (docker build --no-cache).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (what builds, skips or ships where, and why); change nothing.")
-@click.option("--images-dir", metavar="DIR", help="Use this images folder instead of the shipped one (for testing a change).")
 @click.pass_context
-def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dry_run: bool, images_dir: str | None) -> None:
+def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dry_run: bool) -> None:
     """Build the image chain on every rank (or once on the head with --ship)."""
     g = ctx.obj
     settings = g.settings()
     recipe = settings.recipe
-    chain = im.load_chain(recipe, images_dir)
+    chain = im.load_chain(recipe)
     im.select_layers(chain, only)  # an unknown --only is a usage error before any connection
     nodes: list[str] = settings.nodes
     model = str(settings.model)
@@ -341,16 +379,30 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
                 results[node].fix = f"start the Docker engine on {node} (or fix DOCKER_HOST for its SSH sessions)"
             else:
                 facts[node] = f
-        missing = {n: facts[n].missing for n in builders if n in facts and facts[n].missing}
-        if missing:
-            raise im.missing_payload_error(missing, chain, model)
+        chains: dict[str, list[im.LayerSpec]] = {}
+        problems: dict[str, list[str]] = {}
+        for n in builders:
+            if n in facts:
+                chains[n], trouble = facts[n].chain(chain)
+                if trouble:
+                    problems[n] = trouble
+        if problems:
+            raise im.chain_error(problems, model)
         if dry_run:
-            out["plan"] = _plan(chain, facts, results, builders, base_ref, only, no_cache, ship)
+            head_base = facts[nodes[0]].image(base_ref) if nodes[0] in facts else None
+            if head_base is not None:
+                p = basepin.pin(base_ref, head_base)
+                out["base"] = {**p.as_dict(), "stale": {n: why for n in nodes[1:] if n in facts
+                                                        if (why := basepin.stale(p, facts[n].image(base_ref)))}}
+            out["plan"] = _plan(chain, chains, facts, results, builders, base_ref, only, no_cache, ship)
             _finish(g, out, results, print_plan=True)
             return
         board = Board(nodes, [layer.name for layer in chain], quiet=g.verbosity < 0 or g.json)
-        job = Job(recipe, chain, model, base_ref, only, no_cache, board)
+        job = Job(recipe, chains, model, base_ref, only, no_cache, board)
         with board:
+            base = align_base(cluster, facts, results, base_ref, board)
+            if base is not None:
+                out["base"] = base
             todo = [n for n in builders if results[n].ok]
 
             def one(node: Node) -> None:
@@ -371,11 +423,12 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
                         if results[n].ok:
                             results[n].error = f"not shipped: the head {head} failed to build"
         verify(cluster, chain, results, ship)
+        compare_versions(results, nodes[0])
         _retain(cluster, settings, chain, results, out)
     _finish(g, out, results)
 
 
-def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerSpec], results: dict[str, RankResult],
+def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerRef], results: dict[str, RankResult],
             out: dict[str, Any]) -> None:
     """Every rank that built (or was shipped) the chain: hash tags, the last BUILD_KEEP_CHAINS, no leftovers."""
     from ..retention import DEFAULT_KEEP, retain
@@ -391,19 +444,94 @@ def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerSpec], results:
             out.setdefault("removed", {})[n] = res
 
 
+
+# ------------------------------------------------------------------------------------ the base, pinned
+
+
+def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[str, RankResult], base_ref: str,
+               board: Board) -> dict[str, Any] | None:
+    """Resolve BASE_IMAGE on the head (pulling it there if needed) and give every other rank that very
+    image: pulled by digest when the head has one, else sent from the head (layers it lacks only).
+    Updates `facts` so the build sees the aligned base. A rank still different afterwards fails with
+    the reason: one `build` fixes a stale base or says why it cannot, it never sends the user round."""
+    head_name = cluster.names[0]
+    if head_name not in facts or not results[head_name].ok:
+        return None
+    head = cluster.node(head_name)
+    img = facts[head_name].image(base_ref)
+    if img is None:
+        board.note(head_name, f"pulling base {base_ref}")
+        res = head.docker(["pull", base_ref], timeout=PULL_TIMEOUT)
+        got = inspect_images(head, [base_ref]) if res.ok else []
+        if not got:
+            tail = _error_tail(res.stderr.splitlines() or res.stdout.splitlines()) or f"exit {res.exit_code}"
+            results[head_name].error = f"base image {base_ref} is not on the head and cannot be pulled: {tail}"
+            results[head_name].fix = f"load or pull {base_ref} on {head_name}, or set BASE_IMAGE"
+            return None
+        img = got[0]
+        _replace_image(facts, head_name, base_ref, img)
+    pin = basepin.pin(base_ref, img)
+    stale = {n: reason for n in cluster.names[1:] if n in facts and results[n].ok
+             if (reason := basepin.stale(pin, facts[n].image(base_ref)))}
+    report: dict[str, Any] = {**pin.as_dict(), "stale": dict(stale), "fixed_by": {}}
+    if not stale:
+        return report
+    if pin.digest:
+        digest = pin.digest
+
+        def pull(node: Node) -> None:
+            board.note(node.name, f"pulling base {digest}")
+            if node.docker(["pull", digest], timeout=PULL_TIMEOUT).ok:
+                node.docker(["tag", digest, base_ref], timeout=60)
+
+        cluster.run_all(pull, nodes=list(stale))
+        for n in stale:
+            report["fixed_by"][n] = "pull"
+    for n in stale:
+        got = inspect_images(cluster.node(n), [base_ref])
+        _replace_image(facts, n, base_ref, got[0] if got else None)
+    still = [n for n in stale if basepin.stale(pin, facts[n].image(base_ref))]
+    if still:  # no digest (a base built or loaded locally), or the pull did not give the head's image
+        ship_images(cluster, [base_ref], facts, results, board, still)
+        for n in still:
+            report["fixed_by"][n] = "ship"
+            got = inspect_images(cluster.node(n), [base_ref])
+            _replace_image(facts, n, base_ref, got[0] if got else None)
+    for n in stale:
+        left = basepin.stale(pin, facts[n].image(base_ref))
+        if left and results[n].ok:
+            results[n].error = f"{left}, and neither pulling {pin.describe()} nor sending the head's base fixed it"
+            results[n].fix = f"check the Docker engine and disk space on {n}"
+        elif not left:
+            board.note(n, f"base = head's {pin.describe()}")
+    return report
+
+
+def _replace_image(facts: dict[str, im.RankFacts], node: str, ref: str, image: Image | None) -> None:
+    """`facts[node]` with `ref` now naming `image` (the tag left whatever image had it before)."""
+    tag = normalize_image_ref(ref)
+    kept = tuple(i for i in facts[node].images if tag not in i.repo_tags and ref not in i.repo_digests)
+    facts[node] = replace(facts[node], images=kept + ((image,) if image else ()))
+
+
 # ------------------------------------------------------------------------------------ shipping
 
 
-def ship_chain(cluster: Cluster, chain: list[im.LayerSpec], facts: dict[str, im.RankFacts],
+def ship_chain(cluster: Cluster, chain: Sequence[im.LayerRef], facts: dict[str, im.RankFacts],
                results: dict[str, RankResult], board: Board) -> dict[str, Any]:
+    targets = [n for n in cluster.names[1:] if results[n].ok and n in facts]
+    return ship_images(cluster, [layer.tag for layer in chain], facts, results, board, targets)
+
+
+def ship_images(cluster: Cluster, tags: list[str], facts: dict[str, im.RankFacts], results: dict[str, RankResult],
+                board: Board, targets: list[str]) -> dict[str, Any]:
+    """Send `targets` the head's images for `tags`, only the layers each lacks (the chain, or the base)."""
     head_name = cluster.names[0]
     head = cluster.node(head_name)
-    tags = [layer.tag for layer in chain]
     head_images = {img_tag: img for img in inspect_images(head, tags) for img_tag in img.repo_tags if img_tag in tags}
     if len(head_images) != len(tags):
-        raise CheckFailed(f"{head_name}: the chain is not complete on the head after building",
+        raise CheckFailed(f"{head_name}: {', '.join(t for t in tags if t not in head_images)} not on the head",
                           fix="run `sparkctl build --ship` again")
-    targets = [n for n in cluster.names[1:] if results[n].ok and n in facts]
     top = head_images[tags[-1]]
     # A rank whose every chain tag already has the head's image ID needs nothing: not even a save.
     need = [n for n in targets if any((facts[n].image(t) or _NONE).id != head_images[t].id for t in tags)]
@@ -539,7 +667,7 @@ def _wait_exit(chan: paramiko.Channel, sink: bytearray, timeout: float) -> int:
 # ------------------------------------------------------------------------------------ verify + report
 
 
-def verify(cluster: Cluster, chain: list[im.LayerSpec], results: dict[str, RankResult], ship: bool) -> None:
+def verify(cluster: Cluster, chain: Sequence[im.LayerRef], results: dict[str, RankResult], ship: bool) -> None:
     """Read back every rank's top image; with --ship every rank must have the head's exact image ID."""
     top = chain[-1].tag
     live = [n for n in cluster.names if results[n].ok]
@@ -562,21 +690,22 @@ def verify(cluster: Cluster, chain: list[im.LayerSpec], results: dict[str, RankR
                 r.fix = "run `sparkctl build --ship` again"
 
 
-def _plan(chain: list[im.LayerSpec], facts: dict[str, im.RankFacts], results: dict[str, RankResult],
+def _plan(refs: Sequence[im.LayerRef], chains: dict[str, list[im.LayerSpec]], facts: dict[str, im.RankFacts], results: dict[str, RankResult],
           builders: list[str], base_ref: str, only: str | None, no_cache: bool, ship: bool) -> dict[str, Any]:
     plan: dict[str, Any] = {}
+    top_tag = refs[-1].tag
     for n, r in results.items():
         if not r.ok:
             plan[n] = {"error": r.error}
             continue
         if n in builders:
-            steps = im.plan_build(chain, facts[n], base_ref, only=only, no_cache=no_cache)
+            steps = im.plan_build(chains[n], facts[n], base_ref, only=only, no_cache=no_cache)
             plan[n] = {"steps": [vars(s) for s in steps]}
             continue
         head_steps = plan[builders[0]].get("steps", [])
         head_builds = any(s["action"] == "build" for s in head_steps)
-        head_top = facts[builders[0]].image(chain[-1].tag) if builders[0] in facts else None
-        mine = facts[n].image(chain[-1].tag)
+        head_top = facts[builders[0]].image(top_tag) if builders[0] in facts else None
+        mine = facts[n].image(top_tag)
         if head_builds or head_top is None:
             plan[n] = {"ship": "the layers it lacks of the head's new image (known after the head builds)"}
         elif mine is not None and mine.id == head_top.id:
@@ -584,7 +713,7 @@ def _plan(chain: list[im.LayerSpec], facts: dict[str, im.RankFacts], results: di
         else:
             held = im.held_chain_ids(facts[n].images)
             lack = sum(1 for cid in im.chain_ids(head_top.layers) if cid not in held)
-            plan[n] = {"ship": f"{lack} of {len(head_top.layers)} layers of the head's {chain[-1].tag}"}
+            plan[n] = {"ship": f"{lack} of {len(head_top.layers)} layers of the head's {top_tag}"}
     return plan
 
 

@@ -117,13 +117,14 @@ class Lab:
 
     def run_rank(self, name: str, container: str, vllm_args: list[str], env: dict[str, str] | None = None,
                  image: str = ENGINE_IMAGE) -> str:
-        """`docker run -d --network host ... IMAGE vllm serve /models/lab ARGS` on a host; the container id."""
+        """`docker run -d --network host ... --entrypoint vllm IMAGE serve /models/lab ARGS`; the container id."""
         argv = ["run", "-d", "--name", container, "--network", "host", "--ipc", "host",
                 "--ulimit", "nofile=20000:20000", "--cap-add", "IPC_LOCK",
                 "-v", f"{self.model_path}:{self.model_path}:ro"]
         for key, value in (env or {}).items():
             argv += ["-e", f"{key}={value}"]
-        res = self.docker(name, *argv, image, "vllm", "serve", self.model_path, *vllm_args)
+        # --entrypoint: the engine image's ENTRYPOINT is `vllm serve`, as in vLLM's own image
+        res = self.docker(name, *argv, "--entrypoint", "vllm", image, "serve", self.model_path, *vllm_args)
         if res.returncode != 0:
             raise CheckFailed(f"{name}: docker run {container} failed: {res.stderr.strip()}")
         return res.stdout.strip()

@@ -3,8 +3,10 @@
 base   sparkctl-lab/base:bookworm  `debootstrap --variant=minbase bookworm` + python3 and iproute2 from
        the Debian mirror apt already uses, tarred once into /var/cache/sparkctl-lab and `docker import`ed
        into every host's engine (~200 MB: later benchmarks need a base of at least 100 MB).
-engine sparkctl-lab/engine:latest  FROM base, the stand-in engine as /usr/local/bin/vllm (classic builder;
-       there is no buildx here). Labelled with the stand-in's hash so a changed stand-in is rebuilt.
+engine sparkctl-lab/engine:latest  FROM base, the stand-in engine as /usr/local/bin/vllm and
+       ENTRYPOINT ["vllm", "serve"] like vLLM's OpenAI image (classic builder; there is no buildx here).
+       Labelled with the stand-in's hash so a changed stand-in is rebuilt. The chain on top of it is
+       the lab checkpoint's own serving/Dockerfile.*, built by `sparkctl build` as in production.
 
 Both are made once, on the first host that needs them, then `docker save`d into the cache and
 `docker load`ed into every other engine: every host holds the very same image IDs, as a real cluster
@@ -90,8 +92,28 @@ def purge_cache() -> None:
         shutil.rmtree(CACHE_DIR)
 
 
+# The lab's engine image is the stand-in for the production base (Mia's image, built on vLLM's OpenAI
+# image): `vllm serve` is its ENTRYPOINT as in vLLM's docker/Dockerfile (target vllm-openai), so a
+# `docker run IMAGE vllm serve ...` that forgets --entrypoint fails here as it would there; and it has
+# exllamav3 0.0.43 installed (metadata and module only), which the checkpoint's v145 layer replaces.
+ENGINE_DOCKERFILE = (
+    "ARG BASE\n"
+    "FROM ${BASE}\n"
+    "COPY standin_vllm.py /usr/local/bin/vllm\n"
+    "RUN chmod 0755 /usr/local/bin/vllm && /usr/local/bin/vllm --version && "
+    "site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])') && "
+    "mkdir -p \"$site/exllamav3\" \"$site/exllamav3-0.0.43.dist-info\" && "
+    "printf '__version__ = \"0.0.43\"\\nUSE_AVX = True\\nCODEBOOKS = (\"mcg\",)\\n' > \"$site/exllamav3/__init__.py\" && "
+    "printf 'Metadata-Version: 2.1\\nName: exllamav3\\nVersion: 0.0.43\\n' > \"$site/exllamav3-0.0.43.dist-info/METADATA\" && "
+    "python3 -c 'import importlib.metadata as m; assert m.version(\"exllamav3\") == \"0.0.43\"'\n"
+    'ENTRYPOINT ["vllm", "serve"]\n'
+    "CMD []\n"
+)
+
+
 def standin_sha() -> str:
-    return hashlib.sha256((HERE / "standin_vllm.py").read_bytes()).hexdigest()
+    """Names the engine image's content: the stand-in and the Dockerfile around it."""
+    return hashlib.sha256((HERE / "standin_vllm.py").read_bytes() + ENGINE_DOCKERFILE.encode()).hexdigest()
 
 
 def ensure_base(paths: HostPaths, tarball: Path) -> None:
@@ -114,13 +136,7 @@ def ensure_engine(paths: HostPaths) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="sparkctl-lab-engine-") as ctx:
         shutil.copyfile(HERE / "standin_vllm.py", Path(ctx) / "standin_vllm.py")
-        (Path(ctx) / "Dockerfile").write_text(
-            "ARG BASE\n"
-            "FROM ${BASE}\n"
-            "COPY standin_vllm.py /usr/local/bin/vllm\n"
-            "RUN chmod 0755 /usr/local/bin/vllm && /usr/local/bin/vllm --version\n"
-            f"LABEL {STANDIN_LABEL}={standin_sha()}\n"
-        )
+        (Path(ctx) / "Dockerfile").write_text(ENGINE_DOCKERFILE + f"LABEL {STANDIN_LABEL}={standin_sha()}\n")
         run(["docker", "-H", paths.docker_host, "build", "-q", "--build-arg", f"BASE={BASE_IMAGE}",
              "-t", ENGINE_IMAGE, ctx], timeout=300, where=paths.root.name,
             env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "DOCKER_BUILDKIT": "0"})
