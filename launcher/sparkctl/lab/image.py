@@ -90,8 +90,12 @@ def purge_cache() -> None:
         shutil.rmtree(CACHE_DIR)
 
 
+FLAGS_FILE = HERE.parent / "data" / "vllm-serve-flags.json"  # the stand-in's flags, from vLLM's parser
+STANDIN_FLAGS_PATH = "/usr/local/share/sparkctl-standin/vllm-serve-flags.json"
+
+
 def standin_sha() -> str:
-    return hashlib.sha256((HERE / "standin_vllm.py").read_bytes()).hexdigest()
+    return hashlib.sha256((HERE / "standin_vllm.py").read_bytes() + FLAGS_FILE.read_bytes()).hexdigest()
 
 
 def ensure_base(paths: HostPaths, tarball: Path) -> None:
@@ -114,10 +118,12 @@ def ensure_engine(paths: HostPaths) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="sparkctl-lab-engine-") as ctx:
         shutil.copyfile(HERE / "standin_vllm.py", Path(ctx) / "standin_vllm.py")
+        shutil.copyfile(FLAGS_FILE, Path(ctx) / "vllm-serve-flags.json")
         (Path(ctx) / "Dockerfile").write_text(
             "ARG BASE\n"
             "FROM ${BASE}\n"
             "COPY standin_vllm.py /usr/local/bin/vllm\n"
+            f"COPY vllm-serve-flags.json {STANDIN_FLAGS_PATH}\n"
             "RUN chmod 0755 /usr/local/bin/vllm && /usr/local/bin/vllm --version\n"
             f"LABEL {STANDIN_LABEL}={standin_sha()}\n"
         )
