@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from .engine_lines import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS  # vLLM's metric names, in one place
 from .errors import CheckFailed, UsageError
 
 SCHEMA = "sparkctl-bench/1"
@@ -72,9 +73,6 @@ RCVBUF = 1 << 20  # room for a batch of small per-token segments, so batching ne
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux value; Python does not export it
 _ANC_SIZE = socket.CMSG_SPACE(16)
 
-SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
-SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 DEFINITIONS = {
     "decode_tok_s": "completion tokens ÷ (wall − TTFT) per stream; completion tokens from the usage chunk",

@@ -205,7 +205,7 @@ def _container_options(settings: Settings) -> list[str]:
     if c.gpus:
         opts += ["--gpus", c.gpus]
     opts += ["--shm-size", str(settings.get("SHM_SIZE"))]
-    mounts = [str(settings.model)]
+    mounts = [str(settings.model), *c.mounts]
     for key in ("DSPARK", "ABLIT_HOST_DIR"):
         if settings.get(key):
             mounts.append(str(settings.get(key)))

@@ -20,16 +20,13 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponenti
 
 from .builders import container_name
 from .cluster import Cluster, Node, NodeError
+from .engine_lines import phase_patterns
 from .errors import CheckFailed
 from .service import ContainerState, _failures, _log_tail, _raise_nodes, inspect_cluster
 from .settings import Settings
 
-PHASES: list[tuple[str, re.Pattern[str]]] = [
-    ("rendezvous", re.compile(r"rendezvous|init_process_group|world_size=|Initializing a V1 LLM engine", re.I)),
-    ("loading weights", re.compile(r"Loading (model )?weights|Starting to load model|Loading safetensors", re.I)),
-    ("graph capture", re.compile(r"Capturing CUDA graph|Graph capturing|capturing cudagraph", re.I)),
-    ("ready", re.compile(r"Application startup complete", re.I)),
-]
+# The lines of vLLM 0.33 that mark each phase (engine_lines.PHASE_MARKERS says where vLLM writes each).
+PHASES: list[tuple[str, re.Pattern[str]]] = phase_patterns()
 
 
 def phase_of(lines: Sequence[str]) -> str:

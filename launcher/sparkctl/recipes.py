@@ -48,6 +48,7 @@ class ContainerOptions:
     devices: tuple[str, ...] = ()
     cap_add: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    mounts: tuple[str, ...] = ()  # host folders bound read-only at the same path (the lab's sysfs tree)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         gpus=_get(cont, "gpus", str, f"{where}/container", "all"),
         devices=_str_list(cont, "devices", f"{where}/container"),
         cap_add=_str_list(cont, "cap_add", f"{where}/container"),
+        mounts=_str_list(cont, "mounts", f"{where}/container"),
         env=dict(env),
     )
 

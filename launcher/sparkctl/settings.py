@@ -24,6 +24,7 @@ from dotenv import dotenv_values
 
 from .errors import UsageError
 from .recipes import DEFAULT_RECIPE, Recipe, load_recipe
+from .vllm_flags import check_extra_words
 
 REDACTED = "[REDACTED]"
 _SECRET_RE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -86,19 +87,7 @@ def _served_name(value: Any) -> str | None:
     return _no_control(value)
 
 
-# Flags sparkctl sets itself from knobs (or must never see on a command line): VLLM_EXTRA_ARGS may not
-# repeat them, nor abbreviate them (vLLM's argparse takes any unique prefix of a flag).
-MANAGED_VLLM_FLAGS: dict[str, str] = {
-    "--model": "MODEL", "--served-model-name": "SERVED_MODEL_NAME", "--port": "PORT",
-    "--tensor-parallel-size": "TP", "--decode-context-parallel-size": "DCP",
-    "--dcp-comm-backend": "DCP_COMM_BACKEND", "--nnodes": "NODES", "--node-rank": "NODES",
-    "--master-addr": "MASTER_ADDR", "--master-port": "MASTER_PORT", "--max-model-len": "MAX_MODEL_LEN",
-    "--kv-cache-dtype": "KV_CACHE_DTYPE", "--kv-cache-memory-bytes": "KV_CACHE_MEMORY_BYTES",
-    "--gpu-memory-utilization": "GPU_MEMORY_UTILIZATION", "--speculative-config": "SPEC_METHOD/SPEC_K",
-    "--headless": "NODES (every rank but the head)",
-    "--api-key": "VLLM_API_KEY (it travels in a 0600 env file; on argv every `ps` would show it)",
-}
-_FLAG_RE = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
+_FLAG_RE = re.compile(r"^--[a-z0-9][a-z0-9-]*(\.[a-z0-9_.+-]+)?$")  # --name or vLLM's dotted --name.key
 MAX_EXTRA_ARGS_CHARS = 8192
 
 
@@ -107,7 +96,8 @@ def parse_vllm_extra_args(text: str) -> list[str]:
 
     Every flag is a full `--long-name` (or `--long-name=value`) of lower-case letters, digits and '-';
     a word that does not start with '-' is a value and must follow a flag. A value that starts with
-    '-' is written `--flag=-value`. Abbreviations of other flags are the user's risk (vLLM takes them).
+    '-' is written `--flag=-value`. Each flag is then resolved against vLLM 0.33's real option table
+    (vllm_flags): unknown flags, and every alias, prefix or `--no-` form of a flag sparkctl sets, are refused.
     """
     if len(text) > MAX_EXTRA_ARGS_CHARS:
         raise ValueError(f"is longer than {MAX_EXTRA_ARGS_CHARS} characters")
@@ -125,10 +115,7 @@ def parse_vllm_extra_args(text: str) -> list[str]:
             raise ValueError(f"has {flag!r}: flags must be full --long-names of a-z, 0-9 and '-' "
                              "(short forms and prefixes are ambiguous to vLLM; write --flag=-value for a "
                              "value that starts with '-')")
-        for managed, knob in MANAGED_VLLM_FLAGS.items():
-            if managed.startswith(flag):
-                what = "sets" if flag == managed else f"would take it as {managed}, which it sets"
-                raise ValueError(f"has {flag}: sparkctl {what} from {knob}; set that instead")
+    check_extra_words(words)
     return words
 
 

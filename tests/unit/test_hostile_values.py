@@ -98,7 +98,8 @@ def test_a_hostile_value_is_refused_or_travels_as_one_word(clean_env: Any, model
 @pytest.mark.parametrize(("text", "expected"), [
     ("--max-num-seqs 8", ["--max-num-seqs", "8"]),
     ("--chat-template '/t/a b.jinja' --seed=-1", ["--chat-template", "/t/a b.jinja", "--seed=-1"]),
-    ("--x $(touch /tmp/c) `id` ';'", ["--x", "$(touch", "/tmp/c)", "`id`", ";"]),
+    ("--chat-template '$(touch /tmp/c)' --tool-call-parser `id`';'", ["--chat-template", "$(touch /tmp/c)",
+                                                                       "--tool-call-parser", "`id`;"]),
     ("--enforce-eager", ["--enforce-eager"]),
 ])
 def test_extra_args_are_words_never_code(text: str, expected: list[str]) -> None:
@@ -110,8 +111,8 @@ def test_extra_args_are_words_never_code(text: str, expected: list[str]) -> None
     ("-tp 2", "full --long-names"),
     ("--Max-Num-Seqs 2", "full --long-names"),
     ("--seed -1", "full --long-names"),
-    ("--port 9", "sparkctl sets from PORT"),
-    ("--max-model 9", "would take it as --max-model-len"),
+    ("--port 9", "sparkctl sets --port from PORT"),
+    ("--max-model 9", "vLLM takes it as --max-model-len"),
     ("--api-key sk-1", "VLLM_API_KEY"),
     ("--api-k=sk-1", "VLLM_API_KEY"),
     ("--chat-template 'unclosed", "cannot be split"),

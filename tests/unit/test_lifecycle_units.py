@@ -86,9 +86,12 @@ def test_container_state_from_inspect_and_uptime():
 
 def test_phases_from_vllm_like_logs():
     assert phase_of([]) == "starting"
-    assert phase_of(["INFO rendezvous: 4/4 ranks joined"]) == "rendezvous"
-    assert phase_of(["rendezvous ok", "Loading weights took 3.2 seconds"]) == "loading weights"
-    assert phase_of(["Graph capturing finished in 5 secs", "INFO: Application startup complete."]) == "ready"
+    # vLLM 0.33's own lines (engine_lines.PHASE_MARKERS; tests/unit/test_engine_lines.py has more)
+    rdv = "world_size=4 rank=1 local_rank=0 distributed_init_method=tcp://10.0.0.1:29501 backend=nccl"
+    assert phase_of([rdv]) == "rendezvous"
+    assert phase_of([rdv, "Loading weights took 3.20 seconds"]) == "loading weights"
+    assert phase_of(["Graph capturing finished in 5 secs, took 0.10 GiB", "INFO:     Application startup complete."]) \
+        == "ready"
 
 
 def test_metrics_summary():

@@ -29,6 +29,7 @@ def test_wheel_contains_data(wheel: Path) -> None:
     assert "sparkctl/_data/templates/env.tp4.j2" in names
     assert "sparkctl/recipes/glm53-exl3-tp4.toml" in names
     assert "sparkctl/recipes/lab.toml" in names
+    assert "sparkctl/data/vllm-serve-flags.json" in names  # VLLM_EXTRA_ARGS and the stand-in read it
     assert any(n.startswith("sparkctl/_data/images/") for n in names)
 
 
@@ -43,6 +44,7 @@ def test_installed_wheel_renders_from_another_directory(wheel: Path, tmp_path: P
         "PYTHONPATH": str(target),  # the wheel first; dependencies come from this interpreter's site-packages
         "NODES": "spark1 spark2 spark3 spark4",
         "MODEL": str(model_308),
+        "VLLM_EXTRA_ARGS": "--max-num-seqs 8",  # checked against the wheel's vLLM flag table
         **{f"RANK{r}_{k}": v for r in range(4) for k, v in
            {"FABRIC_IP": f"192.168.100.{r + 1}", "CX7_IF": "enp1s0f0np0", "CX7_IB": "rocep1s0f0",
             "GID_INDEX": "3"}.items()},

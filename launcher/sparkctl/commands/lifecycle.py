@@ -232,8 +232,10 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
 
 
 def _metrics_summary(text: str | None) -> dict[str, float]:
-    wanted = {"vllm:num_requests_running": "requests_running", "vllm:num_requests_waiting": "requests_waiting",
-              "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:generation_tokens_total": "generation_tokens"}
+    from ..engine_lines import GENERATION_TOKENS, KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+
+    wanted = {NUM_REQUESTS_RUNNING: "requests_running", NUM_REQUESTS_WAITING: "requests_waiting",
+              KV_CACHE_USAGE: "kv_cache_usage", GENERATION_TOKENS: "generation_tokens"}
     found: dict[str, float] = {}
     for line in (text or "").splitlines()[:20000]:
         if line.startswith("#") or not line.strip():

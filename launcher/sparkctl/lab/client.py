@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckFailed
+from .seams import CONTAINER_SYSFS
 from .state import ENGINE_IMAGE, FABRIC_NET, MODEL_PATH, HostPaths, HostSpec, LabFiles
 
 
@@ -120,7 +121,8 @@ class Lab:
         """`docker run -d --network host ... --entrypoint vllm IMAGE serve /models/lab ARGS`; the container id."""
         argv = ["run", "-d", "--name", container, "--network", "host", "--ipc", "host",
                 "--ulimit", "nofile=20000:20000", "--cap-add", "IPC_LOCK",
-                "-v", f"{self.model_path}:{self.model_path}:ro"]
+                "-v", f"{self.model_path}:{self.model_path}:ro", "-v", f"{CONTAINER_SYSFS}:{CONTAINER_SYSFS}:ro",
+                "-e", f"SPARKCTL_SYSFS_ROOT={CONTAINER_SYSFS}"]
         for key, value in (env or {}).items():
             argv += ["-e", f"{key}={value}"]
         # --entrypoint: the engine image's ENTRYPOINT is `vllm serve`, as in vLLM's own image

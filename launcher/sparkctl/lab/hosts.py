@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..errors import CheckFailed
 from .proc import alive, ok, out, read_pid, run, stop_pid, wait_for
+from .seams import CONTAINER_SYSFS
 from .state import MODEL_PATH, NS_DIR, HostPaths, HostSpec
 
 SSHD = "/usr/sbin/sshd"
@@ -49,12 +50,17 @@ def mntns_ok(paths: HostPaths) -> bool:
     if not {str(paths.mntns), str(paths.utsns)} <= mountpoints():
         return False
     want = os.stat(paths.models)
-    got = out(["nsenter", f"--mount={paths.mntns}", "--", "stat", "-c", "%d:%i", MODEL_PATH], check=False)
-    return got.strip() == f"{want.st_dev}:{want.st_ino}"
+    got = out(["nsenter", f"--mount={paths.mntns}", "--", "stat", "-c", "%d:%i", MODEL_PATH, CONTAINER_SYSFS],
+              check=False).split()
+    paths.sysfs.mkdir(parents=True, exist_ok=True)
+    sysfs = os.stat(paths.sysfs)
+    return got == [f"{want.st_dev}:{want.st_ino}", f"{sysfs.st_dev}:{sysfs.st_ino}"]
 
 
 def create_mntns(paths: HostPaths) -> None:
     Path(MODEL_PATH).mkdir(parents=True, exist_ok=True)
+    Path(CONTAINER_SYSFS).mkdir(parents=True, exist_ok=True)
+    paths.sysfs.mkdir(parents=True, exist_ok=True)
     if str(paths.utsns) not in mountpoints():  # its own hostname too (logs and prompts say sparkN)
         paths.utsns.touch()
         run(["unshare", f"--uts={paths.utsns}", "--", "hostname", paths.root.name], where=paths.root.name)
@@ -62,7 +68,8 @@ def create_mntns(paths: HostPaths) -> None:
     # unshare persists the namespace by binding it onto paths.mntns; the mounts run inside it.
     script = (
         f"mount --bind {shlex.quote(str(paths.models))} {shlex.quote(MODEL_PATH)} && "
-        f"mount --bind {shlex.quote(str(paths.home))} /root"
+        f"mount --bind {shlex.quote(str(paths.home))} /root && "
+        f"mount --bind {shlex.quote(str(paths.sysfs))} {shlex.quote(CONTAINER_SYSFS)}"
     )
     run(["unshare", f"--mount={paths.mntns}", "--propagation", "private", "--", "sh", "-c", script],
         where=paths.root.name)

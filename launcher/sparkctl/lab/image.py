@@ -92,6 +92,10 @@ def purge_cache() -> None:
         shutil.rmtree(CACHE_DIR)
 
 
+FLAGS_FILE = HERE.parent / "data" / "vllm-serve-flags.json"  # the stand-in's flags, from vLLM's parser
+STANDIN_FLAGS_PATH = "/usr/local/share/sparkctl-standin/vllm-serve-flags.json"
+
+
 # The lab's engine image is the stand-in for the production base (Mia's image, built on vLLM's OpenAI
 # image): `vllm serve` is its ENTRYPOINT as in vLLM's docker/Dockerfile (target vllm-openai), so a
 # `docker run IMAGE vllm serve ...` that forgets --entrypoint fails here as it would there; and it has
@@ -100,6 +104,7 @@ ENGINE_DOCKERFILE = (
     "ARG BASE\n"
     "FROM ${BASE}\n"
     "COPY standin_vllm.py /usr/local/bin/vllm\n"
+    f"COPY vllm-serve-flags.json {STANDIN_FLAGS_PATH}\n"
     "RUN chmod 0755 /usr/local/bin/vllm && /usr/local/bin/vllm --version && "
     "site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])') && "
     "mkdir -p \"$site/exllamav3\" \"$site/exllamav3-0.0.43.dist-info\" && "
@@ -113,7 +118,8 @@ ENGINE_DOCKERFILE = (
 
 def standin_sha() -> str:
     """Names the engine image's content: the stand-in and the Dockerfile around it."""
-    return hashlib.sha256((HERE / "standin_vllm.py").read_bytes() + ENGINE_DOCKERFILE.encode()).hexdigest()
+    return hashlib.sha256((HERE / "standin_vllm.py").read_bytes() + FLAGS_FILE.read_bytes()
+                          + ENGINE_DOCKERFILE.encode()).hexdigest()
 
 
 def ensure_base(paths: HostPaths, tarball: Path) -> None:
@@ -136,6 +142,7 @@ def ensure_engine(paths: HostPaths) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="sparkctl-lab-engine-") as ctx:
         shutil.copyfile(HERE / "standin_vllm.py", Path(ctx) / "standin_vllm.py")
+        shutil.copyfile(FLAGS_FILE, Path(ctx) / "vllm-serve-flags.json")
         (Path(ctx) / "Dockerfile").write_text(ENGINE_DOCKERFILE + f"LABEL {STANDIN_LABEL}={standin_sha()}\n")
         run(["docker", "-H", paths.docker_host, "build", "-q", "--build-arg", f"BASE={BASE_IMAGE}",
              "-t", ENGINE_IMAGE, ctx], timeout=300, where=paths.root.name,

@@ -37,6 +37,12 @@ exec python3 "$here/nvidia_smi.py" "$@"
 """
 
 
+# Where each lab host's sysfs tree appears in its mount namespace and, bound read-only, in its
+# containers (the lab recipe's [container] mounts and SPARKCTL_SYSFS_ROOT): the stand-in engine checks
+# NCCL_IB_HCA and NCCL_IB_GID_INDEX against it, as NCCL checks them against /sys/class/infiniband.
+CONTAINER_SYSFS = "/run/sparkctl-lab/sysfs"
+
+
 def write_nvidia_smi(bin_dir: Path, spec: HostSpec) -> None:
     """Install the GB10 nvidia-smi seam (a copy, so a host's tree is self-contained) with its uuid."""
     bin_dir.mkdir(parents=True, exist_ok=True)
@@ -81,8 +87,9 @@ def gid_table(spec: HostSpec, ifname: str, mac: str) -> list[tuple[str, str]]:
 
 def write_sysfs(root: Path, spec: HostSpec, macs: dict[str, str], up: dict[str, bool]) -> None:
     """Write <root>/<hca>/{ports/1/{state,phys_state,link_layer,gids,gid_attrs/{types,ndevs}},device/net/<if>}."""
-    if root.exists():
-        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.iterdir():  # empty it, but keep the folder: hosts.py binds it at CONTAINER_SYSFS
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
     for ifname, hca in zip(PORT_IFS, PORT_HCAS, strict=True):
         dev = root / hca
         (dev / "device" / "net" / ifname).mkdir(parents=True)

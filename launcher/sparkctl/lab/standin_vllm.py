@@ -4,7 +4,17 @@
 It takes the same command line as vLLM's multi-node mp backend, so sparkctl runs exactly the argv it
 runs in production, and it behaves like vLLM where sparkctl can observe it:
 
-- flags: vLLM's names (argparse, prefix matching on); an unknown flag exits 2 "unrecognized arguments";
+- flags: vLLM 0.33's own option table (vllm-serve-flags.json, written from its real parser: every
+  alias, `--no-*` form and short form such as `-cc`), argparse with prefix matching, and the rewriting
+  vLLM's FlexibleArgumentParser does first (`--model X`, `_` in names, `--name.key value`); an
+  unknown flag exits 2 "unrecognized arguments";
+- logs: vLLM's lines in vLLM's format `(Worker_TP1_DCP1 pid=7) INFO 11-29 10:01:11 [file.py:N] ...`,
+  the lines readiness.py matches, printed by the ranks that print them in vLLM ("Starting to load
+  model" on global rank 0 only; per-node lines on every rank);
+- NCCL pins: NCCL_IB_HCA must select an ACTIVE device of $SPARKCTL_SYSFS_ROOT (the lab's
+  /sys/class/infiniband) and NCCL_IB_GID_INDEX must be that port's RoCE v2 entry of an address of its
+  netdev; otherwise the rank fails its communicator set-up with NCCL's error (where real NCCL falls back
+  to sockets on a wrong HCA, a silent slowdown, the stand-in fails so that the lab sees the wrong pin);
 - rendezvous: rank 0 listens on --master-addr:--master-port; `--headless` ranks connect to it from
   the IPv4 of the interface named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (retrying until a
   deadline, in either start order); a missing interface, one without IPv4, or one that cannot reach
@@ -27,6 +37,7 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import ipaddress
 import json
 import math
 import os
@@ -49,10 +60,14 @@ WORDS = ("The lab engine answers with these words so that every benchmark sees t
 
 
 # ----------------------------------------------------------------------------------------- logging
-def log(level: str, where: str, msg: str) -> None:
-    """One vLLM-shaped log line: `INFO 11-29 10:01:11 [file.py:123] message`."""
+PROC = "APIServer"  # vLLM's process name in the log prefix; set per role in serve()
+
+
+def log(level: str, where: str, msg: str, proc: str | None = None) -> None:
+    """One line in vLLM 0.33's format (vllm/logger.py _FORMAT):
+    `(APIServer pid=7) INFO 11-29 10:01:11 [file.py:123] message`."""
     stamp = time.strftime("%m-%d %H:%M:%S")
-    print(f"{level} {stamp} [{where}] {msg}", file=sys.stderr, flush=True)
+    print(f"({proc or PROC} pid={os.getpid()}) {level} {stamp} [{where}] {msg}", file=sys.stderr, flush=True)
 
 
 def die(msg: str, code: int = 1) -> None:
@@ -92,72 +107,123 @@ def str_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"invalid boolean {text!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`vllm serve` with the flags sparkctl's recipes use (and common neighbours), vLLM's defaults."""
+FLAGS_FILES = ("/usr/local/share/sparkctl-standin/vllm-serve-flags.json",  # in the lab image
+               os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "vllm-serve-flags.json"))
+
+
+def load_flags() -> dict[str, Any]:
+    """vLLM's `serve` option table (STANDIN_FLAGS_FILE, else the image's copy, else the package's)."""
+    for path in (os.environ.get("STANDIN_FLAGS_FILE", ""), *FLAGS_FILES):
+        if path and os.path.exists(path):
+            with open(path) as f:
+                return dict(json.load(f))
+    die(f"the stand-in cannot find vllm-serve-flags.json (looked in {', '.join(FLAGS_FILES)})")
+    return {}
+
+
+def build_parser(table: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """`vllm serve` with every option string of vLLM 0.33's parser; values stay strings (see parse_args)."""
+    table = table or load_flags()
     top = argparse.ArgumentParser(prog="vllm", allow_abbrev=True)
     top.add_argument("-v", "--version", action="version", version=VERSION)
     sub = top.add_subparsers(dest="subcommand", required=True)
-    p = sub.add_parser("serve", prog="vllm serve", allow_abbrev=True,
+    p = sub.add_parser("serve", prog="vllm serve", allow_abbrev=bool(table.get("allow_abbrev", True)),
                        help="Start the vLLM OpenAI Compatible API server.")
     p.add_argument("model_tag", nargs="?", help="The model tag to serve")
-    p.add_argument("--model", dest="model_flag")
-    a = p.add_argument
-    # server
-    a("--host", default=None)
-    a("--port", type=int, default=8000)
-    a("--api-key", default=None)
-    a("--served-model-name", nargs="+", default=None)
-    a("--uvicorn-log-level", default="info")
-    a("--disable-uvicorn-access-log", action="store_true")
-    a("--disable-log-stats", action="store_true")
-    a("--enable-log-requests", action="store_true")
-    a("--disable-log-requests", action="store_true")
-    a("--chat-template", default=None)
-    a("--reasoning-parser", default=None)
-    a("--tool-call-parser", default=None)
-    a("--enable-auto-tool-choice", action="store_true")
-    a("--headless", action="store_true")
-    # model / load
-    a("--tokenizer", default=None)
-    a("--trust-remote-code", action="store_true")
-    a("--dtype", default="auto")
-    a("--quantization", "-q", default=None)
-    a("--load-format", default="auto")
-    a("--seed", type=int, default=None)
-    a("--max-model-len", type=parse_size, default=None)
-    a("--enforce-eager", action="store_true")
-    a("--compilation-config", "-O", default=None)
-    a("--generation-config", default="auto")
-    # parallelism
-    a("--tensor-parallel-size", "-tp", type=int, default=1)
-    a("--pipeline-parallel-size", "-pp", type=int, default=1)
-    a("--data-parallel-size", "-dp", type=int, default=1)
-    a("--decode-context-parallel-size", "-dcp", type=int, default=1)
-    a("--dcp-comm-backend", choices=("ag_rs", "a2a"), default=None)
-    a("--distributed-executor-backend", choices=("mp", "ray", "uni", "external_launcher"), default=None)
-    a("--nnodes", "-n", type=int, default=1)
-    a("--node-rank", "-r", type=int, default=0)
-    a("--master-addr", default="127.0.0.1")
-    a("--master-port", type=int, default=29501)
-    a("--disable-custom-all-reduce", action="store_true")
-    # cache / scheduler
-    a("--kv-cache-dtype", default="auto")  # no choices, as in vLLM: a typo fails after loading
-    a("--kv-cache-memory-bytes", type=parse_size, default=None)
-    a("--gpu-memory-utilization", type=float, default=0.92)
-    a("--block-size", type=int, default=None)
-    a("--enable-prefix-caching", type=str_bool, nargs="?", const=True, default=None)
-    a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    a("--max-num-seqs", type=int, default=256)
-    a("--max-num-batched-tokens", type=parse_size, default=None)
-    a("--enable-chunked-prefill", type=str_bool, nargs="?", const=True, default=None)
-    a("--async-scheduling", action="store_true")
-    a("--speculative-config", "-sc", type=parse_json, default=None)
+    for name, o in table["options"].items():
+        if o["dest"] == "help":  # argparse's own -h/--help
+            continue
+        kw: dict[str, Any] = {"dest": o["dest"], "default": None}
+        if o["nargs"] == 0:
+            kw.update(action="store_const", const=o.get("const"))
+        else:
+            if o["nargs"] is not None:
+                kw["nargs"] = o["nargs"]
+            if o["nargs"] == "?":
+                kw["const"] = o.get("const")
+            if o.get("choices"):
+                kw["choices"] = o["choices"]
+            if o.get("action") == "_AppendAction":
+                kw["action"] = "append"
+        p.add_argument(name, **kw)
     return top
 
 
+def flexible_args(argv: list[str]) -> list[str]:
+    """What vLLM's FlexibleArgumentParser.parse_args does before argparse (vllm/utils/argparse_utils.py):
+    `--model X` moves to the positional, `_` becomes `-` in `--names`, `-O3` is --optimization-level,
+    and `--name.key value` words merge into one JSON value of --name."""
+    if argv[:1] == ["serve"]:
+        for i, arg in enumerate(argv):
+            if arg == "--model" and i + 1 < len(argv):
+                argv = ["serve", argv[i + 1], *argv[1:i], *argv[i + 2:]]
+                break
+            if arg.startswith("--model="):
+                argv = ["serve", arg.removeprefix("--model="), *argv[1:i], *argv[i + 1:]]
+                break
+    out: list[str] = []
+    dotted: dict[str, dict[str, Any]] = {}
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--"):
+            key, eq, value = arg.partition("=")
+            head, dot, rest = key.partition(".")
+            key = head.replace("_", "-") + dot + rest
+            if dot:
+                if not eq:
+                    value, skip = (argv[i + 1] if i + 1 < len(argv) else ""), True
+                try:
+                    parsed: Any = json.loads(value)
+                except ValueError:
+                    parsed = value
+                node = dotted.setdefault(head.replace("_", "-"), {})
+                keys = rest.split(".")
+                for k in keys[:-1]:
+                    node = node.setdefault(k, {})
+                node[keys[-1]] = parsed
+                continue
+            out.append(key + eq + value)
+        elif arg.startswith("-O") and arg != "-O":
+            out += ["--optimization-level", arg[3:] if arg[2:3] == "=" else arg[2:]]
+        elif arg == "-O" and argv[i + 1:i + 2] and argv[i + 1] in ("0", "1", "2", "3"):
+            out.append("--optimization-level")
+        else:
+            out.append(arg)
+    for name, merged in dotted.items():
+        out += [name, json.dumps(merged)]
+    return out
+
+
+def _convert(args: argparse.Namespace, dest: str, fn: Any, default: Any) -> None:
+    value = getattr(args, dest, None)
+    if isinstance(value, list) and dest not in ("served_model_name",):
+        value = value[-1] if value else None
+    if value is None:
+        setattr(args, dest, default)
+        return
+    try:
+        setattr(args, dest, fn(value))
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        _usage_error(f"argument --{dest.replace('_', '-')}: invalid value {value!r} ({exc})")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    args.model = args.model_flag or args.model_tag
+    args = build_parser().parse_args(flexible_args(argv))
+    # The values the stand-in uses, converted as vLLM's EngineArgs types do, with vLLM's defaults.
+    for dest, fn, default in (
+        ("port", int, 8000), ("host", str, None), ("api_key", str, None), ("headless", bool, False),
+        ("tensor_parallel_size", int, 1), ("decode_context_parallel_size", int, 1), ("nnodes", int, 1),
+        ("node_rank", int, 0), ("master_addr", str, "127.0.0.1"), ("master_port", int, 29501),
+        ("max_model_len", parse_size, None), ("kv_cache_dtype", str, "auto"),
+        ("kv_cache_memory_bytes", parse_size, None), ("gpu_memory_utilization", float, 0.92),
+        ("enforce_eager", bool, False), ("max_num_seqs", int, 256), ("speculative_config", parse_json, None),
+        ("disable_uvicorn_access_log", bool, False), ("served_model_name", list, None),
+    ):
+        _convert(args, dest, fn, default)
+    args.model = args.model_tag
     if not args.model:
         _usage_error("the following arguments are required: model_tag")
     args.served_name = (args.served_model_name or [args.model])[0]
@@ -222,6 +288,116 @@ def check_pin() -> tuple[str | None, str | None]:
     return None, None  # unreachable
 
 
+NCCL_VERSION = "2.28.9"  # the NCCL of the real captures (captures/nccl-h200x2)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def select_hcas(spec: str, devices: list[str]) -> list[str]:
+    """NCCL_IB_HCA as NCCL reads it: `^` excludes, `=` asks exact names (else a name prefix matches),
+    entries are comma-separated `dev[:port]`; empty selects every device."""
+    spec = spec.strip()
+    if not spec:
+        return devices
+    exclude = spec.startswith("^")
+    spec = spec.lstrip("^")
+    exact = spec.startswith("=")
+    names = [e.split(":")[0] for e in spec.lstrip("=").split(",") if e]
+    return [d for d in devices if any(d == n if exact else d.startswith(n) for n in names) != exclude]
+
+
+def nccl_fail(args: argparse.Namespace, why: str, last_error: str) -> None:
+    """Fail the rank's communicator set-up as torch reports an NCCL failure (one line per fact)."""
+    host = socket.gethostname()
+    print(f"{host}:{os.getpid()}:{os.getpid()} [0] NCCL WARN {why}", file=sys.stderr, flush=True)
+    die(f"torch.distributed.DistBackendError: NCCL error (rank {args.node_rank}): unhandled system error "
+        f"(run with NCCL_DEBUG=INFO for details), NCCL version {NCCL_VERSION} ncclSystemError: System call "
+        f"(e.g. socket, malloc) or external library call failed or device error. Last error: {last_error}")
+
+
+def check_nccl_ib(args: argparse.Namespace) -> None:
+    """NCCL_IB_HCA and NCCL_IB_GID_INDEX against $SPARKCTL_SYSFS_ROOT (/sys/class/infiniband), as NCCL's
+    IB transport uses them. A wrong HCA: real NCCL finds "NET/IB : No device found." and falls back to
+    sockets (captures/nccl-h200x2/README.md), silently slow; the stand-in fails so the lab sees it. A GID
+    index that is not the port's RoCE v2 entry of its netdev's IPv4: the peers never connect (NCCL:
+    ibv_modify_qp failed with 110) or the index is empty (ibv_query_gid fails)."""
+    if os.environ.get("NCCL_IB_DISABLE", "0").strip() == "1":
+        return
+    root = os.environ.get("SPARKCTL_SYSFS_ROOT") or "/sys/class/infiniband"
+    devices = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    hca = os.environ.get("NCCL_IB_HCA", "")
+    chosen = [d for d in select_hcas(hca, devices)
+              if "ACTIVE" in _read(os.path.join(root, d, "ports", "1", "state"))]
+    if not chosen:
+        if hca.strip():
+            nccl_fail(args, f"NET/IB : No device found. NCCL_IB_HCA={hca} selects no ACTIVE device of {root} "
+                      f"(there: {', '.join(devices) or 'none'}); real NCCL would fall back to NET/Socket",
+                      "NET/IB : No device found.")
+        return  # no IB here at all: NCCL uses sockets, as on a machine without RDMA
+    gid_env = os.environ.get("NCCL_IB_GID_INDEX")
+    if gid_env is None:
+        return  # NCCL picks the RoCE v2 entry itself
+    try:
+        idx = int(gid_env.strip() or "0")
+    except ValueError:
+        idx = 0
+    for dev in chosen:
+        port = os.path.join(root, dev, "ports", "1")
+        netdevs = sorted(os.listdir(os.path.join(root, dev, "device", "net"))) \
+            if os.path.isdir(os.path.join(root, dev, "device", "net")) else []
+        addrs = set()
+        for nd in netdevs:
+            try:
+                addrs.add(iface_ipv4(nd))
+            except OSError:
+                pass
+        right = [n for n in range(64) if _gid_v2_of(port, n, addrs)]
+        if _gid_v2_of(port, idx, addrs):
+            continue
+        gtype = _read(os.path.join(port, "gid_attrs", "types", str(idx)))
+        gid = _read(os.path.join(port, "gids", str(idx)))
+        if not gtype:
+            nccl_fail(args, f"NET/IB : {dev}:1 has no GID at NCCL_IB_GID_INDEX={idx} (ibv_query_gid failed), "
+                      f"not the RoCE v2 entry of {'/'.join(sorted(addrs)) or 'its address'} (that is index "
+                      f"{right[0] if right else 'none'})", f"NET/IB : ibv_query_gid failed for {dev}:1 index {idx}")
+        nccl_fail(args, f"NET/IB : {dev}:1 NCCL_IB_GID_INDEX={idx} is {gtype} {gid}, not the RoCE v2 entry of "
+                  f"{'/'.join(sorted(addrs)) or 'its address'} (that is index {right[0] if right else 'none'})",
+                  "NET/IB : ibv_modify_qp failed with 110 Connection timed out")
+
+
+def _gid_v2_of(port: str, idx: int, addrs: set[str]) -> bool:
+    if _read(os.path.join(port, "gid_attrs", "types", str(idx))) != "RoCE v2":
+        return False
+    try:
+        mapped = ipaddress.IPv6Address(_read(os.path.join(port, "gids", str(idx)))).ipv4_mapped
+    except ValueError:
+        return False
+    return mapped is not None and str(mapped) in addrs
+
+
+def worker_name(args: argparse.Namespace) -> str:
+    """vLLM's worker process name (multiproc_executor.py setup_proc_title_and_log_prefix): one GPU per node."""
+    name = "Worker"
+    if args.tensor_parallel_size > 1:
+        name += f"_TP{args.node_rank}"
+    if args.decode_context_parallel_size > 1:
+        name += f"_DCP{args.node_rank % args.decode_context_parallel_size}"
+    return name
+
+
+def available_ram_gib() -> float:
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024**2
+    return 0.0
+
+
 class Link:
     """A newline-delimited JSON channel over one TCP socket, with a lock for writers."""
 
@@ -280,7 +456,7 @@ class Cluster:
         args = self.args
         ifname, addr = check_pin()
         bind_addr = args.master_addr
-        log("INFO", "parallel_state.py", f"rank 0 of {args.nnodes}: rendezvous on {bind_addr}:{args.master_port}"
+        log("INFO", "standin", f"rank 0 of {args.nnodes}: waiting for the ranks on {bind_addr}:{args.master_port}"
             + (f" (pinned {ifname} {addr})" if ifname else ""))
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -310,7 +486,7 @@ class Cluster:
                 continue
             problem = self._check_hello(hello)
             if problem:
-                log("WARNING", "parallel_state.py", f"refused {peer[0]}: {problem}")
+                log("WARNING", "standin", f"refused {peer[0]}: {problem}")
                 try:
                     link.send({"error": problem})
                 finally:
@@ -318,12 +494,12 @@ class Cluster:
                 continue
             assert hello is not None
             self.links[int(hello["rank"])] = link
-            log("INFO", "parallel_state.py", f"rank {hello['rank']} joined from {peer[0]} "
+            log("INFO", "standin", f"rank {hello['rank']} joined from {peer[0]} "
                 f"({hello.get('ifname') or 'no pin'}) [{len(self.links) + 1}/{args.nnodes}]")
         srv.close()
         for link in self.links.values():
             link.send({"welcome": True})
-        log("INFO", "parallel_state.py", f"world_size={args.nnodes} rendezvous complete "
+        log("INFO", "standin", f"all {args.nnodes} ranks joined "
             f"(tp={args.tensor_parallel_size}, dcp={args.decode_context_parallel_size})")
 
     def _check_hello(self, hello: dict[str, Any] | None) -> str:
@@ -362,7 +538,7 @@ class Cluster:
         ifname, addr = check_pin()
         deadline = time.monotonic() + env_float("STANDIN_RENDEZVOUS_TIMEOUT_S", 120.0)
         target = (args.master_addr, args.master_port)
-        log("INFO", "parallel_state.py", f"rank {args.node_rank} of {args.nnodes}: joining {target[0]}:{target[1]}"
+        log("INFO", "standin", f"rank {args.node_rank} of {args.nnodes}: joining {target[0]}:{target[1]}"
             + (f" from {ifname} ({addr})" if ifname else ""))
         attempt = 0
         while True:
@@ -388,7 +564,7 @@ class Cluster:
                         f"cannot connect to master {target[0]}:{target[1]} from "
                         f"{ifname or 'any interface'} ({addr or '-'}) after {attempt} attempts: {exc}")
                 if attempt % 10 == 1:
-                    log("INFO", "parallel_state.py", f"master {target[0]}:{target[1]} not reachable yet ({exc}); retrying")
+                    log("INFO", "standin", f"master {target[0]}:{target[1]} not reachable yet ({exc}); retrying")
                 time.sleep(0.5)
         link = Link(sock)
         link.send({"rank": args.node_rank, "nnodes": args.nnodes, "model": args.model, "ifname": ifname, "addr": addr})
@@ -406,7 +582,7 @@ class Cluster:
         except (ConnectionError, OSError, ValueError) as exc:
             die(f"RuntimeError: lost the master {target[0]}:{target[1]} during rendezvous: {exc}")
         self.links[0] = link
-        log("INFO", "parallel_state.py", f"world_size={args.nnodes} rendezvous complete; this is rank {args.node_rank}")
+        log("INFO", "standin", f"all {args.nnodes} ranks joined; this is rank {args.node_rank}")
 
     def report_loaded(self) -> None:
         link = self.links[0]
@@ -468,7 +644,12 @@ def load_model(args: argparse.Namespace) -> dict[str, Any]:
         shards = sorted(n for n in os.listdir(model) if n.endswith(".safetensors"))
     if not shards:
         die(f"RuntimeError: Cannot find any model weights with `{model}`")
-    log("INFO", "gpu_model_runner.py", f"Starting to load model {model}...")
+    worker = worker_name(args)
+    if args.node_rank == 0:  # logger.info_once(..., scope="global"): global rank 0 only
+        log("INFO", "gpu_model_runner.py:4979", f"Starting to load model {model}...", proc=worker)
+    total = sum(os.path.getsize(os.path.join(model, n)) for n in shards if os.path.exists(os.path.join(model, n)))
+    log("INFO", "weight_utils.py:1144", f"Filesystem type for checkpoints: unknown. Checkpoint size: "
+        f"{total / 1024**3:.2f} GiB. Available RAM: {available_ram_gib():.2f} GiB.", proc=worker)
     tensors = 0
     nbytes = 0
     for shard in shards:
@@ -493,18 +674,20 @@ def load_model(args: argparse.Namespace) -> dict[str, Any]:
     if delay > 0:
         time.sleep(delay)
     took = time.monotonic() - t0
-    log("INFO", "default_loader.py", f"Loading weights took {took:.2f} seconds ({len(shards)} shards, {tensors} tensors)")
-    log("INFO", "gpu_model_runner.py", f"Model loading took {nbytes / 2**30:.4f} GiB and {took:.6f} seconds")
+    log("INFO", "default_loader.py:506", f"Loading weights took {took:.2f} seconds", proc=worker)
+    log("INFO", "gpu_model_runner.py:5088", f"Model loading took {nbytes / 2**30:.4f} GiB memory and "
+        f"{took:.6f} seconds", proc=worker)
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:  # vLLM only notices after the weights are in
         die(f"ValueError: Unknown kv cache dtype: {args.kv_cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}")
     if args.kv_cache_memory_bytes is not None:
-        log("INFO", "gpu_worker.py", f"Reserved {args.kv_cache_memory_bytes} bytes for the KV cache "
-            "(--kv-cache-memory-bytes; gpu_memory_utilization not used for sizing)")
+        log("INFO", "standin", f"Reserved {args.kv_cache_memory_bytes} bytes for the KV cache "
+            "(--kv-cache-memory-bytes; gpu_memory_utilization not used for sizing)", proc=worker)
     if not args.enforce_eager:
         gdelay = env_float("STANDIN_GRAPH_DELAY_S", 0.0)
         if gdelay > 0:
             time.sleep(gdelay)
-        log("INFO", "gpu_model_runner.py", f"Graph capturing finished in {max(gdelay, 0.01):.0f} secs")
+        log("INFO", "gpu_model_runner.py:6516", f"Graph capturing finished in {max(gdelay, 0.01):.0f} secs, "
+            "took 0.00 GiB", proc=worker)
     return {"config": config, "shards": len(shards), "tensors": tensors, "bytes": nbytes}
 
 
@@ -816,12 +999,23 @@ def make_server(args: argparse.Namespace, cluster: Cluster, engine: Engine) -> T
 
 # ----------------------------------------------------------------------------------------- main
 def serve(args: argparse.Namespace) -> int:
-    log("INFO", "api_server.py", f"vLLM API server version {VERSION} (lab stand-in)")
-    log("INFO", "utils.py", f"non-default args: model={args.model!r}, tp={args.tensor_parallel_size}, "
-        f"dcp={args.decode_context_parallel_size}, nnodes={args.nnodes}, node_rank={args.node_rank}, "
-        f"headless={args.headless}")
-    cluster = Cluster(args)
+    global PROC
     head = args.node_rank == 0
+    if head:
+        log("INFO", "startup.py:96", f"non-default args: {{'model_tag': {args.model!r}, 'tensor_parallel_size': "
+            f"{args.tensor_parallel_size}, 'decode_context_parallel_size': {args.decode_context_parallel_size}, "
+            f"'nnodes': {args.nnodes}, 'node_rank': {args.node_rank}}}")
+        log("INFO", "core.py:139", f"Initializing a V1 LLM engine (v{VERSION}) with config: model={args.model!r}, "
+            f"tensor_parallel_size={args.tensor_parallel_size}, decode_context_parallel_size="
+            f"{args.decode_context_parallel_size}", proc="EngineCore")
+    else:
+        PROC = "MainProcess"  # the headless CLI never names its process (no decorate_logs)
+        log("INFO", "serve.py:224", f"Launching vLLM (v{VERSION}) headless multiproc executor, with head node "
+            f"address {args.master_addr}:{args.master_port} for torch.distributed process group.")
+    log("INFO", "parallel_state.py:1929", f"world_size={args.nnodes} rank={args.node_rank} local_rank=0 "
+        f"distributed_init_method=tcp://{args.master_addr}:{args.master_port} backend=nccl", proc="Worker")
+    check_nccl_ib(args)  # before joining: the other ranks wait, and `wait` names this rank
+    cluster = Cluster(args)
     if args.nnodes > 1:
         if head:
             cluster.serve_rendezvous()
@@ -861,15 +1055,20 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     cluster.start_heartbeat(on_death)
     if not head:
-        log("INFO", "multiproc_executor.py", f"headless rank {args.node_rank} ready; serving no HTTP")
+        log("INFO", "standin", f"headless rank {args.node_rank} ready; serving no HTTP")
         while not stopped.wait(1.0):
             pass
         return 0
     server = make_server(args, cluster, engine)
-    log("INFO", "launcher.py", f"Starting vLLM API server 0 on http://{args.host or '0.0.0.0'}:{args.port}")
-    log("INFO", "launcher.py", "Available routes are: /health, /version, /metrics, /v1/models, "
-        "/v1/chat/completions, /v1/completions")
-    log("INFO", "on.py", "Application startup complete.")
+    log("INFO", "entry.py:139", f"Starting vLLM server on http://{args.host or '0.0.0.0'}:{args.port}")
+    log("INFO", "launcher.py:188", "Available routes are:")
+    for route, methods in (("/health", "GET"), ("/version", "GET"), ("/metrics", "GET"), ("/v1/models", "GET"),
+                           ("/v1/chat/completions", "POST"), ("/v1/completions", "POST")):
+        log("INFO", "launcher.py:196", f"Route: {route}, Methods: {methods}")
+    # uvicorn's own lines, in uvicorn's format (uvicorn/server.py, uvicorn/lifespan/on.py)
+    for line in (f"Started server process [{os.getpid()}]", "Waiting for application startup.",
+                 "Application startup complete."):
+        print(f"INFO:     {line}", file=sys.stderr, flush=True)
     server.serve_forever(poll_interval=0.25)
     return 0
 

@@ -1,0 +1,47 @@
+"""A wrong NCCL pin on one rank fails `up` + `wait` naming that rank (the stand-in checks NCCL_IB_HCA and
+NCCL_IB_GID_INDEX against the host's infiniband tree, as NCCL does).
+
+The wrong pin comes in the way it does in the field: a recipe that pins NCCL for every rank in its
+[container.env] (which wins over the per-rank pins `up` discovers), on a cluster where one rank differs:
+spark3 carries its fabric address on the second port (rocep1s0f1), spark2's RoCE v2 entry is index 5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparkctl.lab.client import Lab
+from sparkctl.resources import recipes_dir
+from tests.lab.test_lifecycle_lab import clean, sk  # noqa: F401 - the fixture, and the CLI runner
+
+pytestmark = pytest.mark.lab
+
+
+NODES = ["spark1", "spark2", "spark3", "spark4"]
+
+
+@pytest.mark.parametrize(("pin", "rank", "nccl_says"), [
+    ('NCCL_IB_HCA = "rocep1s0f0"', 2, "Last error: NET/IB"),
+    ('NCCL_IB_GID_INDEX = "3"', 1, "Last error: NET/IB : ibv_modify_qp failed with 110"),
+])
+def test_a_wrong_nccl_pin_fails_up_and_wait_naming_the_rank(clean: Lab, tmp_path: Path, pin: str, rank: int,  # noqa: F811
+                                                            nccl_says: str) -> None:
+    lab = clean
+    text = (recipes_dir() / "lab.toml").read_text()
+    assert "[container.env]\n" in text
+    recipe = tmp_path / "lab-pinned.toml"
+    recipe.write_text(text.replace("[container.env]\n", f"[container.env]\n{pin}\n"))
+    env = {"RECIPE": str(recipe)}
+    up = sk(lab, "up", env=env)
+    out = up.stdout + up.stderr
+    if up.returncode == 0:  # the rank died after up's look at the containers: wait must see it
+        wait = sk(lab, "wait", "--timeout", "60", env=env)
+        assert wait.returncode == 1, wait.stdout + wait.stderr
+        out = wait.stdout + wait.stderr
+    else:
+        assert up.returncode == 1
+    blamed = [r for r, n in enumerate(NODES) if f"rank {r} ({n}) exited" in out or f"rank {r} on {n} died" in out]
+    assert blamed == [rank], out
+    assert nccl_says in out and "DistBackendError" in out, out
