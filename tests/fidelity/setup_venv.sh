@@ -24,7 +24,8 @@ VLLM="vllm==0.33.0"
 
 say() { printf '==> %s\n' "$*" >&2; }
 
-want="$(cat "$here/requirements.txt" "$here/setup_venv.sh" | sha256sum | cut -c1-16)"
+repo="$(cd "$here/../.." && pwd)"
+want="$(cat "$here/requirements.txt" "$here/setup_venv.sh" "$repo/pyproject.toml" | sha256sum | cut -c1-16)"
 stamp="$venv/.sparkctl-fidelity-stamp"
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "$venv"
@@ -55,8 +56,12 @@ else
   "${pip[@]}" "$VLLM" >&2
 fi
 
+# sparkctl's own runtime dependencies (the tests import sparkctl from the checkout): read from
+# pyproject.toml, installed with their own dependencies, none of which is torch or CUDA.
+mapfile -t deps < <("$venv/bin/python" -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"], sep="\n")' "$repo/pyproject.toml")
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "${deps[@]}" >&2
 # A smoke import, so a broken venv fails here and not as 40 test errors.
-VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c 'import torch, vllm; from vllm.engine.arg_utils import AsyncEngineArgs' >&2
+VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c 'import torch, vllm, tenacity, rich, paramiko; from vllm.engine.arg_utils import AsyncEngineArgs' >&2
 echo "$want" > "$stamp"
 say "fidelity venv ready in $((SECONDS - start)) s"
 echo "$venv"

@@ -94,6 +94,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for recipe, (pack, size, shards) in PACK.items():
         out[recipe] = write_model(root / pack, size, shards, config=config_json(pack))
+        # The checkpoint ships its quantization_config.json (seeds/000); vLLM reads it for --quantization.
+        (out[recipe] / "quantization_config.json").write_text(json.dumps(
+            {"quant_method": "exl3", "bits": 3 if pack == "3.00bpw" else 2.75}))
     drafter = root / "dspark-drafter"
     drafter.mkdir()
     cfg = dict(config_json("3.00bpw"), num_hidden_layers=1, num_nextn_predict_layers=0)
