@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("render", "Render env.tp4 and the per-rank docker/vllm command lines (offline)."),
     "check": ("check", "Preflight every node in parallel; write env.tp4 with the discovered pins."),
     "verify-model": ("verify_model", "Verify the checkpoint's layout and EXL3 ABI from its headers."),
+    "model": ("model", "Pull the checkpoint to the head (Hub) and sync it to the ranks, node to node."),
     "build": ("build", "Build the image chain on every rank (or once, shipping missing layers)."),
     "bake": ("bake", "Render docker-bake.hcl for CI builds of the image chain (linux/arm64)."),
     "up": ("lifecycle", "Start the service: workers, then the head."),
