@@ -22,6 +22,7 @@ How it goes (the user's machine only orchestrates; no checkpoint byte passes thr
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import shlex
 import threading
@@ -53,6 +54,7 @@ key=$1; comment=$2
 dir=$(dirname "$key")
 mkdir -p "$dir"; chmod 700 "$dir"
 [ -f "$key" ] || ssh-keygen -q -t ed25519 -N '' -C "$comment" -f "$key" >/dev/null </dev/null
+printf '%s\n' "$HOME"
 cat "$key.pub"
 """
 
@@ -143,6 +145,13 @@ def rsync_argv(src_dir: str, user: str, ip: str, dst_dir: str, list_file: str, k
             f"--timeout={RSYNC_IO_TIMEOUT}", f"--files-from={list_file}", "--info=progress2", "--stats",
             "--no-human-readable", "-e", ssh_command(key, known_hosts),
             src_dir.rstrip("/") + "/", f"{user}@{host}:{dst_dir.rstrip('/')}/"]
+
+
+def why(stderr: str) -> str:
+    """The line that says why rsync failed: ssh's own words (auth, host key, refused) over rsync's summary."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    own = [ln for ln in lines if not ln.startswith("rsync")]
+    return (own[-1] if own else lines[-1] if lines else "no message")[:300]
 
 
 _PROGRESS_RE = re.compile(r"^\s*(\d+)\s+(\d+)%\s+(\S+/s)\s+(\d+:\d+:\d+)")
@@ -263,7 +272,8 @@ def _setup_auth(cluster: Cluster, settings: Any, src: str, targets: Sequence[str
     if not r.ok or not r.stdout.strip():
         raise CheckFailed(f"{src}: could not make the sync key {key}: {r.stderr.strip()[-300:]}",
                           fix=f"check that ssh-keygen exists on {src} and its home is writable")
-    line = authorized_line(r.stdout.strip().splitlines()[-1], ips[src], key_tag(settings.cluster_name, src))
+    home, pub = r.stdout.strip().splitlines()[0], r.stdout.strip().splitlines()[-1]
+    line = authorized_line(pub, ips[src], key_tag(settings.cluster_name, src))
     lines = []
     for t in targets:
         ktype, b64 = cluster.node(t).host_key()
@@ -279,7 +289,8 @@ def _setup_auth(cluster: Cluster, settings: Any, src: str, targets: Sequence[str
     for res in cluster.run_all(install, nodes=list(targets)).values():
         if isinstance(res, NodeError):
             raise res
-    return key, known
+    # rsync and the ssh it starts get absolute paths: neither promises which folder it runs in.
+    return f"{home}/{key}", f"{home}/{known}"
 
 
 def _push(node: Node, argv: list[str], rank: RankSync, progress: Progress, stop: threading.Event) -> None:
@@ -310,9 +321,8 @@ def _push(node: Node, argv: list[str], rank: RankSync, progress: Progress, stop:
     if result.exit_code == 0:
         rank.status, rank.bytes_done = "complete", rank.need_bytes
     else:
-        last = [ln for ln in (bytes(session.err).decode("utf-8", "replace")).splitlines() if ln.strip()]
         rank.status = "resumable"
-        rank.message = f"rsync exit {result.exit_code}: {last[-1][:300] if last else 'no message'}"
+        rank.message = f"rsync exit {result.exit_code}: {why(bytes(session.err).decode('utf-8', 'replace'))}"
     progress(rank)
 
 
@@ -403,7 +413,7 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             def push(node: Node, t: str) -> None:
                 r = report.ranks[t]
                 argv = rsync_argv(model, cluster.target(t).user or "root", ips[t], model,
-                                  f"{state}/sync-{t}.list", key, known)
+                                  f"{posixpath.dirname(key)}/sync-{t}.list", key, known)
                 _push(node, argv, r, progress, stop)
 
             # One channel per rank on the source's one connection, all at once.
