@@ -430,8 +430,11 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
                 report.interrupted = True
                 for w in workers:
                     w.join(10)
-        # The end: verify-model's cross-node comparison on what every node holds now.
-        if not report.interrupted:
+        # The end: verify-model's cross-node comparison on what every node holds now (the scans
+        # already taken when nothing was copied).
+        if not todo:
+            report.findings = compare_nodes(scans, src)
+        elif not report.interrupted:
             again = cluster.run_all(lambda n: scan_node(n, model), nodes=[src, *targets])
             final = {n: s for n, s in again.items() if not isinstance(s, NodeError)}
             report.findings = compare_nodes(final, src)
