@@ -208,3 +208,22 @@ def test_lifeline_stops_the_command_when_its_input_closes(tmp_path: Path) -> Non
     assert p.stdin is not None
     p.stdin.close()
     assert p.wait(timeout=5) == 143  # SIGTERM
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": os.environ.get("PATH", ""), "NODES": "n1 n2 n3 n4", "MODEL": "/models/x", "RECIPE": "lab",
+            "HOME": "/nonexistent"}
+    return subprocess.run([sys.executable, "-m", "sparkctl", *args], env={**base, **env}, capture_output=True,
+                          text=True, timeout=60, cwd="/")
+
+
+def test_pull_without_a_revision_is_bad_input_before_any_connection() -> None:
+    r = _cli("model", "pull")
+    assert r.returncode == 2 and "MODEL_REVISION" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("model", "pull", MODEL_REVISION="main", MODEL_REPO="not a repo")
+    assert r.returncode == 2 and "MODEL_REPO" in r.stderr
+
+
+def test_sync_to_a_node_outside_nodes_is_bad_input() -> None:
+    r = _cli("model", "sync", "--to", "elsewhere")
+    assert r.returncode == 2 and "elsewhere" in r.stderr and "Traceback" not in r.stderr
