@@ -55,7 +55,7 @@ as_root_install() {
 }
 
 lab_packages() {
-  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates
+  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync
 }
 
 sparkctl() { "$venv/bin/sparkctl" "$@"; }

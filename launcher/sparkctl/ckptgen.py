@@ -492,3 +492,57 @@ def _copy_sparse(src: str, dst: str) -> None:
         f.write(hlen.to_bytes(8, "little") + head)
         f.truncate(size)
     shutil.copystat(src, dst)
+
+
+# ---------------------------------------------------------------- model pull/sync (new revisions, bulk)
+
+
+def new_revision_of_shard(dest: Path, n: int = 1, seed: int = 1000) -> Path:
+    """Rewrite the data of the n-th top-level shard (1-based) with other bytes, keeping its header and
+    size: what a new Hub revision that re-quantized one shard looks like. Written aside, then renamed."""
+    path = sorted(Path(dest).glob("*.safetensors"))[n - 1]
+    hlen = read_header_len(path)
+    size = path.stat().st_size
+    rng = random.Random(seed)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as f:
+        f.write(src.read(8 + hlen))
+        left = size - 8 - hlen
+        while left > 0:
+            chunk = min(left, 8 << 20)
+            f.write(rng.randbytes(chunk))
+            left -= chunk
+    os.replace(tmp, path)
+    return path
+
+
+def read_header_len(path: Path) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8), "little")
+
+
+def make_bulk(dest: Path, shards: int = 41, shard_bytes: int = 50_000_000, seed: int = 7) -> Path:
+    """A checkpoint-shaped folder of `shards` real-byte safetensors files (one uint8 tensor each, about
+    `shard_bytes`), an index and a config: for transfer benchmarks, where the bytes must be real
+    (a sparse pack would measure reading holes). Not a model any layout rule accepts."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for i in range(1, shards + 1):
+        name = _shard_name(i, shards)
+        tname = f"bulk.{i}.weight"
+        raw, _ = encode_header({tname: ("U8", (shard_bytes,))}, {"format": "pt"})
+        rng = random.Random(seed * 100_003 + i)
+        tmp = dest / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            left = shard_bytes
+            while left > 0:
+                chunk = min(left, 8 << 20)
+                f.write(rng.randbytes(chunk))
+                left -= chunk
+        os.replace(tmp, dest / name)
+        weight_map[tname] = name
+    _write_index(dest, weight_map, shards * shard_bytes)
+    (dest / "config.json").write_text(json.dumps({"model_type": "bulk", "shards": shards}) + "\n")
+    return dest

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("check", "Preflight every node in parallel; write env.tp4 with the discovered pins."),
     "nccl-report": ("nccl_report", "Explain NCCL_DEBUG=INFO logs: per rank NCCL version, transport, findings."),
     "verify-model": ("verify_model", "Verify the checkpoint's layout and EXL3 ABI from its headers."),
+    "model": ("model", "Pull the checkpoint to the head (Hub) and sync it to the ranks, node to node."),
     "build": ("build", "Build the image chain on every rank (or once, shipping missing layers)."),
     "bake": ("bake", "Render docker-bake.hcl for CI builds of the image chain (linux/arm64)."),
     "up": ("lifecycle", "Start the service: workers, then the head."),

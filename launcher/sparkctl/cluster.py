@@ -749,6 +749,11 @@ class Node:
                 f"`docker {_short(shlex.join(args))}` printed something that is not JSON ({exc.msg})",
             ) from None
 
+    def host_key(self) -> tuple[str, str]:
+        """(type, base64) of the host key this connection verified against known_hosts."""
+        key = self._transport.get_remote_server_key()
+        return key.get_name(), key.get_base64()
+
     def close(self) -> None:
         with self._sftp_lock:
             if self._sftp is not None:
@@ -848,6 +853,27 @@ class Session:
             time.monotonic() - self.started,
             self.command,
         )
+
+    def poll(self, seconds: float) -> bool:
+        """Read what the command prints for up to `seconds`, its input left open (for commands that
+        run long and report as they go): True while it runs, False once it has ended and all is read.
+        The caller may consume .out/.err between polls."""
+        chan, end = self._chan, time.monotonic() + seconds
+        try:
+            while True:
+                wait_channel(chan, max(0.0, min(0.2, end - time.monotonic())))
+                while chan.recv_ready():
+                    self.out += chan.recv(65536)
+                while chan.recv_stderr_ready():
+                    self.err += chan.recv_stderr(65536)
+                if chan.exit_status_ready() and (chan.eof_received or chan.closed):
+                    if not chan.recv_ready() and not chan.recv_stderr_ready():
+                        return False
+                if time.monotonic() >= end:
+                    return True
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self.close()
+            raise self.node._lost(exc) from None
 
     def close(self) -> None:
         """Abandon the command (its channel closes; the remote end sees EOF and a hangup)."""

@@ -37,6 +37,10 @@ _NETDEV_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 _CC_RE = re.compile(r"^\d{1,2}\.\d{1,2}$")
 _CLUSTER_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _SIZE_RE = re.compile(r"^[0-9]+[bkmg]?$")
+_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")
+_URL_RE = re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._~/-]*)?$")
+_COMMAND_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,255}$")
 _IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$", re.IGNORECASE)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "fp8_inc")
 RANK_KEY_RE = re.compile(r"^RANK(\d+)_(FABRIC_IP|CX7_IF|CX7_IB|GID_INDEX)$")
@@ -241,6 +245,14 @@ KNOBS: dict[str, Knob] = {
              minimum=0, maximum=10**6),
         Knob("WATCH_READY_TIMEOUT_S", "float", "watch: how long a restarted group may take to serve (default "
              "3600).", minimum=1, maximum=10**6),
+        Knob("MODEL_REPO", "str", "Hub repo id `model pull` downloads (org/name); the recipe names it.",
+             check=_regex(_REPO_RE, "a Hub repo id like org/name")),
+        Knob("MODEL_REVISION", "str", "Hub revision `model pull` downloads: a 40-hex commit id (pinned), or a "
+             "branch/tag that is resolved and recorded.", check=_regex(_REVISION_RE, "a commit id, branch or tag")),
+        Knob("HF_ENDPOINT", "str", "Hub endpoint the head downloads from (default: huggingface.co).",
+             check=_regex(_URL_RE, "an http(s) URL")),
+        Knob("HF_PYTHON", "str", "Python on the head that has huggingface_hub (`model pull` runs there).",
+             check=_regex(_COMMAND_RE, "a command name or absolute path")),
         Knob("HF_TOKEN", "str", "Hugging Face token (secret; never shown, passed by file)."),
         Knob("VLLM_API_KEY", "str", "API key the service requires (secret; passed by file, not argv)."),
     ]

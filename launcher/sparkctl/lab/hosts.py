@@ -100,7 +100,8 @@ Port 22
 ListenAddress 0.0.0.0
 HostKey {paths.host_key}
 PidFile {paths.sshd_pid}
-AuthorizedKeysFile {paths.authorized_keys}
+# The lab client's key, and the user's own file (`model sync` adds the head's sync key there).
+AuthorizedKeysFile {paths.authorized_keys} .ssh/authorized_keys
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no

@@ -1,0 +1,274 @@
+"""`sparkctl model pull` and `sparkctl model sync`: the checkpoint onto the cluster.
+
+    sparkctl model pull [--json]                        MODEL_REPO@MODEL_REVISION -> MODEL on the head
+    sparkctl model sync [--from NODE] [--to NODE]... [--json]
+                                                        MODEL from the head to the ranks, node to node
+
+pull runs probes/hf_pull.py on the head with its own python (HF_PYTHON, which needs huggingface_hub),
+over the existing SSH connection; the token follows the script on stdin. sync is sparkctl.modelsync.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import click
+
+from ..errors import CheckFailed, UsageError
+from ..output import console, emit_json
+
+PULL_TIMEOUT = 48 * 3600.0
+PERIOD = 5.0  # seconds between progress lines when the output is not a terminal
+# The head's python reads the script's N bytes from stdin, then the script reads the token line.
+BOOT = ("import sys;n=int(sys.argv.pop(1));src=sys.stdin.buffer.read(n);"
+        "exec(compile(src,'hf_pull.py','exec'),{'__name__':'__main__'})")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class Board:
+    """One progress line per node: updated in place on a terminal, plain lines every PERIOD seconds
+    (and on every change of state) otherwise. Always on stderr when stdout carries JSON."""
+
+    def __init__(self, as_json: bool, quiet: bool = False) -> None:
+        self.out = console(as_json)
+        self.quiet = quiet
+        self.tty = self.out.is_terminal and not quiet
+        self.lines: dict[str, str] = {}
+        self.states: dict[str, str] = {}
+        self.last: dict[str, float] = {}
+        self.lock = threading.Lock()
+        self.live: Any = None
+
+    def __enter__(self) -> Board:
+        if self.tty:
+            from rich.live import Live
+
+            self.live = Live("", console=self.out, refresh_per_second=4, transient=False)
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+    def update(self, node: str, state: str, text: str) -> None:
+        with self.lock:
+            self.lines[node] = f"{node:<12} {state:<11} {text}"
+            if self.quiet:
+                return
+            if self.live is not None:
+                from rich.text import Text
+
+                self.live.update(Text("\n".join(self.lines.values())))
+                return
+            now = time.monotonic()
+            if self.states.get(node) != state or now - self.last.get(node, 0.0) >= PERIOD:
+                self.states[node], self.last[node] = state, now
+                self.out.print(self.lines[node], markup=False, highlight=False)
+
+
+def _rate_text(done: int, total: int, seconds: float) -> str:
+    rate = done / seconds if seconds > 0 else 0.0
+    eta = (total - done) / rate if rate > 0 and total > done else 0.0
+    pct = 100.0 * done / total if total else 100.0
+    return f"{_fmt_bytes(done)} / {_fmt_bytes(total)} ({pct:.0f}%)  {_fmt_bytes(rate)}/s  ETA {eta:.0f}s"
+
+
+# ------------------------------------------------------------------------------------------- pull
+def _pull_on_head(g: Any, s: Any, repo: str, revision: str, board: Board) -> dict[str, Any]:
+    from ..cluster import Cluster
+    from ..probes import source
+
+    script = source("hf_pull").encode()
+    token = s.secrets().get("HF_TOKEN", "")
+    env = {"HF_HUB_DISABLE_TELEMETRY": "1"}
+    if s.get("HF_ENDPOINT"):
+        env["HF_ENDPOINT"] = str(s.get("HF_ENDPOINT"))
+    python = str(s.get("HF_PYTHON") or "python3")
+    head = s.head
+    with Cluster([head], g.ssh_config_path()) as cluster:
+        if head in cluster.errors:
+            err = cluster.errors[head]
+            raise CheckFailed(f"the head {head} is unreachable: {err.reason}", fix=err.fix)
+        node = cluster.node(head)
+        session = node.start([python, "-c", BOOT, str(len(script)), repo, revision, str(s.model)], env=env,
+                             timeout=PULL_TIMEOUT)
+        started = time.monotonic()
+        board.update(head, "starting", f"{repo}@{revision}")
+        # The script and the token go in; the script says @@ready once it has read the token.
+        session.read_until(b"@@ready\n", stdin=script + token.encode() + b"\n")
+        result = _drive(session, head, board, started)
+    lines = [ln for ln in result.stdout.splitlines() if ln.strip().startswith("{")]
+    try:
+        doc: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        doc = {}
+    if not doc:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        raise CheckFailed(f"{head}: the download did not run (exit {result.exit_code}): {tail}",
+                          fix=f"check that {python} exists on {head} (HF_PYTHON) and has huggingface_hub")
+    return doc
+
+
+def _drive(session: Any, head: str, board: Board, started: float) -> Any:
+    """Read the pull's progress lines until it ends."""
+    from ..cluster import RunResult
+
+    pending = ""
+    while session.poll(0.5):
+        pending += bytes(session.err).decode("utf-8", "replace")
+        del session.err[:]
+        *done_lines, pending = pending.split("\n")
+        for line in done_lines:
+            if line.startswith("@@progress "):
+                try:
+                    p = json.loads(line[len("@@progress "):])
+                    board.update(head, "downloading",
+                                 _rate_text(int(p["bytes"]), int(p["total"]), time.monotonic() - started))
+                except (ValueError, KeyError, TypeError):
+                    pass
+    res: RunResult = session.finish()
+    return res
+
+
+@click.group("model")
+def group() -> None:
+    """Get the checkpoint onto the cluster: pull it to the head, sync it to the ranks."""
+
+
+@group.command("pull")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON document on stdout.")
+@click.option("--layout", "layout_name", metavar="NAME", help="Layout rules for the check after the download.")
+@click.pass_context
+def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
+    """Download MODEL_REPO at MODEL_REVISION into MODEL on the head (run there, over SSH), then verify it."""
+    g = ctx.obj
+    as_json = as_json or bool(getattr(g, "json", False))
+    s = g.settings()
+    repo, revision = s.get("MODEL_REPO"), s.get("MODEL_REVISION")
+    if not repo:
+        raise UsageError("no Hub repo to pull: MODEL_REPO is unset (the recipe names none)",
+                         fix="set MODEL_REPO=org/name in the env file")
+    if not revision:
+        raise UsageError(f"MODEL_REVISION is unset: which revision of {repo} to pull?",
+                         fix="set MODEL_REVISION to the commit id to pin (or a branch, e.g. main, resolved and "
+                             "recorded at pull time)")
+    out = console(as_json)
+    with Board(as_json, quiet=g.verbosity < 0) as board:
+        doc = _pull_on_head(g, s, str(repo), str(revision), board)
+        status = doc.get("status")
+        board.update(s.head, str(status), f"{_fmt_bytes(int(doc.get('downloaded_bytes') or 0))} downloaded "
+                     f"in {doc.get('seconds', 0)}s")
+    head = s.head
+    if status == "no-space":
+        raise CheckFailed(f"{head}:{s.model}: {repo}@{doc.get('commit')} needs {int(doc['need_bytes']):,} B, the "
+                          f"filesystem has {int(doc['free_bytes']):,} B free (the repo is {int(doc['total_bytes']):,} B); "
+                          "nothing was downloaded", fix=f"free space on {head} or point MODEL at a bigger disk")
+    if status == "error":
+        fix = (f"install it on {head} (pip install 'huggingface_hub>=0.24') or set HF_PYTHON to a python that has it"
+               if doc.get("code") == "no-huggingface-hub" else
+               "check MODEL_REPO / MODEL_REVISION, HF_TOKEN for a gated repo, and HF_ENDPOINT")
+        raise CheckFailed(f"{head}: pulling {repo}@{revision} failed: {doc.get('code')}: {doc.get('message')}", fix=fix)
+    report_doc: dict[str, Any] = {"ok": True, "node": head, "dir": str(s.model), **doc}
+    if status == "downloaded":
+        report = _verify_head(g, s, layout_name)
+        report_doc.update(ok=report.ok, verify=report.to_dict())
+    if as_json:
+        emit_json(report_doc)
+    else:
+        pinned = "" if doc.get("commit") == revision else f" (resolved {revision} -> {doc.get('commit')}; pin it)"
+        if status == "up-to-date":
+            out.print(f"{head}:{s.model} already holds {repo}@{doc.get('commit')}{pinned}: nothing to download "
+                      f"({doc.get('files')} files, {_fmt_bytes(int(doc.get('total_bytes') or 0))}, "
+                      f"{doc.get('seconds')}s)", markup=False, highlight=False)
+        else:
+            out.print(f"{head}:{s.model} now holds {repo}@{doc.get('commit')}{pinned}: "
+                      f"{_fmt_bytes(int(doc.get('downloaded_bytes') or 0))} downloaded; verify-model: "
+                      f"{'OK' if report_doc['ok'] else 'FAILED'}", markup=False, highlight=False)
+            for f in report_doc.get("verify", {}).get("findings", []):
+                if f["severity"] != "info":
+                    out.print(f"  {f['severity']} {f['code']}: {f['message']}", markup=False, highlight=False)
+    ctx.exit(0 if report_doc["ok"] else 1)
+
+
+def _verify_head(g: Any, s: Any, layout_name: str | None) -> Any:
+    from .verify_model import _layout, _verify_cluster
+
+    layout, _, settings = _layout(g, layout_name)
+    head_only = _HeadOnly(settings or s)
+    report, _ = _verify_cluster(g, head_only, layout, False, 100 * 1024 * 1024)
+    return report
+
+
+class _HeadOnly:
+    """Settings as verify-model's cluster mode reads them, limited to the head."""
+
+    def __init__(self, s: Any) -> None:
+        self._s = s
+        self.nodes = [s.head]
+        self.model = s.model
+
+
+# ------------------------------------------------------------------------------------------- sync
+@group.command("sync")
+@click.option("--from", "source_node", metavar="NODE", help="Copy from this node (default: the head).")
+@click.option("--to", "only", metavar="NODE", multiple=True, help="Only these ranks (repeatable; default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON document on stdout.")
+@click.pass_context
+def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...], as_json: bool) -> None:
+    """Copy MODEL from the head to every rank that lacks it or differs, node to node over the fabric."""
+    from .. import modelsync
+
+    g = ctx.obj
+    as_json = as_json or bool(getattr(g, "json", False))
+    s = g.settings()
+    if only:
+        unknown = [n for n in only if n not in s.nodes]
+        if unknown:
+            raise UsageError(f"--to {' '.join(unknown)}: not in NODES ({' '.join(s.nodes)})", fix="name nodes of NODES")
+    out = console(as_json)
+    stop = threading.Event()
+    with Board(as_json, quiet=g.verbosity < 0) as board:
+
+        def progress(r: modelsync.RankSync) -> None:
+            if r.status in ("pending",):
+                board.update(r.node, "copying", _rate_text(r.bytes_done, r.need_bytes, r.seconds))
+            else:
+                board.update(r.node, r.status, r.message or _fmt_bytes(r.need_bytes))
+
+        try:
+            report = modelsync.sync(s, g.ssh_config_path(), source_node=source_node, progress=progress, stop=stop,
+                                    only=list(only) or None)
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(130) from None
+    doc = report.as_dict()
+    if as_json:
+        emit_json(doc)
+    else:
+        for r in report.ranks.values():
+            sent = "" if r.bytes_sent is None else f", {_fmt_bytes(r.bytes_sent)} sent"
+            what = {"up-to-date": "up to date, nothing sent", "complete": f"complete: {len(r.files)} file(s){sent}",
+                    "resumable": f"NOT complete, resumable (run `sparkctl model sync` again): {r.message}",
+                    "unreachable": f"unreachable, nothing copied: {r.message}",
+                    "failed": f"failed: {r.message}"}.get(r.status, f"{r.status}: {r.message}")
+            out.print(f"{r.node}: {what} ({r.seconds:.1f}s)", markup=False, highlight=False)
+        for f in report.findings:
+            out.print(f"{f.severity} {f.code}: {f.message}", markup=False, highlight=False)
+            if f.fix:
+                out.print(f"    fix: {f.fix}", markup=False, highlight=False)
+        out.print(("OK" if report.ok else ("INTERRUPTED" if report.interrupted else "FAILED"))
+                  + f" in {report.seconds:.1f}s", markup=False, highlight=False)
+    ctx.exit(0 if report.ok else (130 if report.interrupted else 1))
+
+
+COMMANDS = {"model": group}
