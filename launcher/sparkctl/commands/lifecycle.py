@@ -121,7 +121,7 @@ def up_cmd(ctx: click.Context, recreate: bool) -> None:
             except OSError as exc:
                 warn([f"could not write {ENV_TP4}: {exc}"])
             outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate,
-                                 say=lambda m: out.print(m, markup=False),
+                                 say=lambda m: out.print(m, markup=False, soft_wrap=True),
                                  gathered={n: r[1] for n, r in ok.items()})
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
@@ -322,10 +322,10 @@ def down_cmd(ctx: click.Context) -> None:
     with _cluster(g, s) as cluster:
         if s.head in cluster.connected:
             with cluster_lock(cluster.node(s.head), s.head, s.cluster_name, "down"):
-                failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False))
+                failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False, soft_wrap=True))
         else:
             warn([f"the head {s.head} is unreachable: tearing down the other nodes without the cluster lock"])
-            failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False))
+            failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False, soft_wrap=True))
     seconds = round(time.monotonic() - t0, 3)
     if g.json:
         emit_json({"ok": not failed, "failed": {n: e.as_dict() for n, e in failed.items()}, "seconds": seconds})
