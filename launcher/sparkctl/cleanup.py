@@ -78,12 +78,14 @@ class NodeSweep:
 
 def sweep(cluster: Cluster, cluster_name: str, groups: Sequence[Sequence[str]], *,
           expected: Mapping[str, Sequence[str]] | None = None,
-          say: Callable[[str], None] = lambda s: None) -> dict[str, NodeSweep]:
+          say: Callable[[str], None] = lambda s: None, deliver: bool = True) -> dict[str, NodeSweep]:
     """Remove the cluster's containers, group after group (the head first, then the workers at once).
 
     expected: per node, the containers that may be there (seen before, or being started): named as
     left behind on a node that cannot be cleaned. Runs to its end despite a second signal; a third
-    raises signals.CleanupAborted after saying which nodes were not finished."""
+    raises signals.CleanupAborted after saying which nodes were not finished. deliver: a first signal
+    that arrived meanwhile is raised once the sweep is done (False inside a rollback: it is the
+    rollback)."""
     expected = expected or {}
     report: dict[str, NodeSweep] = {}
 
@@ -95,7 +97,7 @@ def sweep(cluster: Cluster, cluster_name: str, groups: Sequence[Sequence[str]], 
             report[node.name] = NodeSweep(error=exc.reason, left=left)
 
     try:
-        with signals.shielded(deliver=False):
+        with signals.shielded(deliver=deliver):
             for group in groups:
                 for name, res in cluster.run_all(one, nodes=list(group)).items():
                     if isinstance(res, NodeError) and name not in report:  # unreachable: never ran

@@ -275,12 +275,12 @@ def up(
         interrupted = isinstance(exc, KeyboardInterrupt)
         why = (f"interrupted ({exc.name})" if isinstance(exc, signals.Interrupted) else "interrupted") \
             if interrupted else str(exc).splitlines()[0][:300]
-        say(f"rolling back: removing this cluster's containers ({why})")
-        report = _rollback(cluster, settings, expected, say)
-        lines = cleanup.sweep_lines(report)
-        for ln in lines:
-            say("  " + ln)
-        with signals.shielded(deliver=False):
+        with signals.shielded(deliver=False):  # a second signal must not cut the rollback short
+            say(f"rolling back: removing this cluster's containers ({why})")
+            report = _rollback(cluster, settings, expected, say)
+            lines = cleanup.sweep_lines(report)
+            for ln in lines:
+                say("  " + ln)
             try:
                 audit(cluster, nodes, name, {n: [audit_line(action="up-rolled-back", config_hash=cfg_hash,
                                                             detail=f"{why}; {report[n].line(n)}")]
@@ -293,11 +293,14 @@ def up(
         msg = exc.message if isinstance(exc, CheckFailed) else str(exc)
         raise CheckFailed(f"{msg}\nrolled back:\n  " + "\n  ".join(lines), fix=fix) from None
     outcome.started = started
-    audit(cluster, nodes, name, {
-        s.node: [audit_line(action="up", rank=s.rank, config_hash=cfg_hash, container=ids.get(s.node),
-                            detail=f"started {container_name(name, s.rank)} ({image})")] for s in specs
-    })
-    signals.commit()  # the service is up and audited: from here a signal changes nothing
+    # The point of no return: every rank runs. A signal from here on is noted and changes nothing, so
+    # the `up` lines (what tells this run's containers from orphans) are always written.
+    with signals.shielded():
+        signals.commit()
+        audit(cluster, nodes, name, {
+            s.node: [audit_line(action="up", rank=s.rank, config_hash=cfg_hash, container=ids.get(s.node),
+                                detail=f"started {container_name(name, s.rank)} ({image})")] for s in specs
+        })
     return outcome
 
 
@@ -392,7 +395,8 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
 
 def _rollback(cluster: Cluster, settings: Settings, expected: dict[str, list[str]],
               say: Callable[[str], None]) -> dict[str, cleanup.NodeSweep]:
-    return cleanup.sweep(cluster, settings.cluster_name, [settings.nodes], expected=expected, say=say)
+    return cleanup.sweep(cluster, settings.cluster_name, [settings.nodes], expected=expected, say=say,
+                         deliver=False)
 
 
 def _down_all(cluster: Cluster, settings: Settings, say: Callable[[str], None],
