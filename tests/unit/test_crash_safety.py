@@ -24,6 +24,7 @@ from sparkctl.cluster import Cluster, NodeError
 from sparkctl.errors import CheckFailed, UsageError
 from sparkctl.identity import NodeIdentity, duplicates, parse_machine_id
 from sparkctl.settings import load_settings
+from tests.unit.test_cluster import sshlab  # noqa: F401  (the fixture: real OpenSSH servers)
 
 # --------------------------------------------------------------------------------------- signals
 
@@ -265,7 +266,7 @@ def test_same_machine_id_or_host_key_is_one_machine() -> None:
     assert parse_machine_id("uninitialized\n") is None
 
 
-def test_two_aliases_of_one_real_sshd_are_refused(sshlab: Any, tmp_path: Path) -> None:
+def test_two_aliases_of_one_real_sshd_are_refused(sshlab: Any, tmp_path: Path) -> None:  # noqa: F811
     """Against a real OpenSSH server: a typo'd HostName/Port makes n2b reach n1's sshd."""
     text = Path(sshlab.ssh_config).read_text()
     cfg = tmp_path / "ssh_config"
@@ -276,9 +277,6 @@ def test_two_aliases_of_one_real_sshd_are_refused(sshlab: Any, tmp_path: Path) -
     assert "n1 (HostName 127.0.0.1" in exc.value.message and "n2b" in exc.value.message
     with Cluster(["n1", "n2"], cfg) as cluster:  # two real machines (two sshds, two host keys): fine
         assert cluster.connected == ["n1", "n2"]
-
-
-from tests.unit.test_cluster import sshlab  # noqa: E402,F401  (the real-sshd fixture)
 
 # ------------------------------------------------------------------------------ env keys, disk rule
 
