@@ -9,7 +9,7 @@ moments across their run (N=20 by default). After each run:
 
 Prints one line per run and the totals (runs, leftovers, locks left held, orphans, exit codes), and
 exits 1 on any violation. Needs root, a lab (`sparkctl lab up`) and the lab chain (`sparkctl build`).
-Run it in chunks to keep each lab hold short, e.g. `--commands up --signals INT`.
+Run it in chunks to keep each lab hold short, e.g. `--runs up:INT`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ def orphans(lab: Lab) -> list[str]:
 
 
 def state_to(lab: Lab, want: str) -> None:
-    sk(lab, "lock", "--force-unlock", timeout=60)
-    r = sk(lab, "up" if want == "up" else "down")
+    r = sk(lab, "up" if want == "up" else "down")  # the lock is free after every run (checked)
     if r.returncode != 0:
         raise SystemExit(f"cannot bring the sweep cluster {want}: {r.stdout}{r.stderr}")
 
@@ -107,8 +106,7 @@ def one_run(lab: Lab, command: str, sig: signal.Signals, delay: float) -> dict[s
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--commands", default="up,down")
-    ap.add_argument("--signals", default="INT,TERM")
+    ap.add_argument("--runs", default="up:INT,up:TERM,down:INT,down:TERM", help="COMMAND:SIGNAL,...")
     ap.add_argument("--moments", type=int, default=20)
     ap.add_argument("--first", type=int, default=1, help="first moment (1..N), to run the sweep in chunks")
     ap.add_argument("--last", type=int, default=0, help="last moment (default N)")
@@ -123,14 +121,14 @@ def main() -> int:
             durations[command] = min(durations[command], timed(lab, command))
     print(f"run lengths: up {durations['up']:.2f}s, down {durations['down']:.2f}s", flush=True)
     results = []
-    for command in args.commands.split(","):
-        for name in args.signals.split(","):
-            sig = signal.Signals[f"SIG{name}"]
-            for k in range(args.first, last + 1):
-                delay = durations[command] * k / (args.moments + 1)
-                r = one_run(lab, command, sig, delay)
-                results.append(r)
-                print(json.dumps(r), flush=True)
+    for pair in args.runs.split(","):
+        command, name = pair.split(":")
+        sig = signal.Signals[f"SIG{name}"]
+        for k in range(args.first, last + 1):
+            delay = durations[command] * k / (args.moments + 1)
+            r = one_run(lab, command, sig, delay)
+            results.append(r)
+            print(json.dumps(r), flush=True)
     state_to(lab, "down")
     bad = [r for r in results if r["outcome"] == "LEFTOVER" or not r["lock_free"] or r["orphans"] or not r["exit_ok"]]
     codes = collections.Counter(f"{r['command']}/{r['signal']}→{r['exit']}" for r in results)
