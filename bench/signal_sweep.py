@@ -8,7 +8,7 @@ moments across their run (N=20 by default). After each run:
     ID on its node (no orphan), and a run that left nothing wrote no `up` line it did not undo.
 
 Prints one line per run and the totals (runs, leftovers, locks left held, orphans, exit codes), and
-exits 1 on any violation. Needs root, a lab (`sparkctl lab up`) and the lab chain (`sparkctl build`).
+exits 1 on any violation. Needs root and a lab (`sparkctl lab up`); builds the lab chain first.
 Run it in chunks to keep each lab hold short, e.g. `--runs up:INT`.
 """
 
@@ -113,6 +113,9 @@ def main() -> int:
     args = ap.parse_args()
     lab = Lab.load()
     last = args.last or args.moments
+    built = sk(lab, "build", timeout=900)  # the lab chain (a no-op when it is there; not timed)
+    if built.returncode != 0:
+        raise SystemExit(f"`sparkctl build` failed: {built.stdout}{built.stderr}")
     state_to(lab, "down")
     # Each command's run length, warm (the first run of a session pays for cold caches): best of 2.
     durations = {"up": 1e9, "down": 1e9}
