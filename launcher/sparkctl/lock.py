@@ -351,12 +351,15 @@ def cluster_lock(head: Runner, head_name: str, cluster: str, command: str) -> It
     """Hold the cluster lock on the head for the duration of a mutating command; always release it,
     signals included (taking and releasing it are shielded: a signal meanwhile is delivered after)."""
     owner = new_owner(command)
-    with signals.shielded():
-        _acquire(head, head_name, cluster, owner)
-        beat = _Heartbeat(head, cluster, owner)
+    beat: _Heartbeat | None = None
     try:
+        # A signal while taking it is delivered when the lock is ours: inside this try, so released.
+        with signals.shielded():
+            _acquire(head, head_name, cluster, owner)
+            beat = _Heartbeat(head, cluster, owner)
         yield owner
     finally:
-        with signals.shielded():
-            beat.stop()
-            head.run(release_argv(cluster, owner.token), timeout=20)
+        if beat is not None:
+            with signals.shielded():
+                beat.stop()
+                head.run(release_argv(cluster, owner.token), timeout=20)

@@ -320,15 +320,12 @@ def _settled(call: Callable[[], T]) -> T:
             box["error"] = exc
 
     t = threading.Thread(target=target, daemon=True)
-    t.start()
-    interrupted: KeyboardInterrupt | None = None
-    while t.is_alive():
-        try:
+    # Shielded from the thread's start to its end (a signal inside t.start() would leave the fan-out
+    # running unseen); a signal meanwhile is raised once it has ended.
+    with signals.shielded():
+        t.start()
+        while t.is_alive():
             t.join(0.1)
-        except KeyboardInterrupt as exc:  # signals.Interrupted: keep which signal it was
-            interrupted = interrupted or exc
-    if interrupted:
-        raise interrupted
     if "error" in box:
         raise box["error"]
     result: T = box["result"]

@@ -111,6 +111,22 @@ def test_sigterm_inside_the_lock_releases_it(handlers: None, tmp_path: Path) -> 
     assert lock.lock_state(head, "c") is None
 
 
+def test_a_signal_while_taking_the_lock_still_releases_it(handlers: None, tmp_path: Path) -> None:
+    """The sweep's finding: SIGTERM landing during the acquire left the lock held."""
+    class SignalledHead(LocalHead):
+        def run(self, argv: list[str], *, timeout: float | None = None) -> Ran:
+            r = super().run(argv, timeout=timeout)
+            if argv[3] == "sparkctl-lock":  # the acquire script: signal right after it took the lock
+                os.kill(os.getpid(), signal.SIGTERM)
+            return r
+
+    head = SignalledHead(tmp_path)
+    with pytest.raises(signals.Interrupted):
+        with lock.cluster_lock(head, "h", "c", "up"):
+            pass
+    assert lock.lock_state(head, "c") is None
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
