@@ -68,7 +68,7 @@ CHECKS = (
 
 DISK_FAIL_BYTES = 10 * GB  # below this the image chain cannot even be unpacked
 DISK_WARN_BYTES = 50 * GB  # a production chain (vLLM + CUDA) is tens of GB per rank
-DF_PATHS = ("/var/lib/docker",)
+DF_PATHS = (F.DOCKER_ROOT,)  # the engine says where its data root is (DockerRootDir); MODEL is added
 PROBES = Path(__file__).resolve().parent / "probes"
 
 
@@ -427,10 +427,24 @@ def rule_ports(node: str, facts: F.NodeFacts, needs: Needs, *, is_head: bool) ->
 
 
 def rule_disk(node: str, facts: F.NodeFacts) -> Finding:
+    """Free space where the engine keeps images (its DockerRootDir, as it says), and on MODEL's
+    filesystem (named, for the record). Without the engine's answer: the fullest filesystem measured."""
     if not facts.disks:
         return _unknown(node, "disk", facts, "df")
-    d = min(facts.disks, key=lambda x: x.available_bytes)
-    desc = f"{gb(d.available_bytes)} free on {d.mountpoint}"
+    paths = facts.disk_paths or []
+    roles = dict(zip([p.asked for p in paths], zip(paths, facts.disks, strict=False), strict=False))
+    root = roles.get(F.DOCKER_ROOT)
+    if root is not None:
+        d = root[1]
+        desc = f"{gb(d.available_bytes)} free on {d.mountpoint} (the Docker data root {root[0].path})"
+    else:
+        d = min(facts.disks, key=lambda x: x.available_bytes)
+        why = facts.problems.get("disk-paths") or "the engine did not say"
+        desc = f"{gb(d.available_bytes)} free on {d.mountpoint} (DockerRootDir unknown: {why})"
+    model = [(p, u) for a, (p, u) in roles.items() if a != F.DOCKER_ROOT]
+    if model:
+        p, u = model[0]
+        desc += f"; MODEL {p.path}: {gb(u.available_bytes)} free on {u.mountpoint}"
     if d.available_bytes < DISK_FAIL_BYTES:
         return _f(
             node,
@@ -450,6 +464,17 @@ def rule_disk(node: str, facts: F.NodeFacts) -> Finding:
             f"free space on {node} before `sparkctl build`",
         )
     return _f(node, "disk", OK, gb(d.available_bytes), f"{node}: {desc}")
+
+
+def rule_identity(nodes: Sequence[str], machine_ids: Mapping[str, str | None],
+                  hostnames: Mapping[str, str]) -> list[Finding]:
+    """Two nodes with one /etc/machine-id are one machine (or clones that share it): a failure."""
+    from .identity import NodeIdentity, duplicates
+
+    ids = [NodeIdentity(n, hostnames.get(n, n), 0, None, machine_ids.get(n)) for n in nodes]
+    return [_f(CLUSTER_ROW, "identity", FAIL, "same machine", line.replace(", port 0", ""),
+               "correct the HostName of one alias (`ssh -G ALIAS` shows what it resolves to), or give a "
+               "cloned machine its own machine-id (systemd-machine-id-setup)") for line in duplicates(ids)]
 
 
 def rule_containers(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
@@ -879,7 +904,7 @@ def gather(
     ready = f"@@sparkctl {nonce} ready\n".encode()
 
     def args(head: bool) -> list[str]:  # the CUDA banner and the listening ports: the head's only
-        return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image, *([needs.base_image] if needs.base_image else [])], df_paths=DF_PATHS,
+        return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image, *([needs.base_image] if needs.base_image else [])], df_paths=(*DF_PATHS, needs.model),
                             api=True, banner=head, listening=head)  # fmt: skip
 
     head_args, other_args = args(True), args(False)
@@ -1140,6 +1165,8 @@ def run_check(
     api = rule_open_api(open_api_warning(settings))
     if api is not None:
         findings.append(api)
+    findings += rule_identity(nodes, {n: f.machine_id for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts)},
+                              {n: cluster.target(n).hostname for n in nodes})
     facts = facts_ok
     timing["total"] = time.monotonic() - start
     order = {c: i for i, c in enumerate((*CHECKS, "checkpoint", "api"))}

@@ -17,8 +17,9 @@ from typing import Any
 
 import click
 
-from . import __version__
+from . import __version__, signals
 from .errors import SparkctlError, UsageError
+from .signals import signal_name
 
 # command name -> (module under sparkctl.commands, one-line help shown by `sparkctl --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,6 +50,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Commands that change what runs on the nodes (a misspelt key there must not deploy a default).
+# Commands (by click name: `model sync` is "sync") that change the cluster: an unknown env-file key is an error.
+CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "restart", "watch", "pull", "sync", "systemd"})
+
+
 @dataclass
 class Globals:
     """What the global options said; commands turn it into Settings."""
@@ -76,6 +82,10 @@ class Globals:
 
     def settings(self, **kwargs: Any) -> Any:
         from .settings import load_settings
+
+        # Commands that change the cluster refuse unknown env-file keys (exit 2); the others warn.
+        ctx = click.get_current_context(silent=True)
+        kwargs.setdefault("strict_keys", bool(ctx and ctx.info_name in CHANGES_CLUSTER))
 
         return load_settings(
             env_file=self.env_file,
@@ -215,11 +225,17 @@ def cli(
 def main(argv: list[str] | None = None) -> None:
     """Entry point: maps sparkctl's errors to exit codes and never shows a user a traceback."""
     verbose = "-vv" in (argv or sys.argv[1:])
+    signals.install()  # SIGTERM and SIGHUP roll back and release the lock like Ctrl-C (signals.py)
     try:
         rv = cli.main(args=argv, prog_name="sparkctl", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    except click.exceptions.Abort as exc:  # click wraps KeyboardInterrupt (so signals.Interrupted) in Abort
+        cause = exc.__cause__
+        name = cause.name if isinstance(cause, signals.Interrupted) else "SIGINT"
+        click.echo(f"interrupted ({name})", err=True)
+        sys.exit(cause.exit_code if isinstance(cause, signals.Interrupted) else 130)
+    except signals.CleanupAborted as exc:  # the cleaner has said what it left where
+        click.echo(f"aborted by a third signal ({signal_name(exc.signum)})", err=True)
+        sys.exit(128 + exc.signum)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
@@ -228,9 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     except SparkctlError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        code = exc.exit_code if isinstance(exc, signals.Interrupted) else 130
+        click.echo(f"interrupted ({signal_name(code - 128)})", err=True)
+        sys.exit(code)
     except Exception as exc:  # a bug in sparkctl: one line, the traceback only on request
         if verbose:
             traceback.print_exc()

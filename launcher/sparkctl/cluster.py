@@ -45,6 +45,7 @@ import paramiko
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from .errors import CheckFailed, UsageError
+from .identity import NodeIdentity, refuse_duplicates
 
 # paramiko logs transport failures at ERROR; with no handler Python would print them (and
 # tracebacks) on stderr. sparkctl reports failures itself, per node.
@@ -618,6 +619,14 @@ class Node:
     def __repr__(self) -> str:
         return f"<Node {self.name} {self.target.user}@{self.target.hostname}:{self.target.port}>"
 
+    def identity(self, machine_id: str | None = None) -> NodeIdentity:
+        """Who answered: the verified host key of this connection (and a machine-id, when read)."""
+        try:
+            key: str | None = fingerprint(self._transport.get_remote_server_key().asbytes())
+        except Exception:  # a transport without a key (tests' stand-ins): unknown, not a match
+            key = None
+        return NodeIdentity(self.name, self.target.hostname, self.target.port, key, machine_id)
+
     def _lost(self, exc: BaseException) -> NodeError:
         return NodeError(
             self.name,
@@ -946,6 +955,8 @@ class Cluster:
             else:
                 self._nodes[name] = result
         self.connect_seconds = time.monotonic() - start
+        # One machine reached under two names would run two ranks: refuse it (identity.py).
+        refuse_duplicates([n.identity() for n in self._nodes.values()], self.ssh_config_path)
 
     @property
     def connected(self) -> list[str]:

@@ -705,6 +705,42 @@ def parse_df(text: str) -> list[DiskUsage]:
     return out
 
 
+@dataclass(frozen=True)
+class DiskPath:
+    """One df= argument of the probe: what was asked (a path, or @docker-root), the path it stands
+    for (the engine's DockerRootDir), and the existing path df measured (the nearest that exists)."""
+
+    asked: str
+    path: str
+    measured: str
+
+
+DOCKER_ROOT = "@docker-root"  # df= token: the filesystem holding the engine's DockerRootDir
+
+
+@_guard
+def parse_disk_paths(text: str) -> list[DiskPath]:
+    out = []
+    for line in text.splitlines()[:64]:
+        if not line.strip():
+            continue
+        cols = line.split("\t")
+        if len(cols) != 3 or not all(cols):
+            raise ParseError(f"unexpected disk-paths line: {line[:80]!r}")
+        out.append(DiskPath(*(c[:4096] for c in cols)))
+    return out
+
+
+@_guard
+def parse_machine_id(text: str) -> str:
+    from .identity import parse_machine_id as parse
+
+    value = parse(text)
+    if value is None:
+        raise ParseError("/etc/machine-id is not 32 hex digits")
+    return value
+
+
 # ------------------------------------------------------------------------------------- model folder
 
 
@@ -804,6 +840,8 @@ class NodeFacts:
     hcas: list[Hca] | None = None
     listeners: list[Listener] | None = None
     disks: list[DiskUsage] | None = None
+    disk_paths: list[DiskPath] | None = None  # disks[i] measures disk_paths[i]
+    machine_id: str | None = None
     docker: DockerVersion | None = None
     containers: list[Container] | None = None
     images: list[Image] | None = None
@@ -832,6 +870,8 @@ _PARSERS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "infiniband": ("hcas", parse_infiniband),
     "listening": ("listeners", parse_listening_ports),
     "df": ("disks", parse_df),
+    "disk-paths": ("disk_paths", parse_disk_paths),
+    "machine-id": ("machine_id", parse_machine_id),
     "docker-version": ("docker", parse_docker_version),
     "docker-ps": ("containers", parse_docker_ps),
     "docker-images": ("images", parse_image_inspect),

@@ -1,8 +1,16 @@
 """The cluster lock and the audit trail (Kamal's idea: `mkdir` on the primary host is atomic).
 
 The lock is a directory on the head node, `~/.sparkctl/<cluster>/lock/`, holding an `owner` file
-(who, where, when, what). Every mutating command takes it and always releases it; a second `up`
-meanwhile is refused with the holder's name. The audit log is one line per action on every node,
+(who, where, when, what) and a `heartbeat` file the holder touches every LEASE_S/4 seconds. Every
+mutating command takes it and always releases it (signals included: signals.py); a second `up`
+meanwhile is refused with the holder's name.
+
+A holder that crashed cannot release it. The owner file says which process holds it: the machine
+(machine-id, hostname, pid namespace), its boot id, the pid and the process's start time. A holder on
+this very machine whose pid is gone, or now belongs to another process, or whose machine has rebooted
+since, is provably dead: the lock is broken automatically, with an audit line on the head. A holder
+elsewhere cannot be checked; when its heartbeat is older than its lease it is reported as stale, with
+its age and the one command that breaks it. The audit log is one line per action on every node,
 `~/.sparkctl/<cluster>/audit.log`, which `sparkctl audit` merges.
 
 Remote commands are fixed `sh -c` scripts that take every value as a positional argument, so no
@@ -16,11 +24,13 @@ import getpass
 import json
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from . import signals
 from .builders import REMOTE_STATE_DIR
 from .errors import CheckFailed
 
@@ -29,9 +39,11 @@ d="$1"; owner="$2"
 umask 077
 mkdir -p "$(dirname "$d")" || exit 3
 if mkdir "$d" 2>/dev/null; then
-  printf '%s\n' "$owner" > "$d/owner"; exit 0
+  printf '%s\n' "$owner" > "$d/owner"; : > "$d/heartbeat"; exit 0
 fi
-cat "$d/owner" 2>/dev/null; exit 1
+cat "$d/owner" 2>/dev/null
+echo "@@sparkctl-lock-age $(date +%s) $(stat -c %Y "$d/heartbeat" "$d/owner" 2>/dev/null | head -n 1)"
+exit 1
 '''
 _RELEASE = r'''
 d="$1"; me="$2"
@@ -39,12 +51,18 @@ d="$1"; me="$2"
 if [ -n "$me" ] && ! grep -qF -- "$me" "$d/owner" 2>/dev/null; then cat "$d/owner" 2>/dev/null; exit 1; fi
 rm -rf -- "$d"
 '''
-_SHOW = r'''d="$1"; [ -d "$d" ] || exit 0; cat "$d/owner" 2>/dev/null || echo '{}'; exit 1'''
+_SHOW = r'''d="$1"; [ -d "$d" ] || exit 0; cat "$d/owner" 2>/dev/null || echo '{}'
+echo "@@sparkctl-lock-age $(date +%s) $(stat -c %Y "$d/heartbeat" "$d/owner" 2>/dev/null | head -n 1)"
+exit 1'''
+# Touch the heartbeat only while the lock is still ours (someone may have broken it).
+_HEARTBEAT = r'''d="$1"; me="$2"; grep -qF -- "$me" "$d/owner" 2>/dev/null && touch -- "$d/heartbeat"'''
 _AUDIT_APPEND = r'''f="$1"; shift; umask 077 && mkdir -p "$(dirname "$f")" && printf '%s\n' "$@" >> "$f"'''
 _AUDIT_TAIL = r'''f="$1"; n="$2"; [ -f "$f" ] && tail -n "$n" -- "$f" || true'''
 
 
 MAX_OWNER_CHARS = 4096  # an owner line is ~200 characters; more is not ours
+LEASE_S = 60  # a holder that has not touched its heartbeat for this long is stale
+AGE_MARK = "@@sparkctl-lock-age"
 
 
 class Runner(Protocol):
@@ -84,6 +102,13 @@ class LockOwner:
     since: str
     command: str
     token: str  # unique per acquisition: only the holder releases without --force
+    # Which process, provably (empty in locks written by older sparkctl):
+    host: str = ""
+    machine_id: str = ""
+    boot_id: str = ""
+    pidns: str = ""
+    start_ticks: int = -1  # /proc/PID/stat field 22: the pid's start time, so a reused pid is told apart
+    lease_s: int = LEASE_S
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -103,14 +128,85 @@ class LockOwner:
         if not all(isinstance(f, str) for f in fields) or isinstance(pid, bool) or not isinstance(pid, int):
             return None
         who, since, command, token = (str(f)[:256] for f in fields)
-        return cls(who, pid if 0 <= pid < 2**32 else -1, since, command, token)
+        extra = {k: str(d[k])[:128] for k in ("host", "machine_id", "boot_id", "pidns") if isinstance(d.get(k), str)}
+        return cls(who, pid if 0 <= pid < 2**32 else -1, since, command, token, **extra,
+                   start_ticks=_bounded(d.get("start_ticks"), 0, 2**63, -1),
+                   lease_s=_bounded(d.get("lease_s"), 1, 10**6, LEASE_S))
 
     def describe(self) -> str:
-        return f"{self.who} (pid {self.pid}) since {self.since}, running `{self.command}`"
+        where = f" on {self.host}" if self.host else ""
+        return f"{self.who} (pid {self.pid}{where}) since {self.since}, running `{self.command}`"
+
+    def public(self) -> dict[str, Any]:
+        """What `lock status --json` shows (never the token: it releases the lock)."""
+        return {k: v for k, v in self.__dict__.items() if k != "token"}
+
+
+def _bounded(v: Any, lo: int, hi: int, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi else default
+
+
+def heartbeat_age(text: str) -> int | None:
+    """Seconds since the holder's last heartbeat, by the head's own clock (no skew), from the
+    `@@sparkctl-lock-age NOW MTIME` line; None when the head did not say."""
+    for line in text[-4096:].splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == AGE_MARK and all(p.isascii() and p.isdigit() for p in parts[1:]):
+            return max(0, int(parts[1]) - int(parts[2]))
+    return None
+
+
+# ------------------------------------------------------------------------- is the holder alive?
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read(4096).strip()
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (proc(5), stat field 22); None if no such pid."""
+    stat = _read(f"/proc/{pid}/stat")
+    try:  # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pidns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def holder_verdict(owner: LockOwner) -> str | None:
+    """Why the holder is provably dead ("pid 123 is gone", ...), or None: alive, or not ours to judge
+    (another machine, another pid namespace, or an owner file without the identity fields)."""
+    me = new_owner("check")
+    if not owner.machine_id or not owner.boot_id or owner.start_ticks < 0:
+        return None
+    if (owner.machine_id, owner.host, owner.pidns) != (me.machine_id, me.host, me.pidns) or not me.boot_id:
+        return None
+    if owner.boot_id != me.boot_id:
+        return f"{owner.host} has rebooted since pid {owner.pid} took the lock"
+    ticks = _start_ticks(owner.pid)
+    if ticks is None:
+        return f"pid {owner.pid} on {owner.host} is gone"
+    if ticks != owner.start_ticks:
+        return f"pid {owner.pid} on {owner.host} is now another process (started later)"
+    return None
 
 
 def acquire_argv(cluster: str, owner: LockOwner) -> list[str]:
     return ["sh", "-c", _ACQUIRE, "sparkctl-lock", lock_dir(cluster), owner.to_json()]
+
+
+def heartbeat_argv(cluster: str, token: str) -> list[str]:
+    return ["sh", "-c", _HEARTBEAT, "sparkctl-lock-heartbeat", lock_dir(cluster), token]
 
 
 def release_argv(cluster: str, token: str) -> list[str]:
@@ -130,11 +226,14 @@ def audit_tail_argv(cluster: str, n: int) -> list[str]:
 
 
 def audit_line(*, action: str, config_hash: str | None = None, rank: int | None = None, detail: str = "",
-               who: str | None = None, when: str | None = None) -> str:
-    """One audit line: JSON, so it survives any value and is easy to merge and filter."""
+               who: str | None = None, when: str | None = None, container: str | None = None) -> str:
+    """One audit line: JSON, so it survives any value and is easy to merge and filter. `container`:
+    the full container ID (an `up` line with it is what makes a container not an orphan: cleanup.py)."""
     doc: dict[str, Any] = {"when": when or now_iso(), "who": who or whoami(), "action": action}
     if rank is not None:
         doc["rank"] = rank
+    if container:
+        doc["container"] = container[:128]
     if config_hash:
         doc["config_hash"] = config_hash
     if detail:
@@ -144,14 +243,52 @@ def audit_line(*, action: str, config_hash: str | None = None, rank: int | None 
 
 def new_owner(command: str) -> LockOwner:
     token = os.urandom(8).hex()
-    return LockOwner(who=whoami(), pid=os.getpid(), since=now_iso(), command=command, token=token)
+    pid = os.getpid()
+    return LockOwner(who=whoami(), pid=pid, since=now_iso(), command=command, token=token,
+                     host=socket.gethostname(), machine_id=_read("/etc/machine-id"),
+                     boot_id=_read("/proc/sys/kernel/random/boot_id"), pidns=_pidns(),
+                     start_ticks=_start_ticks(pid) or -1)
+
+
+@dataclass(frozen=True)
+class LockState:
+    """The lock as the head shows it: its holder, the heartbeat's age, and whether the holder is gone."""
+
+    owner: LockOwner
+    age_s: int | None
+    dead: str | None  # why the holder is provably dead (same machine), else None
+
+    @property
+    def stale(self) -> bool:
+        return self.dead is None and self.age_s is not None and self.age_s > self.owner.lease_s
+
+    def describe(self) -> str:
+        text = self.owner.describe()
+        if self.dead:
+            return f"{text}; its holder is dead ({self.dead})"
+        if self.age_s is not None:
+            text += f"; last heartbeat {self.age_s}s ago"
+            if self.stale:
+                text += f" (stale: the lease is {self.owner.lease_s}s; its holder has probably crashed)"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.owner.public(), "heartbeat_age_s": self.age_s, "stale": self.stale, "dead": self.dead}
+
+
+def _state_from(text: str) -> LockState:
+    owner = LockOwner.parse(text) or LockOwner("unknown", 0, "unknown", "unknown", "")
+    return LockState(owner, heartbeat_age(text), holder_verdict(owner))
+
+
+def lock_state(head: Runner, cluster: str) -> LockState | None:
+    r = head.run(show_argv(cluster), timeout=20)
+    return None if r.exit_code == 0 else _state_from(r.stdout)
 
 
 def lock_status(head: Runner, cluster: str) -> LockOwner | None:
-    r = head.run(show_argv(cluster), timeout=20)
-    if r.exit_code == 0:
-        return None
-    return LockOwner.parse(r.stdout) or LockOwner("unknown", 0, "unknown", "unknown", "")
+    st = lock_state(head, cluster)
+    return st.owner if st else None
 
 
 def force_unlock(head: Runner, cluster: str) -> LockOwner | None:
@@ -160,20 +297,69 @@ def force_unlock(head: Runner, cluster: str) -> LockOwner | None:
     return held
 
 
+FORCE_UNLOCK = "sparkctl lock --force-unlock"
+
+
+def _acquire(head: Runner, head_name: str, cluster: str, owner: LockOwner) -> None:
+    """Take the lock, breaking it first (audited) when its holder is provably dead."""
+    for _ in range(2):
+        r = head.run(acquire_argv(cluster, owner), timeout=20)
+        if r.exit_code == 0:
+            return
+        held = _state_from(r.stdout)
+        if not held.dead or not held.owner.token:
+            break
+        # Only that holder's token matches, so two commands breaking it at once cannot both win.
+        head.run(release_argv(cluster, held.owner.token), timeout=20)
+        head.run(audit_append_argv(cluster, [audit_line(
+            action="lock-broken", detail=f"{held.owner.describe()}: {held.dead}; broken by pid {owner.pid}")]),
+            timeout=20)
+    who = held.describe() if LockOwner.parse(r.stdout) else "an unknown holder (no owner file)"
+    if held.stale:
+        fix = f"if that run is really gone, break the lock: `{FORCE_UNLOCK}`"
+    else:
+        fix = (f"wait for it to finish, check with `sparkctl lock status`, or if that process is gone: "
+               f"`{FORCE_UNLOCK}`")
+    raise CheckFailed(f"the cluster {cluster!r} is locked on {head_name} by {who}", fix=fix)
+
+
+class _Heartbeat:
+    """Touch the lock's heartbeat every lease/4 seconds on the head, in the background."""
+
+    def __init__(self, head: Runner, cluster: str, owner: LockOwner) -> None:
+        self._stop = threading.Event()
+        self._argv = heartbeat_argv(cluster, owner.token)
+        self._head = head
+        self._every = max(1.0, owner.lease_s / 4)
+        self._thread = threading.Thread(target=self._run, name="lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self._head.run(self._argv, timeout=min(20.0, self._every))
+            except Exception:  # a lost head fails the command's own steps; the lease just ages
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 @contextmanager
 def cluster_lock(head: Runner, head_name: str, cluster: str, command: str) -> Iterator[LockOwner]:
-    """Hold the cluster lock on the head for the duration of a mutating command; always release it."""
+    """Hold the cluster lock on the head for the duration of a mutating command; always release it,
+    signals included (taking and releasing it are shielded: a signal meanwhile is delivered after)."""
     owner = new_owner(command)
-    r = head.run(acquire_argv(cluster, owner), timeout=20)
-    if r.exit_code != 0:
-        held = LockOwner.parse(r.stdout)
-        who = held.describe() if held else "an unknown holder (no owner file)"
-        raise CheckFailed(
-            f"the cluster {cluster!r} is locked on {head_name} by {who}",
-            fix="wait for it to finish, check with `sparkctl lock status`, or if that process is gone: "
-                "`sparkctl lock --force-unlock`",
-        )
+    beat: _Heartbeat | None = None
     try:
+        # A signal while taking it is delivered when the lock is ours: inside this try, so released.
+        with signals.shielded():
+            _acquire(head, head_name, cluster, owner)
+            beat = _Heartbeat(head, cluster, owner)
         yield owner
     finally:
-        head.run(release_argv(cluster, owner.token), timeout=20)
+        if beat is not None:
+            with signals.shielded():
+                beat.stop()
+                head.run(release_argv(cluster, owner.token), timeout=20)

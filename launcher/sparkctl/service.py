@@ -12,14 +12,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import re
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from . import cleanup, signals
 from .builders import (
     LABEL_CLUSTER,
     LABEL_CONFIG_HASH,
@@ -42,9 +41,6 @@ T = TypeVar("T")
 # `docker ps -q` prints only hex container IDs.
 _INSPECT = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1") || exit $?
 if [ -z "$ids" ]; then echo '[]'; else docker inspect $ids; fi'''
-_REMOVE = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1") || exit $?
-[ -z "$ids" ] || docker rm -f $ids >/dev/null || exit $?
-rm -f -- "$2"/rank*.env'''
 
 
 @dataclass(frozen=True)
@@ -156,14 +152,6 @@ def node_state(node: Node, cluster: str, image: str) -> tuple[list[ContainerStat
     return inspect_cluster(node, cluster), image_id(node, image)
 
 
-def remove_cluster(node: Node, cluster: str) -> None:
-    r = node.run(["sh", "-c", _REMOVE, "sparkctl-remove", f"{LABEL_CLUSTER}={cluster}", state_dir(cluster)],
-                 timeout=60)
-    if not r.ok:
-        first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
-        raise NodeError(node.name, "docker", f"cannot remove containers: {first[:300]}")
-
-
 def audit(cluster: Cluster, names: Sequence[str], cluster_name: str, lines: dict[str, list[str]]) -> None:
     """Append audit lines on each node; an audit failure never hides the action's own result."""
     def one(node: Node) -> None:
@@ -219,23 +207,6 @@ def diff_running(
     return reasons
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM gets the same rollback as Ctrl-C while `up` is starting containers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def up(
     cluster: Cluster,
     settings: Settings,
@@ -265,40 +236,71 @@ def up(
     ok_states = {n: s for n, s in states.items() if not isinstance(s, NodeError)}
     ok_images = {n: i for n, i in images.items() if not isinstance(i, NodeError)}
     reasons = diff_running(specs, cfg_hash, ok_states, ok_images)
+    records = cluster.run_all(lambda n: cleanup.up_records(n, name), nodes=nodes)
+    lost = [n for n in nodes if isinstance(records[n], NodeError)]
+    orphaned = {n: cleanup.orphans(ok_states[n], r) for n, r in records.items() if not isinstance(r, NodeError)}
+    for n in lost:  # an audit log that cannot be read: nothing there is known to be ours
+        orphaned[n] = list(ok_states[n])
+    for n, cs in orphaned.items():
+        reasons += [f"{n}: orphan container {c.name} (rank {c.rank}): no successful `up` recorded it "
+                    "(left by a crashed or killed run)" for c in cs]
     if not reasons and not recreate:
         return UpOutcome(changed=False, config_hash=cfg_hash)
     if recreate and not reasons:
         reasons = ["--recreate"]
     outcome = UpOutcome(changed=True, reasons=reasons, config_hash=cfg_hash)
     started: list[str] = []
+    ids: dict[str, str] = {}
+    # Per node, what may be there if the rollback cannot reach it: what was there, what we start.
+    expected: dict[str, list[str]] = {n: [c.name for c in ok_states[n]] for n in nodes}
     try:
-        with _sigterm_as_interrupt():
-            if any(ok_states.values()):
-                say("replacing the running service: " + "; ".join(reasons))
-                _down_all(cluster, settings, say)
-            by_rank = {s.rank: s for s in specs}
-            workers = [s for s in specs if s.rank > 0]
-            _start(cluster, settings, workers, cfg_hash, started, say)
-            _start(cluster, settings, [by_rank[0]], cfg_hash, started, say)
-            _confirm_running(cluster, settings, specs, settle_s)
+        if any(ok_states.values()):
+            say("replacing the running service: " + "; ".join(reasons))
+            orphan_lines = {n: [audit_line(action="orphan-removed", rank=c.rank, config_hash=c.config_hash,
+                                           container=c.id, detail=f"replaced orphan {c.name}") for c in cs]
+                            for n, cs in orphaned.items()}
+            failed_down = _down_all(cluster, settings, say)
+            audit(cluster, [n for n in nodes if n not in failed_down], name, orphan_lines)
+            if failed_down:
+                _raise_nodes("cannot remove the old containers", failed_down)
+        by_rank = {s.rank: s for s in specs}
+        workers = [s for s in specs if s.rank > 0]
+        for s in specs:
+            if container_name(name, s.rank) not in expected[s.node]:
+                expected[s.node].append(f"{container_name(name, s.rank)} (rank {s.rank}, being started)")
+        _start(cluster, settings, workers, cfg_hash, started, say, ids)
+        _start(cluster, settings, [by_rank[0]], cfg_hash, started, say, ids)
+        _confirm_running(cluster, settings, specs, settle_s)
     except BaseException as exc:
-        say(f"rolling back: removing this cluster's containers ({type(exc).__name__})")
-        problems = _rollback(cluster, settings)
-        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc).splitlines()[0][:300]
-        try:
-            audit(cluster, nodes, name, {n: [audit_line(action="up-rolled-back", config_hash=cfg_hash, detail=why)]
-                                         for n in nodes})
-        except Exception:  # the audit must never hide the failure being reported
-            pass
-        if isinstance(exc, KeyboardInterrupt):
-            raise CheckFailed("interrupted: every container `up` started was removed" +
-                              (f"; but {'; '.join(problems)}" if problems else "")) from None
-        raise
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        why = (f"interrupted ({exc.name})" if isinstance(exc, signals.Interrupted) else "interrupted") \
+            if interrupted else str(exc).splitlines()[0][:300]
+        with signals.shielded(deliver=False):  # a second signal must not cut the rollback short
+            say(f"rolling back: removing this cluster's containers ({why})")
+            report = _rollback(cluster, settings, expected, say)
+            lines = cleanup.sweep_lines(report)
+            for ln in lines:
+                say("  " + ln)
+            try:
+                audit(cluster, nodes, name, {n: [audit_line(action="up-rolled-back", config_hash=cfg_hash,
+                                                            detail=f"{why}; {report[n].line(n)}")]
+                                             for n in nodes if n in report})
+            except Exception:  # the audit must never hide the failure being reported
+                pass
+        if interrupted:
+            raise
+        fix = exc.fix if isinstance(exc, CheckFailed) else None
+        msg = exc.message if isinstance(exc, CheckFailed) else str(exc)
+        raise CheckFailed(f"{msg}\nrolled back:\n  " + "\n  ".join(lines), fix=fix) from None
     outcome.started = started
-    audit(cluster, nodes, name, {
-        s.node: [audit_line(action="up", rank=s.rank, config_hash=cfg_hash,
-                            detail=f"started {container_name(name, s.rank)} ({image})")] for s in specs
-    })
+    # The point of no return: every rank runs. A signal from here on is noted and changes nothing, so
+    # the `up` lines (what tells this run's containers from orphans) are always written.
+    with signals.shielded():
+        signals.commit()
+        audit(cluster, nodes, name, {
+            s.node: [audit_line(action="up", rank=s.rank, config_hash=cfg_hash, container=ids.get(s.node),
+                                detail=f"started {container_name(name, s.rank)} ({image})")] for s in specs
+        })
     return outcome
 
 
@@ -318,15 +320,12 @@ def _settled(call: Callable[[], T]) -> T:
             box["error"] = exc
 
     t = threading.Thread(target=target, daemon=True)
-    t.start()
-    interrupted = False
-    while t.is_alive():
-        try:
+    # Shielded from the thread's start to its end (a signal inside t.start() would leave the fan-out
+    # running unseen); a signal meanwhile is raised once it has ended.
+    with signals.shielded():
+        t.start()
+        while t.is_alive():
             t.join(0.1)
-        except KeyboardInterrupt:
-            interrupted = True
-    if interrupted:
-        raise KeyboardInterrupt
     if "error" in box:
         raise box["error"]
     result: T = box["result"]
@@ -341,7 +340,7 @@ exec "$@"'''
 
 
 def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash: str, started: list[str],
-           say: Callable[[str], None]) -> None:
+           say: Callable[[str], None], ids: dict[str, str]) -> None:
     name = settings.cluster_name
     argv = {s.node: ["sh", "-c", _WRITE_AND_RUN, "sparkctl-start", state_dir(name), remote_env_file(name, s.rank),
                      *docker_run_argv(settings, s, cfg_hash)] for s in specs}
@@ -362,6 +361,7 @@ def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash
     results = _settled(lambda: cluster.run_all(one, nodes=list(argv)))
     for node, res in results.items():
         if not isinstance(res, NodeError):
+            ids[node] = res.splitlines()[-1].strip()[:128] if res else ""  # docker run --detach prints the ID
             started.append(f"rank {rank[node]} on {node}")
             say(f"started rank {rank[node]} on {node}")
     failed = _failures(results)
@@ -390,42 +390,53 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
         raise CheckFailed("containers died right after start:\n  " + "\n  ".join(dead))
 
 
-def _rollback(cluster: Cluster, settings: Settings) -> list[str]:
-    results = cluster.run_all(lambda n: remove_cluster(n, settings.cluster_name), nodes=settings.nodes)
-    return [f"{n}: {r.reason}" for n, r in results.items() if isinstance(r, NodeError)]
+def _rollback(cluster: Cluster, settings: Settings, expected: dict[str, list[str]],
+              say: Callable[[str], None]) -> dict[str, cleanup.NodeSweep]:
+    return cleanup.sweep(cluster, settings.cluster_name, [settings.nodes], expected=expected, say=say,
+                         deliver=False)
 
 
-def _down_all(cluster: Cluster, settings: Settings, say: Callable[[str], None]) -> dict[str, NodeError]:
+def _down_all(cluster: Cluster, settings: Settings, say: Callable[[str], None],
+              expected: dict[str, list[str]] | None = None) -> dict[str, NodeError]:
     """Head first (it serves the API and holds the rendezvous), then the workers in parallel."""
-    name = settings.cluster_name
     head, workers = settings.nodes[0], settings.nodes[1:]
-    failed: dict[str, NodeError] = {}
-
-    def remove_on(group: list[str]) -> Callable[[], dict[str, None | NodeError]]:
-        return lambda: cluster.run_all(lambda n: remove_cluster(n, name), nodes=group)
-
-    for group in ([head], workers):
-        failed |= _failures(_settled(remove_on(group)))
-    return failed
+    groups = [[n for n in g if n in cluster.connected] for g in ([head], workers)]
+    report = cleanup.sweep(cluster, settings.cluster_name, groups, expected=expected, say=say)
+    return {n: NodeError(n, "docker", r.line(n)) for n, r in report.items() if not r.clean}
 
 
 # ------------------------------------------------------------------------------------------ down
 
 
 def down(cluster: Cluster, settings: Settings, say: Callable[[str], None] = lambda s: None) -> dict[str, NodeError]:
-    """Remove this cluster's containers everywhere; unreachable nodes are returned, the rest torn down."""
+    """Remove this cluster's containers everywhere; unreachable nodes are returned, the rest torn down.
+
+    Once the removal starts it runs to its end (signals.commit: a signal is noted, not obeyed;
+    a third one aborts, naming what is left). Orphans (cleanup.py) are named and audited as such."""
+    name = settings.cluster_name
     failed = {n: e for n, e in cluster.errors.items() if n in settings.nodes}
     reachable = [n for n in settings.nodes if n in cluster.connected]
-    before = cluster.run_all(lambda n: inspect_cluster(n, settings.cluster_name), nodes=reachable)
-    failed |= _down_all(cluster, settings, say)
+    before = cluster.run_all(lambda n: inspect_cluster(n, name), nodes=reachable)
+    records = cluster.run_all(lambda n: cleanup.up_records(n, name), nodes=reachable)
+    expected = {n: [c.name for c in st] for n, st in before.items() if not isinstance(st, NodeError)}
+    orphan_ids: set[str] = set()
+    for n, st in before.items():
+        rec = records[n]
+        if not isinstance(st, NodeError) and not isinstance(rec, NodeError):
+            for c in cleanup.orphans(st, rec):
+                orphan_ids.add(c.id)
+                say(f"{n}: removing orphan {c.name} (rank {c.rank}): no successful `up` recorded it")
+    signals.commit()
+    failed |= _down_all(cluster, settings, say, expected)
     lines = {}
     for n, states in before.items():
         if isinstance(states, NodeError) or n in failed:
             continue
-        lines[n] = [audit_line(action="down", rank=c.rank, config_hash=c.config_hash,
-                               detail=f"removed {c.name}") for c in states] or [audit_line(action="down",
-                                                                                          detail="nothing running")]
-    audit(cluster, reachable, settings.cluster_name, lines)
+        lines[n] = [audit_line(action="down", rank=c.rank, config_hash=c.config_hash, container=c.id,
+                               detail=f"removed {c.name}" + (" (orphan: no successful up recorded it)"
+                                                            if c.id in orphan_ids else ""))
+                    for c in states] or [audit_line(action="down", detail="nothing running")]
+    audit(cluster, reachable, name, lines)
     return failed
 
 

@@ -447,8 +447,12 @@ def load_settings(
     cli: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
     validate: bool = True,
+    strict_keys: bool = False,
 ) -> Settings:
-    """Resolve every knob from the four sources and validate the result."""
+    """Resolve every knob from the four sources and validate the result.
+
+    strict_keys (commands that change the cluster): an unknown env-file key is a UsageError, not a
+    warning: a misspelt MAX_MODEL_LEN must not deploy the default."""
     environ = os.environ if environ is None else environ
     cli = cli or {}
     path, explicit = _env_file_path(env_file, environ)
@@ -462,6 +466,10 @@ def load_settings(
                 close = difflib.get_close_matches(key, list(KNOBS), n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 warnings.append(f"unknown key {key} in env file {path}{hint}; it is ignored")
+        if strict_keys and warnings:
+            raise UsageError("\n".join(w.replace("; it is ignored", "") for w in warnings),
+                             fix="correct or remove the key(s) (commands that change the cluster refuse unknown "
+                                 "keys; read-only ones only warn; every knob: env/env.tp4.example)")
 
     # The recipe decides the defaults, so find it first, by the same precedence.
     recipe_raw, recipe_src = DEFAULT_RECIPE, "default"

@@ -25,7 +25,15 @@ from ..builders import open_api_warning
 from ..cli import Globals
 from ..cluster import Cluster, Node, NodeError
 from ..errors import CheckFailed, UsageError
-from ..lock import audit_tail_argv, cluster_lock, lock_status
+from ..lock import (
+    FORCE_UNLOCK,
+    LockState,
+    audit_append_argv,
+    audit_line,
+    audit_tail_argv,
+    cluster_lock,
+    lock_state,
+)
 from ..lock import force_unlock as break_lock
 from ..output import console, emit_json, warn, warn_console
 from ..pins import pins_from_facts, probe_node
@@ -163,7 +171,7 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
         head = cluster.node(s.head)
         with cluster_lock(head, s.head, s.cluster_name, "up"):
             gate = (lambda pins, states: _fabric_gate(cluster, s, pins, states, out)) if fabric_test else None
-            outcome = start_service(cluster, s, recreate=recreate, say=lambda m: out.print(m, markup=False),
+            outcome = start_service(cluster, s, recreate=recreate, say=lambda m: out.print(m, markup=False, soft_wrap=True),
                                     before_start=gate)
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
@@ -434,10 +442,10 @@ def down_cmd(ctx: click.Context) -> None:
         if s.head in cluster.connected:
             with cluster_lock(cluster.node(s.head), s.head, s.cluster_name, "down"):
                 _stop_supervisor_unit(cluster, s)
-                failed = service.down(cluster, s)
+                failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False, soft_wrap=True))
         else:
             warn([f"the head {s.head} is unreachable: tearing down the other nodes without the cluster lock"])
-            failed = service.down(cluster, s)
+            failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False, soft_wrap=True))
     seconds = round(time.monotonic() - t0, 3)
     if g.json:
         emit_json({"ok": not failed, "failed": {n: e.as_dict() for n, e in failed.items()}, "seconds": seconds})
@@ -477,20 +485,26 @@ def lock_cmd(ctx: click.Context, force_unlock: bool) -> None:
         head = cluster.node(s.head)
         if force:
             held = break_lock(head, s.cluster_name)
+            if held:
+                head.run(audit_append_argv(s.cluster_name, [audit_line(
+                    action="lock-broken", detail=f"by --force-unlock; it was held by {held.describe()}")]), timeout=20)
             warn([f"lock broken; it was held by {held.describe()}" if held else "there was no lock"])
             if g.json:
-                emit_json({"broken": held.__dict__ if held else None})
+                emit_json({"broken": held.public() if held else None})
             return
-        _show_lock(g, s, lock_status(head, s.cluster_name))
+        _show_lock(g, s, lock_state(head, s.cluster_name))
 
 
-def _show_lock(g: Globals, s: Settings, held: Any) -> None:
+def _show_lock(g: Globals, s: Settings, held: LockState | None) -> None:
     if g.json:
-        emit_json({"locked": held is not None, "holder": {k: v for k, v in held.__dict__.items() if k != "token"}
-                   if held else None})
-    else:
-        console(False).print(f"locked by {held.describe()}" if held else f"cluster {s.cluster_name}: not locked",
-                             markup=False)
+        emit_json({"locked": held is not None, "holder": held.as_dict() if held else None})
+        return
+    out = console(False)
+    out.print(f"locked by {held.describe()}" if held else f"cluster {s.cluster_name}: not locked", markup=False)
+    if held and held.dead:
+        out.print("the next `up` or `down` breaks it automatically (audited)", markup=False)
+    elif held and held.stale:
+        out.print(f"if that run is really gone: `{FORCE_UNLOCK}`", markup=False)
 
 
 @lock_cmd.command("status")
@@ -500,7 +514,7 @@ def lock_status_cmd(ctx: click.Context) -> None:
     g = _globals(ctx)
     s = _settings(g)
     with _cluster(g, s) as cluster:
-        _show_lock(g, s, lock_status(cluster.node(s.head), s.cluster_name))
+        _show_lock(g, s, lock_state(cluster.node(s.head), s.cluster_name))
 
 
 @click.command("audit")

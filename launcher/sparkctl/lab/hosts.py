@@ -65,11 +65,16 @@ def create_mntns(paths: HostPaths) -> None:
         paths.utsns.touch()
         run(["unshare", f"--uts={paths.utsns}", "--", "hostname", paths.root.name], where=paths.root.name)
     paths.mntns.touch()
+    # Each host is its own machine: its own /etc/machine-id (sparkctl tells machines apart by it).
+    machine_id = paths.root / "machine-id"
+    if not machine_id.exists():
+        machine_id.write_text(os.urandom(16).hex() + "\n")
     # unshare persists the namespace by binding it onto paths.mntns; the mounts run inside it.
     script = (
         f"mount --bind {shlex.quote(str(paths.models))} {shlex.quote(MODEL_PATH)} && "
         f"mount --bind {shlex.quote(str(paths.home))} /root && "
-        f"mount --bind {shlex.quote(str(paths.sysfs))} {shlex.quote(CONTAINER_SYSFS)}"
+        f"mount --bind {shlex.quote(str(paths.sysfs))} {shlex.quote(CONTAINER_SYSFS)} && "
+        f"mount --bind {shlex.quote(str(machine_id))} /etc/machine-id"
     )
     run(["unshare", f"--mount={paths.mntns}", "--propagation", "private", "--", "sh", "-c", script],
         where=paths.root.name)

@@ -107,15 +107,45 @@ model_listing() {
     find "$MODEL/" -maxdepth 2 -type f -printf '%s\t%P\n'
 }
 
+# The engine's own data root (`docker info`'s DockerRootDir), over its socket when it can.
+docker_root() {
+    if command -v curl >/dev/null 2>&1 && engine_socket; then
+        _i=$(curl -sS --max-time 10 --unix-socket "$SOCK" http://docker/info) || return 1
+        _r=${_i#*\"DockerRootDir\":\"}
+        [ "$_r" != "$_i" ] || return 1
+        _r=${_r%%\"*}
+    else
+        _r=$($T docker info --format '{{.DockerRootDir}}') || return 1
+    fi
+    [ -n "$_r" ] && printf '%s\n' "$_r"
+}
+
+# One line per df= argument: what was asked, the path it stands for (@docker-root: the engine's
+# DockerRootDir), the existing path df measures (df needs one: walk up, e.g. to the mount point).
+disk_paths() {
+    DF_RESOLVED=
+    while IFS= read -r p; do
+        [ -n "$p" ] || continue
+        asked=$p
+        if [ "$p" = @docker-root ]; then
+            p=$(docker_root) || { echo "cannot ask the Docker engine for its DockerRootDir" >&2; continue; }
+        fi
+        q=$p
+        while [ ! -e "$q" ] && [ "$q" != / ] && [ -n "$q" ]; do q=${q%/*}; done
+        q=${q:-/}
+        printf '%s\t%s\t%s\n' "$asked" "$p" "$q"
+        DF_RESOLVED="$DF_RESOLVED$NL$q"
+    done <<EOF
+$DF_PATHS
+EOF
+}
+
 df_paths() {
     set --
     while IFS= read -r p; do
-        [ -n "$p" ] || continue
-        # df needs an existing path: walk up to the nearest one (images dir not created yet).
-        while [ ! -e "$p" ] && [ "$p" != / ] && [ -n "$p" ]; do p=${p%/*}; done
-        set -- "$@" "${p:-/}"
+        [ -n "$p" ] && set -- "$@" "$p"
     done <<EOF
-$DF_PATHS
+$DF_RESOLVED
 EOF
     [ $# -gt 0 ] || set -- /
     df -PB1 "$@"
@@ -187,6 +217,8 @@ facts() {
     section infiniband ib_walk
     # Only the head's ports matter (the API, the rendezvous): check asks the head alone (listening=no).
     [ "$LISTENING" = yes ] && section listening ss -Hltn
+    section machine-id read_file /etc/machine-id
+    section disk-paths disk_paths
     section df df_paths
     if [ "$DOCKER" = yes ]; then
         if [ -n "$API_PATHS" ] && command -v curl >/dev/null 2>&1 && engine_socket; then

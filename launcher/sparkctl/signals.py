@@ -1,0 +1,143 @@
+"""SIGINT, SIGTERM and SIGHUP: one behaviour for every command, and cleanup that a signal cannot cut short.
+
+`install()` (called by `cli.main`) makes each of the three signals raise `Interrupted` in the main
+thread, so `finally` blocks and rollbacks run for SIGTERM (what `timeout`, systemd and CI send) and
+SIGHUP (a closed terminal) exactly as for Ctrl-C. Python's default for SIGTERM is to die on the spot,
+leaving the cluster lock held and containers half started.
+
+Cleanup (a rollback, the lock's release, a `down` already under way) runs inside `shielded()`: a
+signal that arrives there is noted on stderr and the cleanup continues. The third signal in all
+raises `CleanupAborted` (not a KeyboardInterrupt: nothing swallows it by mistake), and the code that
+was cleaning up says what it leaves where.
+
+Exit status of an interrupted command: 128 + the signal number, the shell's convention: 130 for
+SIGINT (Ctrl-C), 143 for SIGTERM, 129 for SIGHUP. A signal that arrives after a command's point of no
+return (`committed()`: the service is up and audited, or `down` has started removing) is noted and
+changes nothing: the command finishes and exits with its own status.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ABORT_AFTER = 3  # the third signal in all aborts a cleanup
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal asked the command to stop; it exits 128 + signum once it has cleaned up."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class CleanupAborted(BaseException):
+    """A third signal while cleaning up: stop now; the cleaner says what it leaves behind."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _State:
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.shield = 0  # >0: inside a cleanup; signals are noted, not raised
+        self.committed = False
+        self.pending: int | None = None  # the first signal that arrived while shielded
+
+
+_state = _State()
+
+
+def _note(text: str) -> None:
+    try:
+        sys.stderr.write(f"sparkctl: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr gone (closed terminal): the signal is still handled
+        pass
+
+
+def _handler(signum: int, frame: Any) -> None:
+    _state.received.append(signum)
+    name = signal.Signals(signum).name
+    if _state.shield == 0 and not _state.committed:
+        raise Interrupted(signum)
+    if _state.shield > 0 and len(_state.received) >= ABORT_AFTER:
+        raise CleanupAborted(signum)
+    if _state.committed:
+        _note(f"{name} received after the point of no return: finishing, nothing will be undone")
+        return
+    if _state.pending is None:
+        _state.pending = signum
+    _note(f"{name} received while cleaning up: the cleanup continues "
+          f"(signal {ABORT_AFTER - len(_state.received)} more time(s) to abort it)")
+
+
+def install() -> None:
+    """Route SIGINT, SIGTERM and SIGHUP to `_handler` (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in HANDLED:
+        if signal.getsignal(sig) is signal.SIG_IGN and sig == signal.SIGHUP:
+            continue  # started under nohup: keep ignoring hangups
+        signal.signal(sig, _handler)
+
+
+def reset() -> None:
+    """Forget what was received (tests, and a process that runs several commands)."""
+    _state.received.clear()
+    _state.shield = 0
+    _state.committed = False
+    _state.pending = None
+
+
+def received() -> list[int]:
+    return list(_state.received)
+
+
+@contextmanager
+def shielded(*, deliver: bool = True) -> Iterator[None]:
+    """Run a cleanup to its end despite signals (the third aborts it: CleanupAborted).
+
+    deliver=True: a signal noted inside is raised as Interrupted when the block ends normally, so a
+    command interrupted during, say, taking the lock still stops right after."""
+    _state.shield += 1
+    try:
+        yield
+    finally:
+        _state.shield -= 1
+    if deliver and _state.shield == 0 and _state.pending is not None and not _state.committed:
+        signum, _state.pending = _state.pending, None
+        raise Interrupted(signum)
+
+
+def commit() -> None:
+    """The point of no return: from here on a signal is noted and the command finishes normally."""
+    _state.committed = True
+    _state.pending = None
+
+
+def is_committed() -> bool:
+    return _state.committed
