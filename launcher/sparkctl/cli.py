@@ -50,7 +50,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-# Commands that change what runs on the nodes (a misspelt key there must not deploy a default).
 # Commands (by click name: `model sync` is "sync") that change the cluster: an unknown env-file key is an error.
 CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "restart", "watch", "pull", "sync", "systemd"})
 

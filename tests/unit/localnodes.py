@@ -330,4 +330,9 @@ def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -
         _hardware(root / "hw" / n, i)
     monkeypatch.setattr(cluster, "connect", lambda target, **kw: _Transport(nodes, target.alias))
     monkeypatch.setenv("SPARKCTL_SSH_CONFIG", str(ssh_config))
+    # Every node holds the lab recipe's base (the same image everywhere, as `lab up` leaves it), so
+    # `build` pins it without pulling or shipping; the calls that set this scene are not recorded.
+    for n in names:
+        nodes.docker(n, "pull", "sparkctl-lab/engine:latest")
+    (root / "docker-calls.jsonl").unlink(missing_ok=True)
     yield nodes

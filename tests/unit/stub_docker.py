@@ -94,6 +94,12 @@ def main():
         opts, tail = options(rest)
         name = next((v for k, v in opts if k == "--name"), "anon")
         image = images.get(tail[0], {}) if tail else {}
+        if ("--entrypoint", "python3") in opts and "--rm" in rest:  # build's version probe in a layer
+            layer = image.get("Config", {}).get("Labels", {}).get("sparkctl.layer", "")
+            swapped = layer in ("v145", "keys", "keys3")  # the lab chain's v145 swaps exllamav3 0.0.43 -> 1.4.5
+            print("@@versions " + json.dumps({"vllm": "0.33.0", "torch": "absent", "nccl": "absent",
+                                             "exllamav3": "1.4.5" if swapped else "0.0.43"}))
+            return 0
         labels = {**image.get("Config", {}).get("Labels", {}),
                   **dict(v.split("=", 1) for k, v in opts if k in ("--label", "-l") and "=" in v)}
         cid = ("%064x" % (abs(hash((NODE, name, time.monotonic_ns()))) % 16**64))

@@ -20,12 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import write_model
+from tests.conftest import write_model, write_serving
 from tests.unit.localnodes import LocalNodes, local_nodes
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 SERVED = "lab-model"
-PAYLOAD = ["patch_dcp.py", "exl3.py", "build_v145.sh", "patch_aarch64.py", "ablit_runtime.py", "patch_keys3.py"]
 
 
 def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
@@ -41,9 +40,7 @@ def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
 def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
     monkeypatch.chdir(tmp_path)
     model = write_model(tmp_path / "model", 1_000_000, 2)
-    (model / "serving").mkdir()
-    for f in PAYLOAD:
-        (model / "serving" / f).write_text(f"# {f}\n")
+    write_serving(model)
     for k in ("SPARKCTL_ENV_FILE", "TP", "DCP", "VLLM_API_KEY"):
         monkeypatch.delenv(k, raising=False)
     env = {"NODES": " ".join(NODES), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
@@ -163,7 +160,8 @@ def test_build_dry_run_changes_nothing(nodes: LocalNodes, capsys: Any) -> None:
     assert not any(c["argv"][:1] in (["build"], ["load"], ["tag"], ["rmi"]) for c in nodes.docker_calls())
     code, out, err = run(["build"], capsys)  # the control: the same plan really builds
     assert code == 0, err
-    assert len(calls(nodes, "build")) == 5 * len(NODES)
+    # each of the 5 layers: its Dockerfile, then a label-only build that records its versions
+    assert len(calls(nodes, "build")) == 2 * 5 * len(NODES)
 
 
 # ------------------------------------------------------------------------------- wait's last steps

@@ -32,12 +32,11 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from sparkctl.lab.local import free_port
-from tests.conftest import write_model
+from tests.conftest import write_model, write_serving
 from tests.unit.localnodes import LocalNodes, local_nodes
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 TOKEN = uuid.uuid4().hex[:8]
-PAYLOAD = ["patch_dcp.py", "exl3.py", "build_v145.sh", "patch_aarch64.py", "ablit_runtime.py", "patch_keys3.py"]
 
 # The canary: absolute (under the example's folder) and relative (wherever a shell runs: a node's home).
 FRAGMENTS = ["$(touch {abs})", "`touch {abs}`", "; touch {abs}", "&& touch {abs}", "| touch {abs}",
@@ -126,9 +125,7 @@ def _one_example(monkeypatch: pytest.MonkeyPatch, capsys: Any, raw: dict[str, st
     values["MODEL"] = model_name
     model = root / "models" / model_name
     write_model(model, 1_000_000, 2)
-    (model / "serving").mkdir()
-    for f in PAYLOAD:
-        (model / "serving" / f).write_text(f"# {f}\n")
+    write_serving(model)
     extra = f"--chat-template={values['VLLM_EXTRA_ARGS']}"
     env = {"NODES": " ".join(NODES), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
            "FABRIC_SUBNET": "10.232.0.0/24", "PORT": str(free_port()), "SERVED_MODEL_NAME": values["SERVED_MODEL_NAME"],
@@ -178,7 +175,8 @@ def _one_example(monkeypatch: pytest.MonkeyPatch, capsys: Any, raw: dict[str, st
 
 
 def _arrived_verbatim(nodes: LocalNodes, model: Path, stored: dict[str, str]) -> None:
-    runs = [c["argv"] for c in nodes.docker_calls() if c["argv"][:1] == ["run"]]
+    # the service's ranks (build's version probes, `run --rm --entrypoint python3`, are not the service)
+    runs = [c["argv"] for c in nodes.docker_calls() if c["argv"][:1] == ["run"] and "--rm" not in c["argv"]]
     assert len(runs) == len(NODES)
     for argv in runs:
         assert argv[argv.index("--served-model-name") + 1] == stored["SERVED_MODEL_NAME"]

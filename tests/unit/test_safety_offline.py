@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import write_model
+from tests.conftest import write_model, write_serving
 from tests.unit.localnodes import LocalNodes, local_nodes
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
-PAYLOAD = ["patch_dcp.py", "exl3.py", "build_v145.sh", "patch_aarch64.py", "ablit_runtime.py", "patch_keys3.py"]
 HF = "hf_SECRETzq81vX"
 KEY = "sk-SECRETm2Pq9w"
 EVERY_COMMAND = [["config"], ["--json", "config"], ["verify-model"], ["check"], ["build", "--dry-run"], ["build"],
@@ -41,9 +40,7 @@ def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
 def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
     monkeypatch.chdir(tmp_path)
     model = write_model(tmp_path / "model", 1_000_000, 2)
-    (model / "serving").mkdir()
-    for f in PAYLOAD:
-        (model / "serving" / f).write_text(f"# {f}\n")
+    write_serving(model)
     for k in ("SPARKCTL_ENV_FILE", "TP", "DCP"):
         monkeypatch.delenv(k, raising=False)
     # Secrets come from an env file, as a user keeps them.
