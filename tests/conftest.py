@@ -80,3 +80,19 @@ def write_serving(model: Path) -> None:
     for name, data in serving_files().items():
         (model / "serving" / name).parent.mkdir(parents=True, exist_ok=True)
         (model / "serving" / name).write_bytes(data)
+
+
+def prebuilt_recipe(dest: Path, name: str = "lab-prebuilt") -> Path:
+    """The lab recipe with its chain replaced by [images.prebuilt] (everything else as the lab runs it):
+    a recipe that runs a published image, as the 2.75 bpw recipe does."""
+    from sparkctl.recipes import recipes_dir
+
+    text = (recipes_dir() / "lab.toml").read_text()
+    start, end = text.index("\n[images]"), text.index("\n[checkpoint]")
+    body = text[:start] + '\n[images.prebuilt]\nsource = "the lab\'s test image"\n' + text[end:]
+    body = body.replace('name = "lab"', f'name = "{name}"', 1)
+    body = "\n".join(ln for ln in body.splitlines() if not ln.startswith(("IMAGE =", "BASE_IMAGE ="))) + "\n"
+    assert "[[images.layers]]" not in body and f'name = "{name}"' in body
+    path = dest / f"{name}.toml"
+    path.write_text(body)
+    return path

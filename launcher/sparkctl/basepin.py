@@ -47,11 +47,11 @@ def pin(ref: str, head_image: Image) -> BasePin:
     return BasePin(ref, head_image.id, digests[0] if digests else None)
 
 
-def stale(p: BasePin, image: Image | None) -> str | None:
-    """Why a rank's base is not the pin (None: it is)."""
+def stale(p: BasePin, image: Image | None, what: str = "base") -> str | None:
+    """Why a rank's base (or prebuilt image: `what`) is not the pin (None: it is)."""
     if image is None:
-        return f"base image {p.ref} is not on the node"
+        return f"{what} image {p.ref} is not on the node"
     if image.id != p.id:
-        return (f"base image {p.ref} is {image.id.removeprefix('sha256:')[:12]}, the head's is "
+        return (f"{what} image {p.ref} is {image.id.removeprefix('sha256:')[:12]}, the head's is "
                 f"{p.id.removeprefix('sha256:')[:12]}" + (f" ({p.digest})" if p.digest else ""))
     return None

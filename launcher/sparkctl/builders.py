@@ -180,7 +180,7 @@ def config_hash(settings: Settings, specs: list[RankSpec]) -> str:
         return {k: (hashlib.sha256(v.encode()).hexdigest() if k in secrets else v) for k, v in env.items()}
 
     doc: dict[str, Any] = {
-        "image": settings.get("IMAGE"),
+        "image": settings.image,
         "recipe": settings.recipe.name,
         "container": _container_options(settings),
         "ranks": [{"node": s.node, "env": scrub(s.env), "argv": s.vllm_argv} for s in specs],
@@ -231,7 +231,7 @@ def docker_run_argv(settings: Settings, spec: RankSpec, cfg_hash: str) -> list[s
         *_container_options(settings),
         "--env-file", remote_env_file(cluster, spec.rank),
         "--entrypoint", entrypoint,
-        str(settings.get("IMAGE")),
+        settings.image,
         *args,
     ]
 

@@ -107,6 +107,7 @@ class Needs:
     given_pins: tuple[RankPins, ...] = ()
     base_image: str = ""  # BASE_IMAGE: every rank must hold the head's (sparkctl.basepin)
     expect: tuple[tuple[str, str], ...] = ()  # versions the recipe expects of the chain (its layers' expect)
+    prebuilt: str = ""  # the recipe runs a published image: where it comes from (no chain, no base)
 
     @classmethod
     def from_settings(cls, s: Settings) -> Needs:
@@ -118,11 +119,12 @@ class Needs:
             port=s.getint("PORT"),
             master_port=s.getint("MASTER_PORT"),
             fabric_subnet=ipaddress.IPv4Network(subnet, strict=False) if subnet else None,
-            image=str(s.get("IMAGE")),
+            image=s.image,
             cluster=s.cluster_name,
             model=str(s.model),
             given_pins=tuple(s.rank_pins(r) for r in range(len(s.nodes))),
-            base_image=str(s.get("BASE_IMAGE") or ""),
+            base_image="" if s.recipe.prebuilt else str(s.get("BASE_IMAGE") or ""),
+            prebuilt=s.recipe.prebuilt.source if s.recipe.prebuilt else "",
             expect=tuple(sorted({k: v for layer in s.recipe.layers for k, v in layer.expect.items()}.items())),
         )
 
@@ -694,6 +696,17 @@ def rule_base_image(images: Mapping[str, list[F.Image] | None], head: str, ref: 
     return out
 
 
+def rule_prebuilt_pin(ref: str, source: str) -> list[Finding]:
+    """A published image named by a tag can change under the same name between two pulls: ranks pulled
+    at different times would run different images. Pinned by digest, every pull is the same image."""
+    if "@sha256:" in ref:
+        return [_f(CLUSTER_ROW, "image-pin", OK, "digest", f"IMAGE is pinned by digest ({ref})")]
+    return [_f(CLUSTER_ROW, "image-pin", WARN, "tag",
+               f"IMAGE={ref} is a tag: the published image ({source}) can move under it",
+               "pin it by digest: IMAGE=<repo>@sha256:<digest> (`sparkctl build --json` prints the digest the "
+               "head resolved)")]
+
+
 def rule_checkpoint(report: Any, error: str | None) -> list[Finding]:
     """Header-level verification of the checkpoint on the head (sparkctl.verify over ckpt_scan)."""
     if error:
@@ -1052,6 +1065,8 @@ def evaluate(
     findings += rule_versions(
         {n: f.images for n, f in good.items() if n not in engine_down}, head, needs.image, dict(needs.expect)
     ).values()
+    if needs.prebuilt:
+        findings += rule_prebuilt_pin(needs.image, needs.prebuilt)
     if needs.base_image:
         findings += rule_base_image(
             {n: f.images for n, f in good.items() if n not in engine_down}, head, needs.base_image

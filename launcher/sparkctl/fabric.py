@@ -45,7 +45,7 @@ def fabric_container_name(cluster: str, rank: int) -> str:
 
 
 def fabric_image(settings: Settings) -> str:
-    return settings.recipe.fabric.image or str(settings.get("IMAGE"))
+    return settings.recipe.fabric.image or settings.image
 
 
 def fabric_env(settings: Settings, rank: int, pins: RankPins) -> dict[str, str]:

@@ -56,7 +56,7 @@ def image_override(s: Settings, ref: str) -> str:
     if _HEX12.match(ref.removeprefix("sha256:")) and not _HEX12.match(ref):  # sha256:<content hash>
         ref = ref.removeprefix("sha256:")
     if _HEX12.match(ref):
-        return hash_tag(str(s.get("IMAGE")), ref)
+        return hash_tag(s.image, ref)
     if not _IMAGE_RE.match(ref):
         raise UsageError(f"--image {ref!r} is neither a Docker image reference nor a content hash (12+ hex)",
                          fix="give a tag such as sparkctl-lab/chain:keys3-1a2b3c4d5e6f, or a hash from "
@@ -84,7 +84,7 @@ def content_hash_on(node: Node, image: str) -> str | None:
 
 def record_release(cluster: Cluster, s: Settings, rendered: Rendered, *, source: str) -> dict[str, Any]:
     """Append what `up` just started to the head's history and every node's audit log."""
-    image = str(s.get("IMAGE"))
+    image = s.image
     head = cluster.node(s.head)
     chash = content_hash_on(head, image)
     entry: dict[str, Any] = {

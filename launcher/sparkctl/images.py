@@ -86,6 +86,9 @@ def layer_tag(recipe: Recipe, layer: str) -> str:
 
 def load_chain(recipe: Recipe) -> list[LayerRef]:
     """The recipe's layers in build order (their Dockerfiles are read on the node, in serving/)."""
+    if recipe.prebuilt is not None:
+        raise UsageError(f"recipe {recipe.name} runs a prebuilt image ({recipe.prebuilt.source}): it has no chain",
+                         fix="`sparkctl build` gives every rank the head's copy of IMAGE")
     if not recipe.layers:
         raise UsageError(f"recipe {recipe.name} has no [[images.layers]]", fix=f"add the chain to {recipe.path}")
     chain: list[LayerRef] = []

@@ -41,6 +41,14 @@ class ImageLayer:
 
 
 @dataclass(frozen=True)
+class Prebuilt:
+    """The recipe runs a published image (IMAGE) instead of a chain it builds: `build` gives every rank
+    the head's copy of it (pulled by digest, or sent layer by layer when it has none)."""
+
+    source: str  # where it is published (named in messages: e.g. the serve recipe's repository)
+
+
+@dataclass(frozen=True)
 class ContainerOptions:
     network: str = "host"
     ipc: str = "host"
@@ -79,6 +87,7 @@ class Recipe:
     layers: tuple[ImageLayer, ...]
     layout_name: str
     fabric: FabricTest = FabricTest()
+    prebuilt: Prebuilt | None = None  # set: IMAGE is a published image, there is no chain
 
     @property
     def checkpoint_layout(self) -> dict[str, Any]:
@@ -197,6 +206,14 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
             if key not in VERSION_KEYS or not isinstance(value, str):
                 raise UsageError(f"{lw}/expect/{key}: expected one of {', '.join(VERSION_KEYS)} = \"<version>\"")
         layers.append(ImageLayer(name=lname, dockerfile=dockerfile, expect=dict(expect)))
+    prebuilt = None
+    if "prebuilt" in images:
+        pw = f"{where}/images/prebuilt"
+        table = _get(images, "prebuilt", dict, f"{where}/images")
+        prebuilt = Prebuilt(source=_get(table, "source", str, pw))
+        if layers:
+            raise UsageError(f"{pw}: a recipe runs a prebuilt image or builds a chain, not both "
+                             f"(it also lists {len(layers)} [[images.layers]])", fix=f"remove one from {path}")
     ckpt = _get(data, "checkpoint", dict, where, {})
     fabric = _fabric(_get(data, "fabric", dict, where, {}), f"{where}/fabric")
     return Recipe(
@@ -212,6 +229,7 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         layers=tuple(layers),
         layout_name=_get(ckpt, "layout", str, f"{where}/checkpoint", name),
         fabric=fabric,
+        prebuilt=prebuilt,
     )
 
 

@@ -124,7 +124,7 @@ def render_env_tp4(settings: Settings, plan: Plan, pins: list[RankPins], *, cfg_
         "ablit_host_dir": settings.get("ABLIT_HOST_DIR"),
         "head_q": settings.get("HEAD_Q"),
         "vllm_extra_args": settings.get("VLLM_EXTRA_ARGS"),
-        "image": settings.get("IMAGE"),
+        "image": settings.image,
         "ulimit_nofile": settings.getint("ULIMIT_NOFILE"),
         "ulimit_memlock": settings.getint("ULIMIT_MEMLOCK"),
         "shm_size": settings.get("SHM_SIZE"),

@@ -221,7 +221,7 @@ def up(
     """Start the service (workers, then the head) or leave an identical one alone."""
     name = settings.cluster_name
     nodes = settings.nodes
-    image = str(settings.get("IMAGE"))
+    image = settings.image
     if gathered is None:
         gathered = cluster.run_all(lambda n: node_state(n, name, image), nodes=nodes)
     states = {n: g if isinstance(g, NodeError) else g[0] for n, g in gathered.items()}

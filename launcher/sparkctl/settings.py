@@ -211,7 +211,8 @@ KNOBS: dict[str, Knob] = {
              choices=("mtp", "dspark", "off")),
         Knob("SPEC_K", "int", "Speculative tokens per step (MTP k).", minimum=1, maximum=16),
         Knob("DSPARK", "path", "DSpark drafter folder (with SPEC_METHOD=dspark).", check=_abs_path),
-        Knob("IMAGE", "str", "Image every rank runs (the chain's top layer).",
+        Knob("IMAGE", "str", "Image every rank runs: the chain's top layer, or a prebuilt recipe's published image "
+             "(pin it by digest: repo@sha256:...).",
              check=_regex(_IMAGE_RE, "a Docker image reference")),
         Knob("BASE_IMAGE", "str", "Base image of the chain.", check=_regex(_IMAGE_RE, "a Docker image reference")),
         Knob("ULIMIT_NOFILE", "int", "Container nofile limit (soft=hard).", minimum=1024),
@@ -344,6 +345,22 @@ class Settings:
     @property
     def model(self) -> Path:
         return Path(self.get("MODEL"))
+
+    @property
+    def image(self) -> str:
+        """IMAGE: the image every rank runs. A recipe that runs a published image names no default: the
+        user pins the one they run (ideally by digest), and every command that needs it says so."""
+        ref = self.get("IMAGE")
+        if ref:
+            return str(ref)
+        if self.recipe.prebuilt is not None:
+            raise UsageError(
+                f"IMAGE is not set: recipe {self.recipe.name} runs a prebuilt image ({self.recipe.prebuilt.source}), "
+                "not a chain that sparkctl builds",
+                fix="set IMAGE=<registry>/<repo>@sha256:<digest> (the published image, pinned by its digest) "
+                    "in the env file or the environment")
+        raise UsageError(f"IMAGE is not set and recipe {self.recipe.name} names none",
+                         fix="set IMAGE in the env file, or add it to the recipe's [defaults]")
 
     @property
     def cluster_name(self) -> str:

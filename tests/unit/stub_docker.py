@@ -65,9 +65,28 @@ def main():
     images = state.setdefault("images", {})
     state = state.setdefault("containers", {})
     full = {"containers": state, "images": images}
-    if cmd in ("pull", "build", "tag"):
+    if cmd == "tag":  # another name for the same image (same ID), as Docker does
+        _, words = options(rest)
+        src, dst = (words + ["", ""])[:2]
+        if src not in images:
+            print(f"Error response from daemon: No such image: {src}", file=sys.stderr)
+            return 1
+        images[dst] = {**images[src], "RepoTags": sorted({*images[src].get("RepoTags", []), dst})}
+        save(full)
+        return 0
+    if cmd == "pull" and "@sha256:" in (rest[-1] if rest else ""):  # by digest: one ID everywhere, RepoDigests kept
+        ref = rest[-1]
+        if os.path.exists(os.path.join(ROOT, f"registry-refuses-{NODE}")):
+            print(f"Error response from daemon: pull access denied for {ref.split('@')[0]}", file=sys.stderr)
+            return 1
+        iid = "sha256:" + hashlib.sha256(ref.encode()).hexdigest()
+        images[ref] = {"Id": iid, "RepoTags": [], "RepoDigests": [ref], "Config": {"Labels": {}},
+                       "RootFS": {"Type": "layers", "Layers": ["sha256:" + "c" * 64]}}
+        save(full)
+        return 0
+    if cmd in ("pull", "build"):
         opts, words = options(rest)
-        tags = [v for k, v in opts if k in ("--tag", "-t")] or (words[-1:] if cmd != "tag" else words[1:2])
+        tags = [v for k, v in opts if k in ("--tag", "-t")] or words[-1:]
         labels = dict(v.split("=", 1) for k, v in opts if k == "--label" and "=" in v)
         for ref in tags:
             iid = "sha256:" + hashlib.sha256(json.dumps([ref, labels]).encode()).hexdigest()

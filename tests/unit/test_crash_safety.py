@@ -32,6 +32,8 @@ from tests.unit.test_cluster import sshlab  # noqa: F401  (the fixture: real Ope
 @pytest.fixture
 def handlers() -> Iterator[None]:
     saved = {s: signal.getsignal(s) for s in signals.HANDLED}
+    for s in signals.HANDLED:  # as a terminal leaves them (a run under nohup ignores SIGHUP: tested below)
+        signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
     signals.reset()
     signals.install()
     try:
@@ -52,6 +54,20 @@ def test_each_signal_interrupts_with_128_plus_signum(handlers: None, sig: int, c
     with pytest.raises(signals.Interrupted) as exc:
         _send(sig)
     assert exc.value.exit_code == code
+
+
+def test_under_nohup_a_hangup_stays_ignored() -> None:
+    saved = {s: signal.getsignal(s) for s in signals.HANDLED}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signals.reset()
+        signals.install()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the others are still handled
+    finally:
+        signals.reset()
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 def test_cleanup_notes_the_second_signal_and_the_third_aborts(handlers: None, capsys: Any) -> None:

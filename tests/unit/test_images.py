@@ -78,11 +78,24 @@ def hashlib_hex(text: str) -> str:
 # ------------------------------------------------------------------------------ the checkpoint's chain
 
 
-@pytest.mark.parametrize("recipe", available_recipes())
+CHAIN_RECIPES = [r for r in available_recipes() if load_recipe(r).prebuilt is None]
+
+
+@pytest.mark.parametrize("recipe", CHAIN_RECIPES)
 def test_every_recipe_builds_the_checkpoints_own_dockerfiles(recipe: str) -> None:
     chain = im.load_chain(load_recipe(recipe))
     assert [x.name for x in chain] == ["dcp", "mul1", "v145", "keys", "keys3"]
     assert [x.dockerfile_name for x in chain] == [f"Dockerfile.{x.name}" for x in chain]
+
+
+def test_the_275_recipe_runs_the_serve_recipes_prebuilt_image_not_a_chain() -> None:
+    """seeds/002: "Use the launcher (one-shot.sh) and prebuilt image of the serve recipe"."""
+    recipe = load_recipe("glm53-exl3-2.75bpw")
+    assert recipe.prebuilt is not None and "Serve-4-DGXSparks" in recipe.prebuilt.source
+    assert not recipe.layers and "IMAGE" not in recipe.defaults and "BASE_IMAGE" not in recipe.defaults
+    assert CHAIN_RECIPES == ["glm53-exl3-tp4", "lab"]
+    with pytest.raises(UsageError, match="runs a prebuilt image .*no chain"):
+        im.load_chain(recipe)
 
 
 def test_the_lab_checkpoints_dockerfiles_copy_what_they_ship_in_one_copy_and_one_run() -> None:
@@ -730,6 +743,6 @@ def test_versions_are_compared_with_the_heads() -> None:
 
 
 def test_every_recipe_expects_exllamav3_1_4_5_after_v145() -> None:
-    for name in available_recipes():
+    for name in CHAIN_RECIPES:
         chain = im.load_chain(load_recipe(name))
         assert dict(next(x for x in chain if x.name == "v145").expect) == {"exllamav3": "1.4.5"}, name

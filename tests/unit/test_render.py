@@ -183,7 +183,10 @@ def test_every_production_docker_run_names_its_entrypoint(clean_env, tmp_path, r
     from tests.conftest import write_model
 
     write_model(tmp_path / "m", 258_000_000_000, 81)
-    s = load_settings(cli={"recipe": recipe}, environ={"NODES": "spark1 spark2 spark3 spark4", "MODEL": MODEL, **PINS})
+    image = {"IMAGE": "registry.example/serve@sha256:" + "b" * 64} if recipe == "glm53-exl3-2.75bpw" else {}
+    s = load_settings(cli={"RECIPE": recipe},
+                      environ={"NODES": "spark1 spark2 spark3 spark4", "MODEL": MODEL, **PINS, **image})
+    assert s.recipe.name == recipe
     rendered = render_all(s, _plan(s, tmp_path / "m"), resolve_pins(s), now=NOW)
     for argv in rendered.docker_argv:
         image = argv.index(str(s.get("IMAGE")))

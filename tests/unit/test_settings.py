@@ -123,9 +123,29 @@ def test_rank_pins_from_knobs(clean_env, model_308):
 @pytest.mark.parametrize("recipe", ["glm53-exl3-tp4", "glm53-exl3-2.75bpw", "lab"])
 def test_every_shipped_recipe_loads_and_validates(clean_env, model_308, recipe):
     s = load(environ={"NODES": NODES, "MODEL": str(model_308), "RECIPE": recipe})
-    assert s.recipe.layer_names() == ["dcp", "mul1", "v145", "keys", "keys3"]
+    prebuilt = recipe == "glm53-exl3-2.75bpw"  # its card: the serve recipe's prebuilt image, no chain
+    assert s.recipe.layer_names() == ([] if prebuilt else ["dcp", "mul1", "v145", "keys", "keys3"])
+    assert (s.recipe.prebuilt is not None) == prebuilt
     assert s.recipe.memory.gpu_memory_utilization_cap == 0.82
     assert s.recipe.memory.overhead_gib == 14
+
+
+def test_a_prebuilt_recipe_without_image_says_what_to_set(clean_env, model_308):
+    s = load(environ={"NODES": NODES, "MODEL": str(model_308), "RECIPE": "glm53-exl3-2.75bpw"})
+    with pytest.raises(UsageError, match="IMAGE is not set: recipe glm53-exl3-2.75bpw runs a prebuilt image") as e:
+        _ = s.image
+    assert "@sha256:" in (e.value.fix or "")
+    ref = "registry.example/serve@sha256:" + "a" * 64
+    assert load(environ={"NODES": NODES, "MODEL": str(model_308), "RECIPE": "glm53-exl3-2.75bpw",
+                         "IMAGE": ref}).image == ref
+
+
+def test_a_recipe_is_prebuilt_or_a_chain_not_both(clean_env, tmp_path, model_308):
+    bad = tmp_path / "both.toml"
+    bad.write_text('name = "both"\n[defaults]\nTP = 4\n[images.prebuilt]\nsource = "x"\n'
+                   '[[images.layers]]\nname = "dcp"\n')
+    with pytest.raises(UsageError, match="prebuilt image or builds a chain, not both"):
+        load(environ={"NODES": NODES, "MODEL": str(model_308), "RECIPE": str(bad)})
 
 
 def test_recipe_file_errors_name_the_key(clean_env, tmp_path, model_308):

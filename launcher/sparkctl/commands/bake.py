@@ -104,6 +104,9 @@ def command(ctx: click.Context, out: str, payload: str | None, push: bool, regis
     """Render docker-bake.hcl for CI builds of the image chain (linux/arm64)."""
     settings = ctx.obj.settings(validate=False)  # no nodes are needed to render a bake file
     recipe = settings.recipe
+    if recipe.prebuilt is not None:
+        raise UsageError(f"recipe {recipe.name} runs a prebuilt image ({recipe.prebuilt.source}): there is no chain "
+                         "to bake", fix="`sparkctl build` gives every rank the published image (IMAGE)")
     base = str(settings.get("BASE_IMAGE") or "")
     if not base:
         raise UsageError("BASE_IMAGE is not set", fix=f"set it, or give recipe {recipe.name} a BASE_IMAGE default")

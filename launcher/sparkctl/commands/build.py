@@ -37,7 +37,7 @@ from rich.table import Table
 from .. import basepin
 from .. import images as im
 from ..cluster import Cluster, Node, NodeError, remote_command, wait_channel
-from ..errors import CheckFailed
+from ..errors import CheckFailed, UsageError
 from ..facts import Image, ParseError, normalize_image_ref, parse_image_inspect
 from ..output import emit_json
 from ..resources import probe_script
@@ -360,6 +360,13 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
     g = ctx.obj
     settings = g.settings()
     recipe = settings.recipe
+    if recipe.prebuilt is not None:
+        if only is not None or no_cache:
+            raise UsageError(f"--only and --no-cache name chain layers, and recipe {recipe.name} builds none: "
+                             f"it runs a prebuilt image ({recipe.prebuilt.source})",
+                             fix="run `sparkctl build` (it gives every rank the head's copy of IMAGE)")
+        prebuilt(g, settings, ship=ship, dry_run=dry_run)
+        return
     chain = im.load_chain(recipe)
     im.select_layers(chain, only)  # an unknown --only is a usage error before any connection
     nodes: list[str] = settings.nodes
@@ -370,15 +377,7 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
     out: dict[str, Any] = {"recipe": recipe.name, "mode": "ship" if ship else "build", "dry_run": dry_run,
                            "top": chain[-1].tag}
     with Cluster(nodes, g.ssh_config_path()) as cluster:
-        facts: dict[str, im.RankFacts] = {}
-        for node, f in probe(cluster, chain, model, base_ref).items():
-            if isinstance(f, NodeError):
-                results[node].fail(f)
-            elif not f.engine_ok:
-                results[node].error = f"Docker engine not reachable: {f.engine}"
-                results[node].fix = f"start the Docker engine on {node} (or fix DOCKER_HOST for its SSH sessions)"
-            else:
-                facts[node] = f
+        facts = probe_facts(cluster, chain, model, base_ref, results)
         chains: dict[str, list[im.LayerSpec]] = {}
         problems: dict[str, list[str]] = {}
         for n in builders:
@@ -428,6 +427,97 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
     _finish(g, out, results)
 
 
+def probe_facts(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, ref: str,
+                results: dict[str, RankResult]) -> dict[str, im.RankFacts]:
+    """Every rank's build facts; a rank that cannot answer, or whose engine is down, fails in `results`."""
+    facts: dict[str, im.RankFacts] = {}
+    for node, f in probe(cluster, chain, model, ref).items():
+        if isinstance(f, NodeError):
+            results[node].fail(f)
+        elif not f.engine_ok:
+            results[node].error = f"Docker engine not reachable: {f.engine}"
+            results[node].fix = f"start the Docker engine on {node} (or fix DOCKER_HOST for its SSH sessions)"
+        else:
+            facts[node] = f
+    return facts
+
+
+# ------------------------------------------------------------------------------------ a prebuilt image
+
+
+def transport(ref: str, head_digest: str | None, ship: bool) -> tuple[str, str]:
+    """How the ranks get a prebuilt image, and why: ("pull", ...) or ("ship", ...)."""
+    if "@" in ref:
+        return "pull", (f"IMAGE is pinned by digest: each rank pulls {ref} from its registry, in parallel; Docker "
+                        "verifies the digest on every rank and no byte passes through the head or this machine "
+                        "(a shipped copy would lose the digest, and `docker run` would pull it anyway)")
+    if head_digest and not ship:
+        return "pull", (f"the head resolved {ref} to {head_digest}: each rank pulls that digest from the registry, "
+                        "in parallel (the tag may have moved since; the digest cannot), and tags it as IMAGE "
+                        "(--ship sends the head's copy instead, for ranks without registry access)")
+    return "ship", ("--ship: " if ship else f"{ref} has no registry digest on the head (loaded or built there): ") + \
+        "the head sends each rank only the layers it lacks, one compressed stream per distinct need"
+
+
+def prebuilt(g: Any, settings: Any, *, ship: bool, dry_run: bool) -> None:
+    """`build` for a recipe that runs a published image: resolve IMAGE on the head (pulling it there when
+    missing), then give every other rank that very image (by image ID): pulled by digest, or shipped."""
+    recipe = settings.recipe
+    nodes: list[str] = settings.nodes
+    ref = settings.image
+    results = {n: RankResult(n, i) for i, n in enumerate(nodes)}
+    out: dict[str, Any] = {"recipe": recipe.name, "mode": "prebuilt", "dry_run": dry_run, "top": ref,
+                           "source": recipe.prebuilt.source}
+    with Cluster(nodes, g.ssh_config_path()) as cluster:
+        facts = probe_facts(cluster, [], str(settings.model), ref, results)
+        head = nodes[0]
+        head_img = facts[head].image(ref) if head in facts else None
+        if dry_run:
+            p = basepin.pin(ref, head_img) if head_img is not None else None
+            how, why = transport(ref, p.digest if p else None, ship)
+            out["transport"] = {"how": how, "why": why}
+            plan: dict[str, Any] = {}
+            for n in nodes:
+                if not results[n].ok:
+                    plan[n] = {"error": results[n].error}
+                elif n == head:
+                    plan[n] = {"image": f"has {p.describe()}" if p else f"pulls {ref}"}
+                elif p is None:
+                    plan[n] = {"image": f"{how}: the head's copy (known once the head has pulled it)"}
+                elif (reason := basepin.stale(p, facts[n].image(ref), "prebuilt")) is None:
+                    plan[n] = {"image": "nothing: it has the head's image"}
+                else:
+                    plan[n] = {"image": f"{how}: {reason}"}
+            out["plan"] = plan
+            _finish(g, out, results, print_plan=True)
+            return
+        board = Board(nodes, ["image"], quiet=g.verbosity < 0 or g.json)
+        with board:
+            report = align_base(cluster, facts, results, ref, board, ship=ship, what="prebuilt")
+        if report is not None:
+            how, why = transport(ref, report.get("digest"), ship)
+            out["image"] = report
+            out["transport"] = {"how": how, "why": why}
+            for n in nodes:
+                img = facts[n].image(ref) if n in facts else None
+                if results[n].ok and img is not None:
+                    results[n].image_id = img.id
+                    results[n].ship_note = results[n].ship_note or (
+                        f"pulled {report['digest'] or ref}" if report["fixed_by"].get(n) == "pull" else "up to date")
+            out["versions"] = _prebuilt_versions(cluster.node(head), ref) if results[head].ok else None
+    _finish(g, out, results)
+
+
+def _prebuilt_versions(node: Node, ref: str) -> dict[str, str] | str:
+    """What the image reports (vllm, torch, exllamav3, NCCL): the same probe as a chain layer's, without
+    the label (a label would make another image, no longer the published one)."""
+    res = node.docker(im.versions_argv(ref), timeout=300)
+    try:
+        return im.parse_versions(res.stdout)
+    except (ParseError, ValueError):
+        return f"the version probe failed (exit {res.exit_code}): {res.stderr.strip()[-200:]}"
+
+
 def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerRef], results: dict[str, RankResult],
             out: dict[str, Any]) -> None:
     """Every rank that built (or was shipped) the chain: hash tags, the last BUILD_KEEP_CHAINS, no leftovers."""
@@ -449,7 +539,7 @@ def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerRef], results: 
 
 
 def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[str, RankResult], base_ref: str,
-               board: Board) -> dict[str, Any] | None:
+               board: Board, *, ship: bool = False, what: str = "base") -> dict[str, Any] | None:
     """Resolve BASE_IMAGE on the head (pulling it there if needed) and give every other rank that very
     image: pulled by digest when the head has one, else sent from the head (layers it lacks only).
     Updates `facts` so the build sees the aligned base. A rank still different afterwards fails with
@@ -460,28 +550,35 @@ def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[s
     head = cluster.node(head_name)
     img = facts[head_name].image(base_ref)
     if img is None:
-        board.note(head_name, f"pulling base {base_ref}")
+        board.note(head_name, f"pulling {what} {base_ref}")
         res = head.docker(["pull", base_ref], timeout=PULL_TIMEOUT)
         got = inspect_images(head, [base_ref]) if res.ok else []
         if not got:
             tail = _error_tail(res.stderr.splitlines() or res.stdout.splitlines()) or f"exit {res.exit_code}"
-            results[head_name].error = f"base image {base_ref} is not on the head and cannot be pulled: {tail}"
-            results[head_name].fix = f"load or pull {base_ref} on {head_name}, or set BASE_IMAGE"
+            results[head_name].error = f"{what} image {base_ref} is not on the head and cannot be pulled: {tail}"
+            results[head_name].fix = f"load or pull {base_ref} on {head_name}, or set {'BASE_IMAGE' if what == 'base' else 'IMAGE'}"
             return None
         img = got[0]
         _replace_image(facts, head_name, base_ref, img)
     pin = basepin.pin(base_ref, img)
     stale = {n: reason for n in cluster.names[1:] if n in facts and results[n].ok
-             if (reason := basepin.stale(pin, facts[n].image(base_ref)))}
+             if (reason := basepin.stale(pin, facts[n].image(base_ref), what))}
     report: dict[str, Any] = {**pin.as_dict(), "stale": dict(stale), "fixed_by": {}}
     if not stale:
         return report
-    if pin.digest:
+    by_digest = "@" in base_ref  # `docker run repo@sha256:` on a rank that only loaded it would pull it anyway
+    if ship and by_digest:
+        for n in stale:
+            results[n].error = (f"{base_ref} is pinned by digest, and a shipped copy carries no digest "
+                                "(`docker load` drops RepoDigests), so the rank would pull it at `up`")
+            results[n].fix = f"let {n} pull it (run `sparkctl build` without --ship), or pin IMAGE by tag"
+        return report
+    if pin.digest and not ship:
         digest = pin.digest
 
         def pull(node: Node) -> None:
-            board.note(node.name, f"pulling base {digest}")
-            if node.docker(["pull", digest], timeout=PULL_TIMEOUT).ok:
+            board.note(node.name, f"pulling {digest}")
+            if node.docker(["pull", digest], timeout=PULL_TIMEOUT).ok and not by_digest:
                 node.docker(["tag", digest, base_ref], timeout=60)
 
         cluster.run_all(pull, nodes=list(stale))
@@ -490,20 +587,20 @@ def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[s
     for n in stale:
         got = inspect_images(cluster.node(n), [base_ref])
         _replace_image(facts, n, base_ref, got[0] if got else None)
-    still = [n for n in stale if basepin.stale(pin, facts[n].image(base_ref))]
-    if still:  # no digest (a base built or loaded locally), or the pull did not give the head's image
+    still = [n for n in stale if basepin.stale(pin, facts[n].image(base_ref), what)]
+    if still and not by_digest:  # no digest (a base built or loaded locally), or the pull did not give the head's image
         ship_images(cluster, [base_ref], facts, results, board, still)
         for n in still:
             report["fixed_by"][n] = "ship"
             got = inspect_images(cluster.node(n), [base_ref])
             _replace_image(facts, n, base_ref, got[0] if got else None)
     for n in stale:
-        left = basepin.stale(pin, facts[n].image(base_ref))
+        left = basepin.stale(pin, facts[n].image(base_ref), what)
         if left and results[n].ok:
-            results[n].error = f"{left}, and neither pulling {pin.describe()} nor sending the head's base fixed it"
+            results[n].error = f"{left}, and neither pulling {pin.describe()} nor sending the head's {what} fixed it"
             results[n].fix = f"check the Docker engine and disk space on {n}"
         elif not left:
-            board.note(n, f"base = head's {pin.describe()}")
+            board.note(n, f"{what} = head's {pin.describe()}")
     return report
 
 
@@ -731,8 +828,12 @@ def _finish(g: Any, out: dict[str, Any], results: dict[str, RankResult], *, prin
             elif "steps" in p:
                 for s in p["steps"]:
                     con.print(f"[bold]{node}[/] {s['layer']:6} {s['action']:7} {s['reason']}", markup=True)
+            elif "image" in p:
+                con.print(f"[bold]{node}[/] image  {p['image']}", markup=True)
             else:
                 con.print(f"[bold]{node}[/] ship   {p['ship']}")
+        if out.get("transport"):
+            con.print(f"how: {out['transport']['how']}: {out['transport']['why']}", markup=False)
     elif g.verbosity >= 0:
         for r in results.values():
             built = [x.layer for x in r.layers.values() if x.action == "built"]
@@ -743,7 +844,7 @@ def _finish(g: Any, out: dict[str, Any], results: dict[str, RankResult], *, prin
             if skipped:
                 parts.append("up to date " + " ".join(skipped))
             if r.ship_note:
-                parts.append("shipped " + r.ship_note if not r.ship_note.startswith("up") else r.ship_note)
+                parts.append(r.ship_note if r.ship_note.startswith(("up", "pulled")) else "shipped " + r.ship_note)
             status = "[green]ok[/]" if r.ok else f"[red]FAILED[/] {r.error}"
             ident = f" {r.image_id[:19]}" if r.image_id and r.ok else ""
             con.print(f"[bold]{r.node}[/] {status}{ident}  {'; '.join(parts)}", markup=True)

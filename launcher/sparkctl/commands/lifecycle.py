@@ -110,7 +110,7 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     node) runs after rendering and before anything starts (`up --fabric-test`); it raises to refuse."""
     # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
     # GID index drifts), its containers and its image; the head also reads the checkpoint.
-    image = str(s.get("IMAGE"))
+    image = s.image
 
     def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
         # Channels on the node's one connection run side by side: probe, docker, checkpoint.
