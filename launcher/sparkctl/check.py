@@ -108,6 +108,8 @@ class Needs:
     base_image: str = ""  # BASE_IMAGE: every rank must hold the head's (sparkctl.basepin)
     expect: tuple[tuple[str, str], ...] = ()  # versions the recipe expects of the chain (its layers' expect)
     prebuilt: str = ""  # the recipe runs a published image: where it comes from (no chain, no base)
+    pin_env: tuple[tuple[str, str], ...] = ()  # pin keys the recipe's [container.env] sets for every rank
+    recipe_path: str = ""
 
     @classmethod
     def from_settings(cls, s: Settings) -> Needs:
@@ -125,6 +127,8 @@ class Needs:
             given_pins=tuple(s.rank_pins(r) for r in range(len(s.nodes))),
             base_image="" if s.recipe.prebuilt else str(s.get("BASE_IMAGE") or ""),
             prebuilt=s.recipe.prebuilt.source if s.recipe.prebuilt else "",
+            pin_env=tuple(sorted((k, v) for k, v in s.recipe.container.env.items() if k in PIN_ENV)),
+            recipe_path=str(s.recipe.path),
             expect=tuple(sorted({k: v for layer in s.recipe.layers for k, v in layer.expect.items()}.items())),
         )
 
@@ -696,6 +700,45 @@ def rule_base_image(images: Mapping[str, list[F.Image] | None], head: str, ref: 
     return out
 
 
+# The container variables that carry a rank's own fabric pins (builders.rank_env): what each must name.
+PIN_ENV = {"NCCL_SOCKET_IFNAME": "netdev", "GLOO_SOCKET_IFNAME": "netdev", "NCCL_IB_HCA": "rdma_dev",
+           "NCCL_IB_GID_INDEX": "gid_index", "VLLM_HOST_IP": "fabric_ip"}
+
+
+def _names_device(value: str, device: str) -> bool:
+    """Whether an NCCL interface/HCA list selects `device`, as NCCL reads it: comma-separated prefixes,
+    `=` for exact names, `^` to exclude, `:port` suffixes on HCAs (NCCL_IB_HCA / NCCL_SOCKET_IFNAME)."""
+    exclude = value.startswith("^")
+    body = value.removeprefix("^")
+    exact = body.startswith("=")
+    items = [i.split(":", 1)[0].strip() for i in body.removeprefix("=").split(",") if i.strip()]
+    hit = any(device == i if exact else device.startswith(i) for i in items)
+    return not hit if exclude else hit
+
+
+def rule_pin_env(node: str, pin: RankPins, env: Sequence[tuple[str, str]], recipe_path: str) -> Finding | None:
+    """A pin key in the recipe's [container.env] is the same for every rank and wins over the pin
+    `check` found on the node: it must still name this node's own NIC, GID index and address."""
+    clashes = []
+    for key, value in env:
+        mine = getattr(pin, PIN_ENV[key])
+        if mine is None:
+            continue
+        ok = _names_device(value, str(mine)) if PIN_ENV[key] in ("netdev", "rdma_dev") else value == str(mine)
+        if not ok:
+            clashes.append(f"{key}={value} (this node's is {mine})")
+    if not env:
+        return None
+    if not clashes:
+        return _f(node, "pin-env", OK, "agrees", f"{node}: the recipe's pins ({', '.join(k for k, _ in env)}) "
+                  "name this node's own fabric")
+    keys = ", ".join(c.split("=", 1)[0] for c in clashes)
+    return _f(node, "pin-env", FAIL, "overridden",
+              f"{node}: the recipe's [container.env] sets {'; '.join(clashes)} for every rank, and it wins over "
+              "the pin found here: NCCL on this rank would use another NIC or GID, or fall back",
+              f"remove {keys} from [container.env] in {recipe_path}: sparkctl pins every rank to its own NIC")
+
+
 def rule_prebuilt_pin(ref: str, source: str) -> list[Finding]:
     """A published image named by a tag can change under the same name between two pulls: ranks pulled
     at different times would run different images. Pinned by digest, every pull is the same image."""
@@ -1032,6 +1075,8 @@ def evaluate(
         fabric, pin = discover_fabric(n, rank, facts, needs)
         if pin is not None:
             pins[rank] = pin
+            if (overridden := rule_pin_env(n, pin, needs.pin_env, needs.recipe_path)) is not None:
+                findings.append(overridden)
         plan, why = plan_for_node(facts)
         docker = rule_docker(n, facts)
         if docker.status == FAIL:  # one failure with one fix, not three: image and containers wait

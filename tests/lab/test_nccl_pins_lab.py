@@ -8,6 +8,7 @@ spark3 carries its fabric address on the second port (rocep1s0f1), spark2's RoCE
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,13 @@ def test_a_wrong_nccl_pin_fails_up_and_wait_naming_the_rank(clean: Lab, tmp_path
     recipe = tmp_path / "lab-pinned.toml"
     recipe.write_text(text.replace("[container.env]\n", f"[container.env]\n{pin}\n"))
     env = {"RECIPE": str(recipe)}
+    # `check` sees it first: the recipe's pin wins over what it discovers on that one rank
+    checked = sk(lab, "--json", "check", env=env, timeout=300)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    found = {f["node"]: f for f in json.loads(checked.stdout)["findings"] if f["check"] == "pin-env"}
+    assert sorted(found) == NODES, found
+    assert [n for n in NODES if found[n]["status"] == "fail"] == [NODES[rank]], found
+    assert pin.split(" = ")[0] in found[NODES[rank]]["fix"], found[NODES[rank]]
     up = sk(lab, "up", env=env)
     out = up.stdout + up.stderr
     if up.returncode == 0:  # the rank died after up's look at the containers: wait must see it

@@ -16,6 +16,7 @@ import socketserver
 import subprocess
 import threading
 import urllib.parse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 
 from sparkctl import check as C
 from sparkctl import facts as F
-from sparkctl.check import FAIL, OK, SKIP, WARN, CheckReport, Finding, Needs
+from sparkctl.check import FAIL, OK, SKIP, WARN, CheckReport, Finding, Needs, _names_device, rule_pin_env
 from sparkctl.cluster import NodeError
 from sparkctl.plan import GB, CheckpointInfo, Plan, Shard, make_plan
 from sparkctl.probes.ckpt_scan import _encode
@@ -818,3 +819,33 @@ def test_docker_api_asks_for_every_image_and_reads_each_answer() -> None:
                                             + reply(404, ok.replace("200 OK", "404 X") + '{"message": "No such image"}')
                                             + reply(200, ok + json.dumps(base)), "", 0), nonce)  # fmt: skip
     assert got.images is not None and [i.id for i in got.images] == [base["Id"]] and not got.problems
+
+
+# ------------------------------------------------------------------ a recipe pin that wins over a rank's
+
+
+@pytest.mark.parametrize(("value", "device", "named"), [
+    ("rocep1s0f0", "rocep1s0f0", True), ("rocep1s0f0", "rocep1s0f1", False),
+    ("rocep1s0f", "rocep1s0f1", True),  # a prefix, as NCCL reads it
+    ("=rocep1s0f", "rocep1s0f1", False),  # `=`: exact names only
+    ("rocep1s0f0:1,rocep1s0f1:1", "rocep1s0f1", True),  # a list with ports
+    ("^rocep1s0f0", "rocep1s0f1", True), ("^=rocep1s0f1", "rocep1s0f1", False),  # exclusions
+])
+def test_an_nccl_device_list_is_read_as_nccl_reads_it(value: str, device: str, named: bool) -> None:
+
+    assert _names_device(value, device) is named
+
+
+def test_a_recipe_pin_that_names_another_nic_fails_on_that_node_only() -> None:
+
+    spark1 = RankPins("10.0.0.1", "enp1s0f0np0", "rocep1s0f0", 3)
+    spark3 = RankPins("10.0.0.3", "enP2p1s0f1np1", "roceP2p1s0f1", 3)
+    env = (("NCCL_IB_GID_INDEX", "3"), ("NCCL_IB_HCA", "rocep1s0f0"))
+    ok = rule_pin_env("spark1", spark1, env, "/r.toml")
+    assert ok is not None and ok.status == OK
+    bad = rule_pin_env("spark3", spark3, env, "/r.toml")
+    assert bad is not None and bad.status == FAIL and "NCCL_IB_HCA=rocep1s0f0 (this node's is roceP2p1s0f1)" in bad.reason
+    assert "GID_INDEX" not in bad.reason and "remove NCCL_IB_HCA from [container.env] in /r.toml" in bad.fix
+    gid = rule_pin_env("spark3", replace(spark3, gid_index=5), (("NCCL_IB_GID_INDEX", "3"),), "/r.toml")
+    assert gid is not None and gid.status == FAIL and "(this node's is 5)" in gid.reason
+    assert rule_pin_env("spark3", spark3, (), "/r.toml") is None  # the recipe pins nothing: nothing to say

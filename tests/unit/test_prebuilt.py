@@ -148,3 +148,13 @@ def test_without_image_every_image_command_says_what_to_set(nodes: LocalNodes, c
         assert "IMAGE is not set: recipe lab-prebuilt runs a prebuilt image (the lab's test image)" in err
         assert "IMAGE=<registry>/<repo>@sha256:<digest>" in err and "Traceback" not in err
     assert verbs(nodes) == [] and not any(c["argv"][:1] == ["run"] for c in nodes.docker_calls())
+
+
+def test_check_warns_when_a_published_image_is_named_by_a_tag() -> None:
+    from sparkctl.check import rule_prebuilt_pin
+
+    [tag] = rule_prebuilt_pin(TAG, "the serve recipe")
+    assert tag.status == "warn" and "is a tag" in tag.reason and "the serve recipe" in tag.reason
+    assert "@sha256:" in tag.fix
+    [pinned] = rule_prebuilt_pin(DIGEST, "the serve recipe")
+    assert pinned.status == "ok"

@@ -141,7 +141,7 @@ def _as_json(report: CheckReport, env_path: Path | None, render_error: str | Non
 def _print(report: CheckReport, env_path: Path | None, render_error: str | None, verbosity: int) -> None:
     c = console(False)
     rows = [*report.nodes, *([CLUSTER_ROW] if any(f.node == CLUSTER_ROW for f in report.findings) else [])]
-    columns = [*CHECKS, *(c for c in ("checkpoint", "api", "collective", "identity") if any(f.check == c for f in report.findings))]
+    columns = [*CHECKS, *(c for c in ("base", "versions", "pin-env", "image-pin", "checkpoint", "api", "collective", "identity") if any(f.check == c for f in report.findings))]
     # Checks down, nodes across (a few per table, so it fits a terminal with 16 nodes too).
     title = f"sparkctl check — {len(report.nodes)} node(s), {report.timing.get('total', 0):.1f}s"
     for i in range(0, len(rows), NODES_PER_TABLE):
