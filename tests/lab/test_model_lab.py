@@ -42,7 +42,8 @@ HF_PYTHON = Path("/var/cache/sparkctl-lab/hf-python")
 @pytest.fixture(scope="module", autouse=True)
 def hf_python() -> Path:
     py = HF_PYTHON / "bin" / "python"
-    if subprocess.run([str(py), "-c", "import huggingface_hub"], capture_output=True).returncode != 0:
+    if not py.exists() or subprocess.run([str(py), "-c", "import huggingface_hub"], capture_output=True,
+                                         timeout=60).returncode != 0:
         subprocess.run(["/usr/bin/python3", "-m", "venv", str(HF_PYTHON)], check=True, timeout=120)
         subprocess.run([str(HF_PYTHON / "bin" / "pip"), "install", "-q", "huggingface_hub>=0.24"], check=True,
                        timeout=600)
