@@ -94,7 +94,7 @@ def test_foreign_containers_and_images_survive_every_command(planted: tuple[Lab,
     assert all(len(before[n]) == 5 for n in NODES)
 
     results = {}
-    for args in (("check",), ("build",), ("up",), ("wait", "--timeout", "60"), ("status",), ("logs", "--tail", "5"),
+    for args in (("check",), ("build", "--no-cache"), ("up",), ("wait", "--timeout", "60"), ("status",), ("logs", "--tail", "5"),
                  ("audit",), ("lock", "status"), ("up", "--recreate"), ("down",), ("down",), ("lab", "status")):
         r = sk(lab, *args)
         results[args] = r
@@ -102,6 +102,9 @@ def test_foreign_containers_and_images_survive_every_command(planted: tuple[Lab,
         assert r.returncode == 0, f"sparkctl {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
         after = {node: inventory(lab, node, list(ids[node])) for node in NODES}
         assert after == before, f"`sparkctl {' '.join(args)}` changed a foreign container or image"
+    # build really built (every layer on every rank, then its retention sweep): not a no-op that skips
+    assert results[("build", "--no-cache")].stdout.count("built dcp mul1 v145 keys keys3") == 4, \
+        results[("build", "--no-cache")].stdout
     # The service itself came and went: only this cluster's containers.
     assert "4 ranks started" in results[("up",)].stdout
     for node in NODES:

@@ -14,6 +14,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,32 @@ def process_argvs() -> str:
     return "\n".join(out)
 
 
+class ArgvSampler:
+    """Reads every process's argv every few milliseconds while commands run, keeping each distinct one:
+    the ssh, docker and sh processes a command starts live for milliseconds, and a secret on one of
+    their command lines would be gone by the time a single look after the command ends."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.seen.update(process_argvs().splitlines())
+            self.samples += 1
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> ArgvSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 def test_secrets_appear_in_no_output_file_argv_or_audit(secret_env: tuple[Lab, Path, dict[str, str]]) -> None:
     lab, cwd, env = secret_env
     outputs: dict[str, subprocess.CompletedProcess[str]] = {}
@@ -91,7 +118,15 @@ def test_secrets_appear_in_no_output_file_argv_or_audit(secret_env: tuple[Lab, P
         step(*json_flag, "plan")
         step(*json_flag, "check")  # discovers the pins and writes env/env.tp4 here
         step(*json_flag, "render", "--print-env")
-    step("up")
+    with ArgvSampler() as probe:  # the sampler itself: a 50 ms process with the mark on its argv is seen
+        subprocess.run(["sh", "-c", "sleep 0.05", f"probe{MARK}"], check=True, timeout=10)
+    assert leaks("\n".join(probe.seen)) == ["MARK"], "the sampler misses short-lived processes"
+    with ArgvSampler() as sampler:  # every short-lived process `up` starts, here and on the hosts
+        step("up")
+    # the sampler saw `up` at work (its own python, the ssh to the nodes, the containers' engines)
+    assert sampler.samples > 10 and any("sparkctl up" in a or "-m sparkctl up" in a for a in sampler.seen)
+    assert any("vllm" in a and "serve" in a for a in sampler.seen), "no engine process was ever seen"
+    assert leaks("\n".join(sampler.seen)) == [], "a secret was on a process's command line during `up`"
     step("--json", "up")  # nothing changed: the identical service
     step("wait", "--timeout", "60")
     step("--json", "wait", "--timeout", "60")

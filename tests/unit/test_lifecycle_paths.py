@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.server
 import json
 import socketserver
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -228,3 +229,33 @@ def test_wait_needs_the_model_listed_and_a_chat_answer(nodes: LocalNodes, capsys
         assert "hello there from the head" in out
     else:
         assert code == 1 and expected in err, err
+
+
+# ------------------------------------------------------------------------------- lock --force-unlock
+
+
+def test_force_unlock_breaks_a_live_foreign_holder_and_audits_it(nodes: LocalNodes, capsys: Any) -> None:
+    """A holder on another host that still renews its lease is neither dead nor stale: `up` refuses,
+    naming it; `lock --force-unlock` breaks it, says whose it was, and the audit keeps who did."""
+    from sparkctl.lock import LockOwner, acquire_argv, new_owner
+
+    theirs = LockOwner(**{**new_owner("up").__dict__, "who": "alice@laptop", "host": "laptop", "pid": 4242,
+                          "machine_id": "f" * 32, "boot_id": "b" * 32})
+    got = subprocess.run(acquire_argv("t", theirs), cwd=nodes.home("spark1"), env=nodes.env_for("spark1"),
+                         capture_output=True, text=True, timeout=30)
+    assert got.returncode == 0, got.stderr
+    code, out, err = run(["--json", "lock", "status"], capsys)
+    assert code == 0 and json.loads(out)["locked"] is True
+    code, out, err = run(["up"], capsys)
+    assert code == 1 and "alice@laptop" in err and "locked" in err, err
+    assert containers(nodes, "spark1") == []
+    code, out, err = run(["--json", "lock", "--force-unlock"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["broken"]["who"] == "alice@laptop" and "token" not in json.loads(out)["broken"]
+    code, out, err = run(["--json", "lock", "status"], capsys)
+    assert json.loads(out)["locked"] is False
+    code, out, err = run(["--json", "audit"], capsys)
+    broken = [e for e in json.loads(out)["entries"] if e.get("action") == "lock-broken"]
+    assert len(broken) == 1 and "alice@laptop" in broken[0]["detail"], broken
+    code, out, err = run(["--json", "lock", "--force-unlock"], capsys)  # nothing to break: says so
+    assert code == 0 and json.loads(out)["broken"] is None

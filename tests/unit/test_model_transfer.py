@@ -58,10 +58,9 @@ def test_real_client_downloads_from_the_standin_and_moves_only_the_changed_shard
 
         # Re-run at the same commit: nothing asked of the Hub at all.
         asked = len(hub.requests)
-        t0 = time.monotonic()
         doc, _ = _pull(url, rev1, dest)
         assert doc["status"] == "up-to-date" and doc["downloaded_bytes"] == 0
-        assert len(hub.requests) == asked and time.monotonic() - t0 < 2
+        assert len(hub.requests) == asked  # how fast that is: bench/model_speed.py (target < 2 s)
 
         # A new revision with one shard changed: the client fetches that shard and nothing else.
         changed = ckptgen.new_revision_of_shard(pack, 2)
