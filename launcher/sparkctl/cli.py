@@ -223,7 +223,17 @@ def cli(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: maps sparkctl's errors to exit codes and never shows a user a traceback."""
+    try:
+        _main(argv)
+    finally:
+        # The command is over, whatever its status: a signal from now on (while the interpreter joins
+        # threads and exits) is noted and changes nothing, neither the cluster nor the exit status.
+        signals.commit()
+
+
+def _main(argv: list[str] | None) -> None:
     verbose = "-vv" in (argv or sys.argv[1:])
+    signals.reset()  # one command per call (tests call main() many times in one process)
     signals.install()  # SIGTERM and SIGHUP roll back and release the lock like Ctrl-C (signals.py)
     try:
         rv = cli.main(args=argv, prog_name="sparkctl", standalone_mode=False)

@@ -373,3 +373,34 @@ def test_probe_asks_the_engine_for_its_data_root(tmp_path: Path) -> None:
 def test_node_error_is_what_unreachable_sweeps_report() -> None:
     e = NodeError("n1", "lost", "SSH connection lost")
     assert cleanup.NodeSweep(error=e.reason, left=["x"]).line("n1") == "n1: NOT clean (SSH connection lost); may still be there: x"
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_before_sparkctls_handlers_ends_quietly_with_the_shells_status(sig: int, code: int) -> None:
+    """The import window (click, rich, paramiko...) before cli.main installs the real handlers: nothing
+    has started, so the process ends at once, with 128 + signum and one line, not a traceback."""
+    script = ("import os, signal, time; from sparkctl.entry import install_early; install_early(); "
+              f"os.kill(os.getpid(), {int(sig)}); time.sleep(5); print('not reached')")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert r.stderr == f"interrupted ({signal.Signals(sig).name}) before anything started\n"
+    assert "not reached" not in r.stdout
+
+
+def test_a_signal_after_the_command_finished_changes_nothing(capsys: Any) -> None:
+    """While the interpreter exits (thread joins, atexit) a late Ctrl-C must not turn a finished command
+    into a death by SIGINT (the sweep saw `down` exit -2 after it had removed everything)."""
+    from sparkctl.cli import main
+
+    saved = {s: signal.getsignal(s) for s in signals.HANDLED}
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(["--version"])
+        assert exc.value.code in (0, None)
+        assert signals.is_committed()
+        _send(signal.SIGINT)  # noted, not raised
+        assert "nothing will be undone" in capsys.readouterr().err
+    finally:
+        signals.reset()
+        for s, h in saved.items():
+            signal.signal(s, h)

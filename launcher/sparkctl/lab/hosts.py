@@ -17,8 +17,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from docker.errors import DockerException
+
 from ..errors import CheckFailed
-from .proc import alive, ok, out, read_pid, run, stop_pid, wait_for
+from . import engines
+from .proc import alive, out, read_pid, run, say, stop_pid, wait_for
 from .seams import CONTAINER_SYSFS
 from .state import MODEL_PATH, NS_DIR, HostPaths, HostSpec
 
@@ -221,11 +224,7 @@ def dockerd_argv(paths: HostPaths) -> list[str]:
 def docker_ok(paths: HostPaths) -> bool:
     if not alive(read_pid(paths.docker_pid)):
         return False
-    got = subprocess.run(
-        ["docker", "-H", paths.docker_host, "info", "--format", "{{.DockerRootDir}}"],
-        capture_output=True, timeout=15, check=False,
-    )
-    return got.returncode == 0 and got.stdout.decode().strip() == str(paths.docker_data)
+    return engines.data_root(paths) == str(paths.docker_data)  # this host's own engine, answering
 
 
 def _spawn(argv: list[str], log: Path) -> int:
@@ -257,9 +256,10 @@ def start_docker(paths: HostPaths, spec: HostSpec) -> None:
 def stop_docker(paths: HostPaths) -> None:
     """Remove the engine's containers (so no shim outlives it), then stop dockerd and containerd."""
     if docker_ok(paths):
-        ids = out(["docker", "-H", paths.docker_host, "ps", "-aq"], check=False, timeout=30).split()
-        if ids:
-            run(["docker", "-H", paths.docker_host, "rm", "-f", *ids], check=False, timeout=60)
+        try:
+            engines.remove_all_containers(paths)
+        except DockerException as exc:  # stopping the engine below removes them anyway
+            say(f"lab: {paths.root.name}: could not remove its containers first: {exc}")
     stop_pid(read_pid(paths.docker_pid), timeout=20)
     stop_pid(read_pid(paths.containerd_pid), timeout=10)
     for p in (paths.docker_pid, paths.containerd_pid, paths.docker_sock):
@@ -315,4 +315,4 @@ def docker_cli(paths: HostPaths, *args: str, timeout: float = 120) -> subprocess
 
 
 def has_image(paths: HostPaths, ref: str) -> bool:
-    return ok(["docker", "-H", paths.docker_host, "image", "inspect", ref])
+    return engines.image_attrs(paths, ref) is not None

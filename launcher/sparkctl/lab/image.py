@@ -25,8 +25,9 @@ import tempfile
 from pathlib import Path
 
 from ..errors import CheckFailed
+from . import engines
 from .hosts import docker_cli, has_image
-from .proc import out, run, say
+from .proc import run, say
 from .state import BASE_IMAGE, CACHE_DIR, ENGINE_IMAGE, HostPaths
 
 HERE = Path(__file__).resolve().parent
@@ -131,9 +132,7 @@ def ensure_base(paths: HostPaths, tarball: Path) -> None:
 def engine_current(paths: HostPaths) -> bool:
     if not has_image(paths, ENGINE_IMAGE):
         return False
-    label = out(["docker", "-H", paths.docker_host, "image", "inspect", "--format",
-                 f'{{{{index .Config.Labels "{STANDIN_LABEL}"}}}}', ENGINE_IMAGE], check=False)
-    return label.strip() == standin_sha()
+    return engines.image_label(paths, ENGINE_IMAGE, STANDIN_LABEL) == standin_sha()
 
 
 def ensure_engine(paths: HostPaths) -> None:
@@ -156,8 +155,7 @@ def _images_tarball_path() -> Path:
 def _image_ids(paths: HostPaths) -> dict[str, str]:
     ids = {}
     for ref in (BASE_IMAGE, ENGINE_IMAGE):
-        ids[ref] = out(["docker", "-H", paths.docker_host, "image", "inspect", "--format", "{{.Id}}", ref],
-                       check=False).strip()
+        ids[ref] = engines.image_id(paths, ref)
     return ids
 
 

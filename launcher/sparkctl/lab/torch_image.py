@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CheckFailed
+from . import engines
 from .hosts import docker_cli, has_image
-from .proc import out, run, say
+from .proc import run, say
 from .state import BASE_IMAGE, CACHE_DIR, HostPaths
 
 TORCH_IMAGE = "sparkctl-lab/torch:latest"
@@ -65,17 +66,16 @@ def wheel_sha(wheel: Path) -> str:
 
 
 def _label(paths: HostPaths) -> str:
-    return out(["docker", "-H", paths.docker_host, "image", "inspect", "--format",
-                f'{{{{index .Config.Labels "{KEY_LABEL}"}}}}', TORCH_IMAGE], check=False).strip()
+    return engines.image_label(paths, TORCH_IMAGE, KEY_LABEL)
 
 
 def torch_key(paths: HostPaths, wheel: Path) -> str:
     """The wheel's hash and the base's layers (not its ID: every `lab up` after a stand-in change
     re-imports the same root file system under a new ID, and that must not rebuild 700 MB)."""
-    layers = out(["docker", "-H", paths.docker_host, "image", "inspect", "--format", "{{json .RootFS.Layers}}",
-                  BASE_IMAGE], check=False).strip()
-    if not layers.startswith("["):
+    found = engines.image_layers(paths, BASE_IMAGE)
+    if found is None:
         raise CheckFailed(f"{paths.root.name}: the lab base image is missing", fix="sparkctl lab up")
+    layers = json.dumps(found, separators=(",", ":"))  # as `--format '{{json .RootFS.Layers}}'` printed it
     return hashlib.sha256(f"{wheel_sha(wheel)}\n{layers}".encode()).hexdigest()[:16]
 
 

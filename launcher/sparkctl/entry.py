@@ -1,0 +1,37 @@
+"""The console script's first code (`sparkctl`, `python -m sparkctl`).
+
+From here until `cli.main` installs sparkctl's own handlers (signals.install), nothing has been
+started or taken, so SIGINT, SIGTERM or SIGHUP ends the process at once and quietly, with the shell's
+status for it (130, 143, 129) — not Python's KeyboardInterrupt traceback out of an import, nor a bare
+death by the signal. This module imports nothing heavy on purpose: the window it closes is the
+interpreter's import of click, rich, paramiko and the rest (tens of milliseconds).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+_EARLY = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _before_start(signum: int, frame: Any) -> None:
+    try:
+        os.write(2, f"interrupted ({signal.Signals(signum).name}) before anything started\n".encode())
+    finally:
+        os._exit(128 + signum)
+
+
+def install_early() -> None:
+    for sig in _EARLY:
+        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # under nohup: keep ignoring hangups
+        signal.signal(sig, _before_start)
+
+
+def main() -> None:
+    install_early()
+    from .cli import main as cli_main
+
+    cli_main()
