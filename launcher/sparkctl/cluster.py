@@ -118,6 +118,7 @@ class SshTarget:
     host_key_alias: str | None = None
     hash_known_hosts: bool = False
     ssh_config: str | None = None  # the file it came from, for fix hints
+    jumps: tuple[SshTarget, ...] = ()  # ProxyJump hops, in order (each resolved as its own alias)
 
     @property
     def known_hosts_name(self) -> str:
@@ -133,9 +134,21 @@ class SshTarget:
         return shlex.join([*parts, "trust", self.alias])
 
 
-def load_ssh_config(path: str | Path | None) -> tuple[paramiko.SSHConfig, str | None]:
-    """Parse the ssh_config file. A missing default (~/.ssh/config) is an empty config; a missing
-    file the user named is a usage error."""
+@dataclass(frozen=True)
+class SshConfig:
+    """Which ssh_config OpenSSH reads: `ssh -F path` for a file the user named; for the default
+    (~/.ssh/config) no -F, so ssh reads it and /etc/ssh/ssh_config as it always does."""
+
+    path: str | None  # the file, for messages (None: there is no ~/.ssh/config)
+    explicit: bool = False
+
+    def ssh_argv(self) -> list[str]:
+        return ["-F", self.path] if self.explicit and self.path else []
+
+
+def load_ssh_config(path: str | Path | None) -> tuple[SshConfig, str | None]:
+    """Which ssh_config to resolve aliases with. A missing default (~/.ssh/config) is fine (ssh has its
+    defaults); a missing file the user named is a usage error."""
     explicit = path is not None and os.path.expanduser(str(path)) != os.path.expanduser(DEFAULT_SSH_CONFIG)
     resolved = os.path.expanduser(str(path if path is not None else DEFAULT_SSH_CONFIG))
     if not os.path.exists(resolved):
@@ -144,55 +157,112 @@ def load_ssh_config(path: str | Path | None) -> tuple[paramiko.SSHConfig, str | 
                 f"ssh config {resolved} does not exist",
                 fix="pass --ssh-config PATH (or set SPARKCTL_SSH_CONFIG) to the file that names your nodes",
             )
-        return paramiko.SSHConfig(), None
-    try:
-        return paramiko.SSHConfig.from_path(resolved), resolved
-    except Exception as exc:  # paramiko raises several types for a malformed file
-        raise UsageError(f"cannot read ssh config {resolved}: {exc}", fix="fix the line it names") from None
+        return SshConfig(None), None
+    return SshConfig(resolved, explicit), resolved
 
 
-def resolve_target(alias: str, config: paramiko.SSHConfig, config_path: str | None = None) -> SshTarget:
-    """Resolve one alias through `config` (defaults as ssh(1): port 22, the local user, ~/.ssh keys)."""
+# `ssh -G` prints one `key value` line per option, every key lower-case; these may repeat.
+_MULTI = {"identityfile", "certificatefile"}
+SSH_G_TIMEOUT = 10.0
+
+
+def ssh_g(alias: str, config: SshConfig) -> dict[str, list[str]]:
+    """OpenSSH's own resolution of `alias` (`ssh -G`): Include, Match, Host patterns, canonicalisation,
+    defaults — exactly what `ssh alias` would use. Raises NodeError when ssh cannot resolve it."""
+    import subprocess
+
+    argv = ["ssh", "-G", *config.ssh_argv(), "--", alias]  # `--`: an alias is never an option
     try:
-        opts = config.lookup(alias)
-    except Exception as exc:  # e.g. a `Match exec` that fails
-        raise NodeError(
-            alias, "config", f"ssh config lookup failed: {exc}", "fix the ssh config entry"
-        ) from None
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=SSH_G_TIMEOUT, stdin=subprocess.DEVNULL,
+                           check=False)
+    except FileNotFoundError:
+        raise NodeError(alias, "config", "the OpenSSH client (`ssh`) is not installed: sparkctl resolves node "
+                        "aliases with `ssh -G`, as ssh itself does", "install openssh-client") from None
+    except subprocess.TimeoutExpired:
+        raise NodeError(alias, "config", f"`ssh -G {alias}` did not answer in {SSH_G_TIMEOUT:g}s (a `Match exec` "
+                        "that hangs?)", "fix the ssh config entry") from None
+    if r.returncode != 0:
+        why = " | ".join(ln for ln in r.stderr.strip().splitlines() if "Pseudo-terminal" not in ln)[-400:]
+        raise NodeError(alias, "config", f"ssh cannot resolve {alias!r}: {why or f'exit {r.returncode}'}",
+                        f"fix the ssh config ({config.path or '~/.ssh/config'}), e.g. `ssh -G {alias}` shows the problem")
+    opts: dict[str, list[str]] = {}
+    for line in r.stdout.splitlines():
+        key, _, value = line.strip().partition(" ")
+        key = key.lower()
+        if key in _MULTI:
+            opts.setdefault(key, []).append(value.strip())
+        elif key and key not in opts:
+            opts[key] = [value.strip()]
+    return opts
+
+
+def _one(opts: Mapping[str, list[str]], key: str, default: str = "") -> str:
+    values = opts.get(key)
+    return values[0] if values else default
+
+
+def _jump_specs(value: str) -> list[tuple[str | None, str, int | None]]:
+    """ProxyJump's `[user@]host[:port]` (or `ssh://[user@]host[:port]`) list, comma-separated."""
+    out: list[tuple[str | None, str, int | None]] = []
+    for raw in value.split(","):
+        spec = raw.strip().removeprefix("ssh://")
+        user, _, hostport = spec.rpartition("@")
+        host, port = hostport, None
+        m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:]+)(?::(\d+))?", hostport)
+        if m:
+            host = m.group(1) or m.group(3)
+            p = m.group(2) or m.group(4)
+            port = int(p) if p else None
+        out.append((user or None, host, port))
+    return out
+
+
+def resolve_target(alias: str, config: SshConfig, config_path: str | None = None, *,
+                   _depth: int = 0) -> SshTarget:
+    """Resolve one alias exactly as ssh(1) does (`ssh -G`), ProxyJump hops included. What sparkctl
+    cannot honour is refused, never ignored: ProxyCommand (each hop's host key is verified here)."""
+    opts = ssh_g(alias, config)
     try:
-        port = int(opts.get("port", 22))
+        port = int(_one(opts, "port", "22"))
     except ValueError:
-        raise NodeError(
-            alias, "config", f"bad Port {opts.get('port')!r} in the ssh config", "fix its Port line"
-        ) from None
-    user = opts.get("user") or getpass.getuser()
-    hostname = opts.get("hostname", alias)
-    tokens = {
-        "%d": os.path.expanduser("~"),
-        "%u": getpass.getuser(),
-        "%h": hostname,
-        "%n": alias,
-        "%p": str(port),
-        "%r": user,
-        "%k": opts.get("hostkeyalias", hostname),
-    }
-    known = _split_paths(opts.get("userknownhostsfile"), tokens) or (
-        os.path.expanduser("~/.ssh/known_hosts"),
-    )
-    global_known = _split_paths(opts.get("globalknownhostsfile"), tokens) or _GLOBAL_KNOWN_HOSTS
-    identities = tuple(os.path.expanduser(p) for p in opts.get("identityfile", []))
+        raise NodeError(alias, "config", f"bad Port {_one(opts, 'port')!r} in the ssh config",
+                        "fix its Port line") from None
+    user = _one(opts, "user") or getpass.getuser()
+    hostname = _one(opts, "hostname", alias)
+    tokens = {"%d": os.path.expanduser("~"), "%u": getpass.getuser(), "%h": hostname, "%n": alias,
+              "%p": str(port), "%r": user, "%k": _one(opts, "hostkeyalias", hostname)}
+    proxy_command = _one(opts, "proxycommand", "none")
+    proxy_jump = _one(opts, "proxyjump", "none")
+    if proxy_command.lower() != "none" and proxy_jump.lower() == "none":
+        raise NodeError(alias, "config", f"ProxyCommand is not supported ({proxy_command!r}): sparkctl opens and "
+                        "verifies every hop itself", f"use ProxyJump for {alias!r} in the ssh config")
+    jumps: list[SshTarget] = []
+    if proxy_jump.lower() != "none":
+        if _depth > 8:
+            raise NodeError(alias, "config", "ProxyJump chain too deep (a loop?)", "fix the ssh config")
+        for juser, jhost, jport in _jump_specs(proxy_jump):
+            hop = resolve_target(jhost, config, config_path, _depth=_depth + 1)
+            hop = SshTarget(**{**hop.__dict__, "user": juser or hop.user, "port": jport or hop.port})
+            jumps += [*hop.jumps, SshTarget(**{**hop.__dict__, "jumps": ()})]
+    # ssh -G lists the default identity files when none is set: only those that exist are candidates
+    # (ssh itself skips the missing ones).
+    identities = tuple(p for p in _split_paths(" ".join(opts.get("identityfile", [])), tokens) if os.path.exists(p))
+    known = _split_paths(_one(opts, "userknownhostsfile"), tokens) or (os.path.expanduser("~/.ssh/known_hosts"),)
+    global_known = _split_paths(_one(opts, "globalknownhostsfile"), tokens) or _GLOBAL_KNOWN_HOSTS
+    host_key_alias = _one(opts, "hostkeyalias")
     return SshTarget(
         alias=alias,
         hostname=hostname,
         port=port,
         user=user,
         identity_files=identities,
-        identities_only=opts.get("identitiesonly", "no").lower() == "yes",
+        identities_only=_one(opts, "identitiesonly", "no").lower() == "yes",
         known_hosts_files=tuple(p for p in known if p != "/dev/null"),
         global_known_hosts_files=tuple(p for p in global_known if p != "/dev/null"),
-        host_key_alias=opts.get("hostkeyalias"),
-        hash_known_hosts=opts.get("hashknownhosts", "no").lower() == "yes",
+        host_key_alias=host_key_alias if host_key_alias and host_key_alias.lower() != "none" else None,
+        hash_known_hosts=_one(opts, "hashknownhosts", "no").lower() == "yes",
         ssh_config=config_path,
+        jumps=tuple(jumps),
     )
 
 
@@ -431,17 +501,34 @@ def _host_key_algorithms(current: Sequence[str], known_types: set[str]) -> list[
     return known + [a for a in current if a not in known]
 
 
-def open_transport(target: SshTarget, timeout: float) -> paramiko.Transport:
-    """TCP connect + SSH key exchange, with the host key offered in the order ssh would ask.
-    Does NOT verify the host key and does not authenticate: see connect()."""
+def _through(jump: paramiko.Transport, target: SshTarget, timeout: float) -> paramiko.Channel:
+    """A `direct-tcpip` channel on the jump host's connection to target's host:port: the socket of
+    the next hop, as `ssh -J` opens it (the jump host makes the TCP connection)."""
     try:
-        sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
-    except (OSError, UnicodeError) as exc:  # UnicodeError: not even a valid host name
-        raise _classify_socket_error(target, exc) from None
-    # Many small packets (a channel request, then the script on stdin) answered by one reply: with
-    # Nagle on, the second waits for the peer's delayed ACK -- 40 ms per command on Linux. OpenSSH's
-    # own client turns Nagle off for interactive sessions for the same reason.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return jump.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=timeout)
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        raise NodeError(target.alias, "unreachable",
+                        f"the jump host could not reach {target.hostname}:{target.port}: {exc or type(exc).__name__}",
+                        f"check that {target.alias}'s address is reachable from its ProxyJump host "
+                        "(and that its sshd allows TCP forwarding)") from None
+
+
+def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | None = None) -> paramiko.Transport:
+    """TCP connect (or a channel through `via`, the last ProxyJump hop) + SSH key exchange, with the
+    host key offered in the order ssh would ask. Does NOT verify the host key and does not
+    authenticate: see connect()."""
+    sock: socket.socket | paramiko.Channel
+    if via is not None:
+        sock = _through(via, target, timeout)
+    else:
+        try:
+            sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
+        except (OSError, UnicodeError) as exc:  # UnicodeError: not even a valid host name
+            raise _classify_socket_error(target, exc) from None
+        # Many small packets (a channel request, then the script on stdin) answered by one reply: with
+        # Nagle on, the second waits for the peer's delayed ACK -- 40 ms per command on Linux. OpenSSH's
+        # own client turns Nagle off for interactive sessions for the same reason.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     transport = paramiko.Transport(sock)
     transport.banner_timeout = transport.handshake_timeout = transport.auth_timeout = timeout
     known = read_known_hosts([*target.known_hosts_files, *target.global_known_hosts_files])
@@ -526,7 +613,8 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
     )
 
 
-def _handshake(target: SshTarget, timeout: float, attempts: int) -> paramiko.Transport:
+def _handshake(target: SshTarget, timeout: float, attempts: int,
+               via: paramiko.Transport | None = None) -> paramiko.Transport:
     """The SSH transport (host key not yet judged). Retried, bounded, only when sshd dropped us
     mid-handshake; what still fails is the node's NodeError."""
 
@@ -537,7 +625,7 @@ def _handshake(target: SshTarget, timeout: float, attempts: int) -> paramiko.Tra
         reraise=True,
     )
     def attempt() -> paramiko.Transport:
-        return open_transport(target, timeout)
+        return open_transport(target, timeout, via)
 
     try:
         return attempt()
@@ -547,15 +635,60 @@ def _handshake(target: SshTarget, timeout: float, attempts: int) -> paramiko.Tra
         ) from None
 
 
-def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None) -> paramiko.Transport:
-    """One verified, authenticated SSH transport to `target`, or a NodeError saying why not."""
-    transport = _handshake(target, timeout, attempts=3)
+class Jumps:
+    """ProxyJump hops, each connected (host key verified, authenticated) once per Cluster however many
+    nodes sit behind it: one connection per distinct hop chain."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[tuple[str, int, str], ...], paramiko.Transport | NodeError] = {}
+
+    def via(self, hops: Sequence[SshTarget], *, timeout: float, keys: _KeyCache) -> paramiko.Transport | None:
+        """The transport of the last hop (None without hops); a hop that fails fails every node behind it."""
+        via: paramiko.Transport | None = None
+        for i, hop in enumerate(hops):
+            key = tuple((h.hostname, h.port, h.user) for h in hops[: i + 1])
+            with self._lock:  # one connect per chain, even when many nodes ask at once
+                got = self._open.get(key)
+                if got is None or (isinstance(got, paramiko.Transport) and not got.is_active()):
+                    try:
+                        got = connect(hop, timeout=timeout, keys=keys, via=via)
+                    except NodeError as exc:
+                        got = exc
+                    self._open[key] = got
+            if isinstance(got, NodeError):
+                raise got
+            via = got
+        return via
+
+    def close(self) -> None:
+        with self._lock:
+            for t in reversed(list(self._open.values())):
+                if isinstance(t, paramiko.Transport):
+                    t.close()
+            self._open.clear()
+
+
+def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None,
+            via: paramiko.Transport | None = None, jumps: Jumps | None = None) -> paramiko.Transport:
+    """One verified, authenticated SSH transport to `target` (through its ProxyJump hops, each
+    verified too), or a NodeError saying why not."""
+    keys = keys or _KeyCache()
+    if via is None and target.jumps:
+        if jumps is None:
+            raise NodeError(target.alias, "config", "ProxyJump needs the cluster's hop pool", "")
+        try:
+            via = jumps.via(target.jumps, timeout=timeout, keys=keys)
+        except NodeError as exc:  # said for the node, naming the hop that failed
+            raise NodeError(target.alias, exc.kind, f"through its ProxyJump host {exc.node}: {exc.reason}", exc.fix,
+                            key_type=exc.key_type, fingerprint=exc.fingerprint) from None
+    transport = _handshake(target, timeout, attempts=3, via=via)
     try:
         server_key = transport.get_remote_server_key()
         verdict = judge_host_key(target, server_key.get_name(), server_key.asbytes())
         if verdict.status != "trusted":
             raise host_key_error(target, verdict)
-        _authenticate(transport, target, keys or _KeyCache())
+        _authenticate(transport, target, keys)
         transport.set_keepalive(15)
         return transport
     except BaseException:
@@ -563,9 +696,14 @@ def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None)
         raise
 
 
-def fetch_host_key(target: SshTarget, *, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> tuple[str, bytes]:
-    """The (key type, key blob) a host offers, without trusting it and without logging in."""
-    transport = _handshake(target, timeout, attempts=1)
+def fetch_host_key(target: SshTarget, *, timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                   jumps: Jumps | None = None) -> tuple[str, bytes]:
+    """The (key type, key blob) a host offers, without trusting it and without logging in (its
+    ProxyJump hops are connected as usual: verified and authenticated)."""
+    via = jumps.via(target.jumps, timeout=timeout, keys=_KeyCache()) if target.jumps and jumps else None
+    if target.jumps and via is None:
+        raise NodeError(target.alias, "config", "ProxyJump needs the cluster's hop pool", "")
+    transport = _handshake(target, timeout, attempts=1, via=via)
     try:
         key = transport.get_remote_server_key()
         return key.get_name(), key.asbytes()
@@ -924,6 +1062,7 @@ class Cluster:
         self._nodes: dict[str, Node] = {}
         self.errors: dict[str, NodeError] = {}
         self._keys = _KeyCache()
+        self._jumps = Jumps()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(64, len(nodes)), thread_name_prefix="node"
         )
@@ -945,7 +1084,7 @@ class Cluster:
 
         def one(name: str) -> Node:
             target = self.target(name)
-            transport = connect(target, timeout=self.connect_timeout, keys=self._keys)
+            transport = connect(target, timeout=self.connect_timeout, keys=self._keys, jumps=self._jumps)
             return Node(target, transport, command_timeout=self.command_timeout)
 
         todo = [n for n in self.names if n not in self._nodes and n not in self.errors]
@@ -1025,6 +1164,7 @@ class Cluster:
             except Exception:  # closing is best effort; the process is ending anyway
                 pass
         self._nodes.clear()
+        self._jumps.close()  # after the nodes: their connections run through the hops
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

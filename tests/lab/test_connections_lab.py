@@ -70,3 +70,27 @@ def test_each_command_opens_one_connection_per_node(chain: Lab, tmp_path: Path) 
     finally:
         down = counted(lab, tmp_path, "down")
     assert down == every
+
+
+def test_nodes_behind_a_proxyjump_host_included_config(chain: Lab, tmp_path: Path) -> None:
+    """A user's config that `Include`s the lab's and reaches spark2..4 only through spark1 (ProxyJump):
+    resolved as OpenSSH resolves it, every hop's host key verified, one connection per node plus one
+    to the jump host (which is also rank 0), and each node is the machine it claims (machine-id)."""
+    lab = chain
+    cfg = tmp_path / "ssh_config"
+    jumped = [f"via-{n}" for n in NODES[1:]]
+    cfg.write_text(f"Include {lab.ssh_config}\n" + "".join(
+        f"Host {alias}\n  HostName {lab.host(n).mgmt_ip}\n  ProxyJump spark1\n  User root\n"
+        f"  IdentityFile {lab.root}/id_ed25519\n  IdentitiesOnly yes\n  UserKnownHostsFile {lab.root}/known_hosts\n"
+        for alias, n in zip(jumped, NODES[1:], strict=True)))
+    env = {**lab.env(), **ENV, "SPARKCTL_SSH_CONFIG": str(cfg), "NODES": " ".join(["spark1", *jumped])}
+    since = sizes(lab)
+    r = subprocess.run([sys.executable, "-m", "sparkctl", "--json", "status"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr and r.returncode in (0, 1), r.stdout + r.stderr
+    time.sleep(0.2)
+    # status talks to every node: spark1 twice (rank 0, and the jump for the three others), the rest once
+    assert connections(lab, since) == {"spark1": 2, "spark2": 1, "spark3": 1, "spark4": 1}
+    # the jumped connections really come from spark1 (its sshd opened them: direct-tcpip)
+    tail = lab.host("spark2").sshd_log.read_bytes()[-2000:]
+    assert f"from {lab.host('spark1').mgmt_ip}".encode() in tail, tail[-400:]

@@ -360,7 +360,16 @@ def test_hostile_node_name_is_data(sshlab: SshLab, tmp_path: Path) -> None:
     name = f"x;touch {canary} $(touch {canary})"
     with Cluster([name], sshlab.ssh_config, connect_timeout=3) as cluster:
         err = cluster.run_all(["true"])[name]
-    assert isinstance(err, NodeError) and err.kind in ("dns", "unreachable", "timeout")
+    # OpenSSH's own resolution refuses it as a host name (`ssh -G`): a config error, nothing ran
+    assert isinstance(err, NodeError) and err.kind == "config" and "invalid characters" in err.reason, err
+    assert not canary.exists()
+
+
+def test_an_alias_that_looks_like_an_option_is_an_alias(sshlab: SshLab, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    with Cluster([f"-oProxyCommand=touch {canary}"], sshlab.ssh_config, connect_timeout=3) as cluster:
+        err = cluster.run_all(["true"])
+    assert all(isinstance(e, NodeError) and e.kind == "config" for e in err.values()), err
     assert not canary.exists()
 
 
@@ -370,3 +379,68 @@ def test_host_patterns() -> None:
     assert cl.host_matches(["[10.0.0.1]:2222"], "[10.0.0.1]:2222")
     assert not cl.host_matches(["10.0.0.1"], "[10.0.0.1]:2222")
     assert cl.host_matches([cl.hash_hostname("h")], "h") and not cl.host_matches([cl.hash_hostname("h")], "g")
+
+
+# ---------------------------------------------------- aliases resolved as OpenSSH resolves them (ssh -G)
+
+
+def _config(sshlab: SshLab, tmp_path: Path, text: str, known: Path | None = None) -> Path:
+    """A config file: `text`, then the lab's own (so n1..n3 resolve as before), in one file."""
+    cfg = tmp_path / "ssh_config"
+    lab = sshlab.ssh_config.read_text()
+    if known is not None:
+        lab = lab.replace(f"UserKnownHostsFile {sshlab.known_hosts}", f"UserKnownHostsFile {known}")
+    cfg.write_text(text + "\n" + lab)
+    return cfg
+
+
+def test_an_alias_defined_in_an_included_file_resolves_to_its_hostname(sshlab: SshLab, tmp_path: Path) -> None:
+    """paramiko's SSHConfig has no `Include`: the alias used to resolve to itself as a host name."""
+    (tmp_path / "spark.d").mkdir()
+    (tmp_path / "spark.d" / "nodes.conf").write_text(f"Host incnode\n  HostName 127.0.0.1\n  Port {sshlab.nodes['n2'].port}\n")
+    cfg = _config(sshlab, tmp_path, f"Include {tmp_path}/spark.d/*.conf\n")
+    target = cl.resolve_target("incnode", *cl.load_ssh_config(cfg))
+    assert (target.hostname, target.port) == ("127.0.0.1", sshlab.nodes["n2"].port)
+    with Cluster(["incnode"], cfg) as cluster:
+        r = cluster.run_all(["sh", "-c", "echo $SPARKCTL_TEST_NODE"])["incnode"]
+    assert not isinstance(r, NodeError) and r.stdout.strip() == "n2", r
+
+
+def test_proxyjump_goes_through_the_hop_once_for_every_node_behind_it(sshlab: SshLab, tmp_path: Path) -> None:
+    n1, n2, n3 = (sshlab.nodes[n] for n in ("n1", "n2", "n3"))
+    cfg = _config(sshlab, tmp_path, f"Host behind2\n  HostName 127.0.0.1\n  Port {n2.port}\n  ProxyJump n1\n"
+                                     f"Host behind3\n  HostName 127.0.0.1\n  Port {n3.port}\n  ProxyJump n1\n")
+    target = cl.resolve_target("behind2", *cl.load_ssh_config(cfg))
+    assert [h.alias for h in target.jumps] == ["n1"] and target.jumps[0].port == n1.port
+    before = {n: s.accepted() for n, s in sshlab.nodes.items()}
+    with Cluster(["behind2", "behind3"], cfg) as cluster:
+        r = cluster.run_all(["sh", "-c", "echo $SPARKCTL_TEST_NODE $SSH_CONNECTION"])
+    out = {n: res.stdout.split() for n, res in r.items() if not isinstance(res, NodeError)}
+    assert out["behind2"][0] == "n2" and out["behind3"][0] == "n3", r
+    # each node saw its client come from the jump host's connection (sshd's direct-tcpip), not from us
+    grown = {n: s.accepted() - before[n] for n, s in sshlab.nodes.items()}
+    assert grown == {"n1": 1, "n2": 1, "n3": 1}, grown  # one connection per node plus one per hop
+
+
+def test_a_proxyjump_hop_with_an_unknown_host_key_fails_naming_the_hop(sshlab: SshLab, tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    n1 = sshlab.nodes["n1"]
+    known.write_text("".join(ln + "\n" for ln in sshlab.known_hosts.read_text().splitlines()
+                             if not ln.startswith(f"[127.0.0.1]:{n1.port} ")))
+    cfg = _config(sshlab, tmp_path, f"Host behind2\n  HostName 127.0.0.1\n  Port {sshlab.nodes['n2'].port}\n"
+                                     "  ProxyJump n1\n", known=known)
+    before = sshlab.nodes["n2"].accepted()
+    with Cluster(["behind2"], cfg, connect_timeout=5) as cluster:
+        err = cluster.run_all(["true"])["behind2"]
+    assert isinstance(err, NodeError) and err.kind == "hostkey-unknown", err
+    assert "through its ProxyJump host n1" in err.reason and "trust n1" in (err.fix or ""), err
+    assert sshlab.nodes["n2"].accepted() == before  # never reached past the unverified hop
+
+
+def test_proxycommand_is_refused_not_ignored(sshlab: SshLab, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    cfg = _config(sshlab, tmp_path, f"Host viacmd\n  HostName 127.0.0.1\n  ProxyCommand touch {canary}\n")
+    with Cluster(["viacmd"], cfg, connect_timeout=3) as cluster:
+        err = cluster.run_all(["true"])["viacmd"]
+    assert isinstance(err, NodeError) and err.kind == "config" and "ProxyCommand is not supported" in err.reason
+    assert "ProxyJump" in (err.fix or "") and not canary.exists()

@@ -16,6 +16,7 @@ import click
 from ..cli import Globals
 from ..cluster import (
     DEFAULT_CONNECT_TIMEOUT,
+    Jumps,
     fetch_host_key,
     fingerprint,
     judge_host_key,
@@ -43,9 +44,18 @@ def command(g: Globals, nodes: tuple[str, ...], yes: bool, timeout: float) -> No
     """Show NODE's host key (type and SHA256 fingerprint) and record it in known_hosts."""
     config, config_path = load_ssh_config(g.ssh_config_path())
     report: list[dict[str, Any]] = []
+    hops = Jumps()  # a node behind ProxyJump: its hops must already be trusted (trust them first)
+    try:
+        _trust(g, nodes, yes, timeout, config, config_path, hops, report)
+    finally:
+        hops.close()
+
+
+def _trust(g: Globals, nodes: tuple[str, ...], yes: bool, timeout: float, config: Any, config_path: str | None,
+           hops: Jumps, report: list[dict[str, Any]]) -> None:
     for name in nodes:
         target = resolve_target(name, config, config_path)
-        key_type, blob = fetch_host_key(target, timeout=timeout)
+        key_type, blob = fetch_host_key(target, timeout=timeout, jumps=hops)
         verdict = judge_host_key(target, key_type, blob)
         entry: dict[str, Any] = {
             "node": name,
