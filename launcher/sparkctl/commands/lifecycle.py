@@ -417,7 +417,8 @@ def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int
             sys.stdout.write(f"[{rank} {node:<{width}}] {line}\n")
             sys.stdout.flush()
 
-    with _cluster(g, s) as cluster:
+    # Only the chosen ranks' nodes: `logs --rank 2` needs no connection to the others.
+    with Cluster([s.nodes[r] for r in sorted(set(chosen))], g.ssh_config_path()) as cluster:
         errors = service.stream_logs(cluster, s, chosen, tail=tail, follow=follow, emit=emit,
                                      stop=threading.Event())
         errors |= {n: e for n, e in cluster.errors.items() if s.nodes.index(n) in chosen}
