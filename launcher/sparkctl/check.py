@@ -1135,8 +1135,10 @@ def run_check(
     connect_timeout: float = 10.0,
     command_timeout: float = 60.0,
     verify: bool = True,
+    cluster: Cluster | None = None,
 ) -> CheckReport:
-    """Check every node of `settings` (one SSH connection each) and return the findings."""
+    """Check every node of `settings` (one SSH connection each) and return the findings. With
+    `cluster` (connected, left open) the caller goes on using the same connections afterwards."""
     nodes = settings.nodes
     needs = Needs.from_settings(settings)
     timing: dict[str, float] = {}
@@ -1154,9 +1156,10 @@ def run_check(
         except Exception:  # no verifier or no layout: the check says so instead of failing
             verifier = None
     with contextlib.ExitStack() as stack:
-        cluster = stack.enter_context(
-            Cluster(nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout)
-        )
+        if cluster is None:
+            cluster = stack.enter_context(
+                Cluster(nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout)
+            )
         timing["connect"] = cluster.connect_seconds
         t = time.monotonic()
         probes = stack.enter_context(Probes(secrets.token_hex(8)))

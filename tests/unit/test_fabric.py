@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import _thread
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -192,10 +191,11 @@ def test_containers_are_swept_on_every_node_after_a_run(clean_env: dict[str, str
 def test_ctrl_c_sweeps_every_node_and_reraises(clean_env: dict[str, str]) -> None:
     s = _settings("lab")
     released = threading.Event()
+    woken: list[bool] = []
 
     def run_all(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
         _thread.interrupt_main()  # Ctrl-C while every rank's docker run is in flight
-        released.wait(5)  # "docker run" ends once the sweep removed its container
+        woken.append(released.wait(30))  # "docker run" ends once the sweep removed its container
         return {n: RunResult("", "", 137, 0) for n in nodes}
 
     c = FakeCluster(NODES, run_all)
@@ -208,10 +208,11 @@ def test_ctrl_c_sweeps_every_node_and_reraises(clean_env: dict[str, str]) -> Non
     fabric_sweep = pytest.MonkeyPatch()
     fabric_sweep.setattr(fabric, "sweep", sweep)
     try:
-        t = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
-        assert time.monotonic() - t < 5
+        # the in-flight runs ended because the Ctrl-C's sweep removed their containers, not by waiting
+        # out a bound (how fast: a wall-clock figure, not asserted here on a loaded machine)
+        assert woken == [True]
     finally:
         fabric_sweep.undo()
     sweeps = [n for n, k in c.log if k == "sweep"]
@@ -259,18 +260,18 @@ def test_one_rank_failing_stops_the_others_at_once(clean_env: dict[str, str]) ->
                 return super().run(argv, stdin=stdin, timeout=timeout)
             if self.name == "spark3":
                 return RunResult(err, "", 1, 0.1)
-            swept.wait(20)  # the other ranks wait at the rendezvous until their container is removed
+            woken.append(swept.wait(30))  # the other ranks wait at the rendezvous until their container is removed
             return RunResult("", "", 137, 5)
 
     def run_all(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
         with __import__("concurrent.futures").futures.ThreadPoolExecutor(4) as pool:
             return dict(zip(nodes, pool.map(lambda n: fn(c.node(n)), nodes), strict=True))
 
+    woken: list[bool] = []
     c = FakeCluster(NODES, run_all)
     c.nodes = {n: Node(n, c.log) for n in NODES}
-    t = time.monotonic()
     report = fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
-    assert time.monotonic() - t < 10
+    assert woken == [True, True, True]  # the failed rank's sweep released the waiting ones (no bound ran out)
     by_node = {f.node: f for f in report.findings if f.status == FAIL}
     assert "eth9" in by_node["spark3"].text
     for n in ("spark1", "spark2", "spark4"):

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from ..check import CHECKS, CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, CheckReport, Finding, run_check
 from ..cli import Globals
+from ..cluster import Cluster
 from ..errors import CheckFailed, UsageError
 from ..fabric import FabricReport
 from ..output import console, emit_json, warn
@@ -51,14 +52,17 @@ def command(
         raise UsageError("timeouts must be positive (--fabric-timeout: 5 to 600 s)")
     s = g.settings()
     warn(s.warnings)
-    report = run_check(
-        s,
-        g.ssh_config_path(),
-        connect_timeout=connect_timeout,
-        command_timeout=command_timeout,
-        verify=not no_verify,
-    )
-    fabric_report = _fabric(g, s, report, connect_timeout, command_timeout, fabric_timeout) if fabric else None
+    with Cluster(s.nodes, g.ssh_config_path(), connect_timeout=connect_timeout,
+                 command_timeout=command_timeout) as cluster:  # one connection per node, for both
+        report = run_check(
+            s,
+            g.ssh_config_path(),
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+            verify=not no_verify,
+            cluster=cluster,
+        )
+        fabric_report = _fabric(g, s, report, cluster, fabric_timeout) if fabric else None
     env_path, render_error = None, None
     if report.ok or force_render:
         env_path, render_error = _write_env(s, report, out)
@@ -76,10 +80,10 @@ def command(
         raise CheckFailed(f"env.tp4 not written: {render_error}")
 
 
-def _fabric(g: Globals, s: Any, report: CheckReport, connect_timeout: float, command_timeout: float,
+def _fabric(g: Globals, s: Any, report: CheckReport, cluster: Cluster,
             fabric_timeout: float | None) -> FabricReport | None:
-    """Run the fabric test with the pins this check found; its findings join the report's."""
-    from ..cluster import Cluster
+    """Run the fabric test with the pins this check found, over check's own connections; its findings
+    join the report's."""
     from ..fabric import run_fabric_test, skipped
 
     pins = resolve_pins(s, report.pins)
@@ -88,9 +92,7 @@ def _fabric(g: Globals, s: Any, report: CheckReport, connect_timeout: float, com
         report.findings.extend(skipped(report.nodes, f"fabric pins unknown for {', '.join(missing)}"))
         return None
     say = console(g.json).print
-    with Cluster(s.nodes, g.ssh_config_path(), connect_timeout=connect_timeout,
-                 command_timeout=command_timeout) as cluster:
-        fr = run_fabric_test(cluster, s, pins, timeout_s=fabric_timeout, say=lambda m: say(m, markup=False))
+    fr = run_fabric_test(cluster, s, pins, timeout_s=fabric_timeout, say=lambda m: say(m, markup=False))
     report.findings.extend(fr.findings)
     report.timing["fabric"] = fr.seconds
     return fr
