@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import Any
 
 _EARLY = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -30,8 +31,28 @@ def install_early() -> None:
         signal.signal(sig, _before_start)
 
 
+def _exit_now(code: int) -> None:
+    """End the process with the command's status, skipping the interpreter's teardown: once the
+    command is over nothing is left to do, and a signal that lands while Python finalizes (after it
+    has put the default handlers back) would otherwise turn a finished command into a death by that
+    signal (the sweep saw `down` exit -2 after it had removed everything)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`sparkctl status | head`): nothing more to say
+            pass
+    os._exit(code)
+
+
 def main() -> None:
     install_early()
     from .cli import main as cli_main
 
-    cli_main()
+    try:
+        cli_main()
+        code = 0
+    except SystemExit as exc:  # how cli.main always ends
+        if isinstance(exc.code, str):
+            sys.stderr.write(exc.code + "\n")
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    _exit_now(code)

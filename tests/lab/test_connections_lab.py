@@ -53,6 +53,7 @@ def test_each_command_opens_one_connection_per_node(chain: Lab, tmp_path: Path) 
     head_only = {n: int(n == "spark1") for n in NODES}
     try:
         assert counted(lab, tmp_path, "check", ok=(0, 1)) == every
+        assert counted(lab, tmp_path, "check", "--fabric", ok=(0, 1)) == every  # the collective: same connections
         assert counted(lab, tmp_path, "verify-model") == every
         # plan reads MODEL here when it is on this machine, else on the head: never more than that.
         assert counted(lab, tmp_path, "plan") in (dict.fromkeys(NODES, 0), head_only)

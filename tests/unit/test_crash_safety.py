@@ -404,3 +404,12 @@ def test_a_signal_after_the_command_finished_changes_nothing(capsys: Any) -> Non
         signals.reset()
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["no-such-command"], 2)])
+def test_the_console_script_exits_with_the_commands_status(argv: list[str], code: int) -> None:
+    """entry.main ends the process itself (os._exit after flushing) with cli.main's status."""
+    script = f"import sys; sys.argv = ['sparkctl', *{argv!r}]; from sparkctl.entry import main; main()"
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert (r.stdout if code == 0 else r.stderr).strip(), "the output was flushed before the exit"
