@@ -96,3 +96,13 @@ def prebuilt_recipe(dest: Path, name: str = "lab-prebuilt") -> Path:
     path = dest / f"{name}.toml"
     path.write_text(body)
     return path
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """sparkctl's CLI in this process, as a user runs it: (exit status, stdout, stderr)."""
+    from sparkctl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err

@@ -719,6 +719,8 @@ def _names_device(value: str, device: str) -> bool:
 def rule_pin_env(node: str, pin: RankPins, env: Sequence[tuple[str, str]], recipe_path: str) -> Finding | None:
     """A pin key in the recipe's [container.env] is the same for every rank and wins over the pin
     `check` found on the node: it must still name this node's own NIC, GID index and address."""
+    if not env:
+        return None
     clashes = []
     for key, value in env:
         mine = getattr(pin, PIN_ENV[key])
@@ -727,8 +729,6 @@ def rule_pin_env(node: str, pin: RankPins, env: Sequence[tuple[str, str]], recip
         ok = _names_device(value, str(mine)) if PIN_ENV[key] in ("netdev", "rdma_dev") else value == str(mine)
         if not ok:
             clashes.append(f"{key}={value} (this node's is {mine})")
-    if not env:
-        return None
     if not clashes:
         return _f(node, "pin-env", OK, "agrees", f"{node}: the recipe's pins ({', '.join(k for k, _ in env)}) "
                   "name this node's own fabric")

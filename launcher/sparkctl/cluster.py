@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -242,8 +242,7 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
             raise NodeError(alias, "config", "ProxyJump chain too deep (a loop?)", "fix the ssh config")
         for juser, jhost, jport in _jump_specs(proxy_jump):
             hop = resolve_target(jhost, config, config_path, _depth=_depth + 1)
-            hop = SshTarget(**{**hop.__dict__, "user": juser or hop.user, "port": jport or hop.port})
-            jumps += [*hop.jumps, SshTarget(**{**hop.__dict__, "jumps": ()})]
+            jumps += [*hop.jumps, replace(hop, user=juser or hop.user, port=jport or hop.port, jumps=())]
     # ssh -G lists the default identity files when none is set: only those that exist are candidates
     # (ssh itself skips the missing ones).
     identities = tuple(p for p in _split_paths(" ".join(opts.get("identityfile", [])), tokens) if os.path.exists(p))

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkctl import bench as b
-from sparkctl.cli import main
 from sparkctl.errors import CheckFailed, UsageError
 from sparkctl.lab.local import local_standin
+from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "launcher" / "sparkctl" / "lab" / "standin_vllm.py"
@@ -138,13 +138,6 @@ def ok_stream(n: int = 8, *, with_usage: bool = True) -> list[bytes]:
 def request(url: str, **kw: Any) -> b.RequestResult:
     body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
     return b.stream_request(b.Endpoint.parse(url), "/v1/chat/completions", body, **kw)
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
 
 
 # ============================================================================ wire formats

@@ -12,18 +12,10 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import run_cli as run
 from tests.conftest import write_model
 
 GB = 1_000_000_000
-
-
-def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
-    from sparkctl.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 @pytest.fixture

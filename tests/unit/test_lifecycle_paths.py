@@ -21,20 +21,12 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import run_cli as run
 from tests.conftest import write_model, write_serving
 from tests.unit.localnodes import LocalNodes, local_nodes
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 SERVED = "lab-model"
-
-
-def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
-    from sparkctl.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 @pytest.fixture

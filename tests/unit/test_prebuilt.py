@@ -14,20 +14,12 @@ import pytest
 
 from sparkctl.commands.build import transport
 from tests.conftest import prebuilt_recipe, write_model
+from tests.conftest import run_cli as run
 from tests.unit.localnodes import LocalNodes, local_nodes
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 DIGEST = "registry.example/serve@sha256:" + "d" * 64
 TAG = "registry.example/serve:2026-10-12"
-
-
-def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
-    from sparkctl.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 @pytest.fixture

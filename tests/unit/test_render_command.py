@@ -12,19 +12,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import prebuilt_recipe, write_model
+from tests.conftest import run_cli as run
 
 NODES = "spark1 spark2 spark3 spark4"
 PINS = {f"RANK{r}_{k}": v for r in range(4) for k, v in (
     ("FABRIC_IP", f"10.232.0.{r + 11}"), ("CX7_IF", "enp1s0f0np0"), ("CX7_IB", "rocep1s0f0"), ("GID_INDEX", "3"))}
-
-
-def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
-    from sparkctl.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import run_cli as run
 from tests.conftest import write_model, write_serving
 from tests.unit.localnodes import LocalNodes, local_nodes
 
@@ -25,15 +26,6 @@ EVERY_COMMAND = [["config"], ["--json", "config"], ["verify-model"], ["check"], 
                  ["up"], ["--json", "up"], ["status"], ["--json", "status"], ["logs", "--tail", "5"], ["audit"],
                  ["--json", "audit"], ["wait", "--timeout", "1"], ["lock", "status"], ["down"],
                  ["--json", "down"]]
-
-
-def run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
-    from sparkctl.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 @pytest.fixture
