@@ -13,15 +13,12 @@ Both rounds start as few processes per node as they can: on the lab all nodes sh
 
 from __future__ import annotations
 
-import binascii
 import concurrent.futures
 import contextlib
 import ipaddress
-import json
 import secrets
 import threading
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -31,18 +28,20 @@ from typing import Any
 from . import facts as F
 from .builders import open_api_warning
 from .cluster import Cluster, Node, NodeError, Session
+from .errors import SparkctlError
 from .plan import (
     GB,
-    INDEX_NAME,
     CheckpointInfo,
     Plan,
-    Shard,
+    checkpoint_from_scan,
     drafter_dir,
     gb,
     make_plan,
     nodes_compute_capability,
     read_drafter_config_on,
+    scan_on,
 )
+from .resources import probe_script
 from .settings import RankPins, Settings
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
@@ -69,7 +68,6 @@ CHECKS = (
 DISK_FAIL_BYTES = 10 * GB  # below this the image chain cannot even be unpacked
 DISK_WARN_BYTES = 50 * GB  # a production chain (vLLM + CUDA) is tens of GB per rank
 DF_PATHS = (F.DOCKER_ROOT,)  # the engine says where its data root is (DockerRootDir); MODEL is added
-PROBES = Path(__file__).resolve().parent / "probes"
 
 
 @dataclass(frozen=True)
@@ -814,55 +812,6 @@ def rule_open_api(warning: str | None) -> Finding | None:
               "set VLLM_API_KEY in the env file, or VLLM_EXTRA_ARGS='--host 127.0.0.1'")
 
 
-def checkpoint_from_scan(scan: Mapping[str, Any], model: str) -> CheckpointInfo:
-    """What the planner needs (config.json, shard names and sizes) from the head's ckpt_scan,
-    so `check` can plan without the checkpoint on this machine. The scan is what a node printed:
-    anything malformed raises ValueError (the check reports it), never another exception."""
-    from .probes.ckpt_scan import decode_blob
-
-    err = scan.get("error")
-    if err:
-        raise ValueError(str(err.get("message") if isinstance(err, dict) else err)[:300])
-    blobs = scan.get("json") or {}
-    files = scan.get("files") or {}
-    if not isinstance(blobs, dict) or not isinstance(files, dict):
-        raise ValueError("the checkpoint scan is malformed (json/files are not objects)")
-
-    def load(name: str) -> Any:
-        entry = blobs.get(name) or {}
-        if not isinstance(entry, dict):
-            raise ValueError(f"the checkpoint scan's {name} entry is malformed")
-        try:
-            raw = decode_blob(entry.get("data")) if not entry.get("missing") else None
-            return json.loads(raw) if raw else None
-        except (ValueError, TypeError, RecursionError, zlib.error, binascii.Error) as exc:
-            raise ValueError(f"{name} on the head cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
-
-    def size_of(name: str) -> int | None:
-        entry = files.get(name)
-        size = entry.get("size") if isinstance(entry, dict) else None
-        ok = isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 1 << 50
-        return size if ok else None
-
-    config = load("config.json")
-    if not isinstance(config, dict):
-        raise ValueError("config.json is missing or not a JSON object")
-    index = load(INDEX_NAME)
-    total = None
-    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
-        names = sorted({str(v) for v in index["weight_map"].values()})
-        meta = index.get("metadata")
-        total = (
-            meta.get("total_size")
-            if isinstance(meta, dict) and isinstance(meta.get("total_size"), int)
-            else None
-        )
-    else:
-        names = sorted(n for n in files if isinstance(n, str) and "/" not in n and n.endswith(".safetensors"))
-    shards = tuple(Shard(n, size_of(n)) for n in names)
-    return CheckpointInfo(Path(model), config, shards, total)
-
-
 # ---------------------------------------------------------------------------------- orchestration
 
 
@@ -894,10 +843,6 @@ class CheckReport:
             if f.node == node and f.check == check and (worst is None or rank[f.status] > rank[worst.status]):
                 worst = f
         return worst
-
-
-def _script(name: str) -> bytes:
-    return (PROBES / name).read_bytes()
 
 
 REACH_BY_HAND = "sh -c '. ./reach.sh; reach_test MASTER_PORT PEER_IP...' (sparkctl/probes/reach.sh)"
@@ -951,11 +896,11 @@ def gather(
         cannot be done). Plain `nvidia-smi`, for the CUDA version that the driver decides, and the
         listening ports run on the head only. Few processes per node: on the lab, every node shares
         one machine's CPUs. Each node's probe stays open (in `probes`) for round 2: reach().
-      - on the head, ckpt_scan.py on a second channel (header-level verification, the planner's input).
+      - on the head, ckpt_scan.py on a second channel (header-level verification from the shards'
+        summaries, cached there; the planner's input).
     Returns node -> (facts or NodeError, head scan dict / error string / None)."""
     # reach_test (probes/reach.sh) is defined ahead of the probe, which runs it in round 2
-    facts_script = _script("reach.sh") + b"\n" + _script("node_facts.sh")
-    scan_script = _script("ckpt_scan.py") if layout else b""
+    facts_script = probe_script("reach.sh") + b"\n" + probe_script("node_facts.sh")
     nonce = probes.nonce
     ready = f"@@sparkctl {nonce} ready\n".encode()
 
@@ -980,20 +925,10 @@ def gather(
         return F.node_facts_from_probe(out, nonce, err, expect_banner=on_head, expect_listening=on_head)
 
     def scan(node: Node) -> dict[str, Any] | str:
-        try:
-            r = node.run(["python3", "-", needs.model, "--headers", "zlib"], stdin=scan_script, timeout=timeout)
-        except NodeError as exc:
+        try:  # summaries: what the rules need, cached on the head (the full headers only when they ask)
+            return scan_on(node, needs.model, headers="summary", timeout=timeout)
+        except (NodeError, SparkctlError) as exc:
             return exc.message
-        if r.exit_code == 127:
-            return "python3 is not installed on the head"
-        if not r.ok:
-            last = r.stderr.strip().splitlines()[-1:] or [f"exit status {r.exit_code}"]
-            return f"ckpt_scan failed on {node.name}: {last[0][:300]}"
-        try:
-            doc = json.loads(r.stdout)
-        except json.JSONDecodeError as exc:
-            return f"ckpt_scan printed something that is not JSON ({exc.msg})"
-        return doc if isinstance(doc, dict) else "ckpt_scan printed something that is not a JSON object"
 
     def guarded(name: str, job: Callable[[Node], Any]) -> Any:
         try:
@@ -1128,6 +1063,26 @@ def evaluate(
     return findings, pins
 
 
+def _verifier(settings: Settings, cluster: Cluster, head: str, model: str,
+              timeout: float) -> Callable[[Mapping[str, Any]], Any] | None:
+    """The checkpoint verdict from the head's scan: from its summaries, and when they show a problem,
+    from the full headers (one more scan on the head) so the finding names the tensor and shard."""
+    try:
+        from . import verify as V
+
+        layout = settings.recipe.checkpoint_layout
+    except Exception:  # no verifier or no layout: the check says so instead of failing
+        return None
+
+    def verifier(scan: Mapping[str, Any]) -> Any:
+        try:
+            return V.verify_scan(scan, layout)
+        except V.NeedHeaders:
+            return V.verify_scan(scan_on(cluster.node(head), model, headers="zlib", timeout=timeout), layout)
+
+    return verifier
+
+
 def run_check(
     settings: Settings,
     ssh_config: str | Path | None,
@@ -1143,23 +1098,14 @@ def run_check(
     needs = Needs.from_settings(settings)
     timing: dict[str, float] = {}
     start = time.monotonic()
-    layout: Mapping[str, Any] | None = None
     verifier: Callable[[Mapping[str, Any]], Any] | None = None
-    if verify:
-        try:
-            from . import verify as V
-
-            layout = settings.recipe.checkpoint_layout
-
-            def verifier(scan: Mapping[str, Any]) -> Any:
-                return V.verify_scan(scan, layout)
-        except Exception:  # no verifier or no layout: the check says so instead of failing
-            verifier = None
     with contextlib.ExitStack() as stack:
         if cluster is None:
             cluster = stack.enter_context(
                 Cluster(nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout)
             )
+        if verify:
+            verifier = _verifier(settings, cluster, nodes[0], needs.model, command_timeout)
         timing["connect"] = cluster.connect_seconds
         t = time.monotonic()
         probes = stack.enter_context(Probes(secrets.token_hex(8)))
@@ -1171,9 +1117,9 @@ def run_check(
         ckpt_why = "the head's checkpoint scan did not run"
         if isinstance(head_scan, dict):
             try:
-                ckpt = checkpoint_from_scan(head_scan, needs.model)
-            except ValueError as exc:
-                ckpt_why = f"cannot read the checkpoint on the head: {exc}"
+                ckpt = checkpoint_from_scan(head_scan, Path(needs.model), nodes[0])
+            except SparkctlError as exc:
+                ckpt_why = exc.message
         elif isinstance(head_scan, str):
             ckpt_why = head_scan
         drafter = drafter_dir(settings)

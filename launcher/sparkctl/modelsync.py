@@ -33,7 +33,7 @@ from typing import Any
 
 from .cluster import Cluster, Node, NodeError
 from .errors import CheckFailed, UsageError
-from .probes import source
+from .resources import probe_script
 from .verify import Finding, compare_nodes
 
 PARTIAL_DIR = ".sparkctl-partial"
@@ -218,7 +218,7 @@ Progress = Callable[[RankSync], None]
 
 # ---------------------------------------------------------------------------------- orchestration
 def scan_node(node: Node, model: str) -> dict[str, Any]:
-    r = node.run_script(source("ckpt_scan").encode(), [model, "--headers", "none", "--fingerprints"],
+    r = node.run_script(probe_script("ckpt_scan.py"), [model, "--headers", "none", "--fingerprints"],
                         interpreter=("python3", "-"), timeout=SCAN_TIMEOUT)
     try:
         doc = json.loads(r.stdout)
@@ -231,7 +231,7 @@ def scan_node(node: Node, model: str) -> dict[str, Any]:
 
 
 def describe_node(node: Node, model: str) -> dict[str, Any]:
-    r = node.run_script(source("model_node").encode(), [model], interpreter=("python3", "-"), timeout=60)
+    r = node.run_script(probe_script("model_node.py"), [model], interpreter=("python3", "-"), timeout=60)
     try:
         doc = json.loads(r.stdout)
     except ValueError:

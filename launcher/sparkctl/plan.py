@@ -62,53 +62,27 @@ class CheckpointInfo:
         return sum(s.size or 0 for s in self.shards)
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise UsageError(f"{what} not found: {path}", fix="MODEL must be the checkpoint folder itself") from None
-    if size > MAX_JSON_BYTES:
-        raise UsageError(f"{path}: {size} bytes is too large for a {what}")
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, a 5,000-digit number, too deep
-        raise UsageError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
-
-
-# Run on a node (`python3 - MODEL < script`) when the checkpoint is not on this machine: config.json,
-# the index and the shard sizes, as one JSON document. Standard library only.
-REMOTE_READER = b"""
-import json, os, sys
-d = sys.argv[1]
-out = {"is_dir": os.path.isdir(d), "files": {}}
-for name in ("config.json", "model.safetensors.index.json"):
-    p = os.path.join(d, name)
-    try:
-        if os.path.getsize(p) <= %d:
-            with open(p, "rb") as fh:
-                out["files"][name] = fh.read().decode("utf-8", "replace")
-    except OSError:
-        pass
-sizes = {}
-if out["is_dir"]:
-    for entry in os.scandir(d):
-        if entry.name.endswith(".safetensors") and entry.is_file():
-            sizes[entry.name] = entry.stat().st_size
-out["sizes"] = sizes
-json.dump(out, sys.stdout)
-""" % MAX_JSON_BYTES
-
-
 class _Runs(Protocol):
     name: str
 
     def run(self, argv: list[str], *, stdin: bytes | None = ..., timeout: float | None = ...) -> Any: ...
 
 
+def read_checkpoint(model: Path, drafter: Path | None = None) -> CheckpointInfo:
+    """config.json + the shard list (from the index, else *.safetensors) with their sizes on disk; with
+    `drafter`, the DSpark drafter's config.json too (None when it cannot be read: make_plan says so)."""
+    from .probes.ckpt_scan import scan
+
+    info = checkpoint_from_scan(scan(str(model), headers="summary", shards=False), model, "this machine")
+    if drafter is None:
+        return info
+    return replace(info, drafter_config=_config_or_none(scan(str(drafter), headers="summary", shards=False)))
+
+
 def read_checkpoint_on(node: _Runs, model: Path, drafter: Path | None = None) -> CheckpointInfo:
     """The checkpoint as `node` sees it (MODEL is on the nodes' shared storage, maybe not here), with
     the DSpark drafter's config.json when `drafter` is given."""
-    info = _checkpoint_on(node, model)
+    info = checkpoint_from_scan(scan_on(node, model, shards=False), model, node.name)
     if drafter is None:
         return info
     return replace(info, drafter_config=read_drafter_config_on(node, drafter))
@@ -116,71 +90,114 @@ def read_checkpoint_on(node: _Runs, model: Path, drafter: Path | None = None) ->
 
 def read_drafter_config_on(node: _Runs, drafter: Path) -> dict[str, Any] | None:
     """DSPARK/config.json as `node` sees it; None when it cannot be read (make_plan says so)."""
-    return _checkpoint_on(node, drafter, config_only=True).config or None
+    return _config_or_none(scan_on(node, drafter, shards=False))
 
 
-def _checkpoint_on(node: _Runs, model: Path, config_only: bool = False) -> CheckpointInfo:
-    r = node.run(["python3", "-", str(model)], stdin=REMOTE_READER, timeout=60)
-    if r.exit_code != 0:
-        raise CheckFailed(f"cannot read the checkpoint on {node.name}: {r.stderr.strip()[-300:]}",
-                          fix=f"check that python3 exists on {node.name} and MODEL={model} is readable there")
+def _config_or_none(scan: dict[str, Any]) -> dict[str, Any] | None:
     try:
-        listing = json.loads(r.stdout)
-    except (ValueError, RecursionError):
-        raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}") from None
-    if not isinstance(listing, dict):
-        raise CheckFailed(f"unexpected answer reading the checkpoint on {node.name}")
-    if config_only:
+        return checkpoint_from_scan(scan, Path(str(scan.get("dir", "?"))), "", config_only=True).config or None
+    except (UsageError, CheckFailed):
+        return None
+
+
+def scan_on(node: _Runs, model: Path | str, *, headers: str = "summary", shards: bool = True,
+            fingerprints: bool = False, timeout: float = 60.0) -> dict[str, Any]:
+    """The checkpoint scan (probes/ckpt_scan.py, the one reader) of `model` on `node`, as a dict.
+    CheckFailed when it cannot run or prints something that is not a JSON object."""
+    from .resources import probe_script
+
+    argv = ["python3", "-", str(model), "--headers", headers, *([] if shards else ["--no-shards"]),
+            *(["--fingerprints"] if fingerprints else [])]
+    r = node.run(argv, stdin=probe_script("ckpt_scan.py"), timeout=timeout)
+    fix = f"check that python3 exists on {node.name} and MODEL={model} is readable there"
+    if r.exit_code == 127:
+        raise CheckFailed(f"python3 is not installed on {node.name}", fix=fix)
+    if r.exit_code != 0:
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.exit_code}"])[-1]
+        raise CheckFailed(f"cannot read the checkpoint on {node.name}: {last[:300]}", fix=fix)
+    try:
+        doc = json.loads(r.stdout)
+    except (ValueError, RecursionError) as exc:
+        raise CheckFailed(f"the checkpoint scan on {node.name} printed something that is not JSON "
+                          f"({str(exc)[:100]})") from None
+    if not isinstance(doc, dict):
+        raise CheckFailed(f"the checkpoint scan on {node.name} printed something that is not a JSON object")
+    return doc
+
+
+def checkpoint_from_scan(scan: Any, model: Path, where: str, *, config_only: bool = False) -> CheckpointInfo:
+    """What the planner needs (config.json, the shard names and their sizes, the index's total size)
+    from a checkpoint scan (probes/ckpt_scan.py: this machine's, or what a node printed). Anything
+    malformed is a UsageError or CheckFailed naming `where`, never another exception."""
+    from .probes.ckpt_scan import decode_blob
+
+    at = f" on {where}" if where else ""
+    if not isinstance(scan, dict):
+        raise CheckFailed(f"unexpected answer reading the checkpoint{at}")
+    err = scan.get("error")
+    if err:
+        if isinstance(err, dict) and err.get("code") == "dir-missing":
+            raise UsageError(f"MODEL={model} is not a folder{at}",
+                             fix="point MODEL at the checkpoint folder, at the same path on every node")
+        raise CheckFailed(f"cannot read the checkpoint{at}: {str(err.get('message') if isinstance(err, dict) else err)[:300]}")
+    blobs, files = scan.get("json"), scan.get("files")
+    if not isinstance(blobs, dict) or not isinstance(files, dict):
+        raise CheckFailed(f"unexpected answer reading the checkpoint{at}: json/files are not objects")
+
+    def load(name: str) -> Any:
+        entry = blobs.get(name)
+        if entry is None or (isinstance(entry, dict) and entry.get("missing")):
+            return None
+        if not isinstance(entry, dict):
+            raise CheckFailed(f"unexpected answer reading the checkpoint{at}: its {name} entry is malformed")
+        if entry.get("error"):
+            raise UsageError(f"{model / name}{at}: {str(entry['error'])[:200]}")
         try:
-            return checkpoint_from_listing(model, listing, node.name)
-        except UsageError:  # the caller says what a missing drafter config means
-            return CheckpointInfo(model, {}, (), None)
-    return checkpoint_from_listing(model, listing, node.name)
+            raw = decode_blob(entry.get("data"))
+            return json.loads(raw) if raw else None
+        except (ValueError, TypeError, RecursionError) as exc:  # not JSON, a 5,000-digit number, too deep
+            raise UsageError(f"{model / name}{at}: not valid JSON ({str(exc)[:200]})") from None
 
+    def size_of(name: str) -> int | None:
+        entry = files.get(name)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if size is None:
+            return None
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_SHARD_BYTES:
+            raise CheckFailed(f"unexpected answer reading the checkpoint{at}: size of {name[:80]!r} is "
+                              f"{str(size)[:40]!r}, not a byte count")
+        return size
 
-def checkpoint_from_listing(model: Path, listing: dict[str, Any], where: str) -> CheckpointInfo:
-    """The same CheckpointInfo as read_checkpoint, from REMOTE_READER's output on a node."""
-    if not listing.get("is_dir"):
-        raise UsageError(f"MODEL={model} is not a folder on {where}",
-                         fix="point MODEL at the checkpoint folder, at the same path on every node")
-    files = listing.get("files") or {}
-    raw_sizes = listing.get("sizes") or {}
-    if not isinstance(files, dict) or not isinstance(raw_sizes, dict) or \
-            not all(isinstance(v, str) for v in files.values()):
-        raise CheckFailed(f"unexpected answer reading the checkpoint on {where}: files/sizes malformed")
-    sizes: dict[str, int] = {}
-    for k, v in raw_sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SHARD_BYTES:
-            raise CheckFailed(f"unexpected answer reading the checkpoint on {where}: size of {str(k)[:80]!r} "
-                              f"is {str(v)[:40]!r}, not a byte count")
-        sizes[str(k)] = v
-    if "config.json" not in files:
-        raise UsageError(f"config.json not found in {model} on {where}",
-                         fix="MODEL must be the checkpoint folder itself")
-    config = _parse_json_text(files["config.json"], f"{where}:{model / 'config.json'}")
+    config = load("config.json")
+    if config is None:
+        raise UsageError(f"config.json not found in {model}{at}", fix="MODEL must be the checkpoint folder itself")
     if not isinstance(config, dict):
-        raise UsageError(f"{where}:{model / 'config.json'}: expected a JSON object")
-    total = None
-    if INDEX_NAME in files:
-        index = _parse_json_text(files[INDEX_NAME], f"{where}:{model / INDEX_NAME}")
+        raise UsageError(f"{model / 'config.json'}{at}: expected a JSON object")
+    if config_only:
+        return CheckpointInfo(model, config, (), None)
+    index_entry = blobs.get(INDEX_NAME)
+    total: int | None = None
+    if isinstance(index_entry, dict) and isinstance(index_entry.get("summary"), dict):
+        summ = index_entry["summary"]
+        shards = summ.get("shards")
+        if summ.get("error") or not summ.get("weight_map") or not isinstance(shards, dict):
+            raise UsageError(f"{model / INDEX_NAME}{at}: has no weight_map object of tensor → shard names")
+        names = sorted(map(str, shards))
+        total = _total_size({"metadata": {"total_size": summ.get("total_size")}})
+    elif (index := load(INDEX_NAME)) is not None:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
-            raise UsageError(f"{where}:{model / INDEX_NAME}: has no weight_map object")
+            raise UsageError(f"{model / INDEX_NAME}{at}: has no weight_map object")
         names = sorted({str(v) for v in weight_map.values()})
         total = _total_size(index)
-        for name in names:
-            if "/" in name or name.startswith("."):
-                raise UsageError(f"{where}:{model / INDEX_NAME}: shard name {name[:80]!r} must be a plain file name")
     else:
-        names = sorted(sizes)
-    return CheckpointInfo(model, config, tuple(Shard(n, sizes.get(n)) for n in names), total)
-
-
-def _parse_json_text(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:  # not JSON, a 5,000-digit number, nested too deep
-        raise UsageError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
+        names = sorted(n for n in files if isinstance(n, str) and "/" not in n and n.endswith(".safetensors"))
+        if not names:
+            raise UsageError(f"{model}{at}: no {INDEX_NAME} and no *.safetensors files")
+    for name in names:
+        if "/" in name or name.startswith("."):
+            raise UsageError(f"{model / INDEX_NAME}{at}: shard name {name[:80]!r} must be a plain file name")
+    return CheckpointInfo(model, config, tuple(Shard(n, size_of(n)) for n in names), total)
 
 
 def _total_size(index: dict[str, Any]) -> int | None:
@@ -189,48 +206,6 @@ def _total_size(index: dict[str, Any]) -> int | None:
     if isinstance(total, bool) or not isinstance(total, int) or not 0 <= total <= MAX_CHECKPOINT_BYTES:
         return None
     return total
-
-
-def read_checkpoint(model: Path, drafter: Path | None = None) -> CheckpointInfo:
-    """config.json + the shard list (from the index, else *.safetensors) with their sizes on disk; with
-    `drafter`, the DSpark drafter's config.json too (None when it cannot be read: make_plan says so)."""
-    info = _read_checkpoint(model)
-    if drafter is None:
-        return info
-    try:
-        config = _read_json(drafter / "config.json", "drafter config.json")
-    except UsageError:
-        config = None
-    return replace(info, drafter_config=config if isinstance(config, dict) else None)
-
-
-def _read_checkpoint(model: Path) -> CheckpointInfo:
-    if not model.is_dir():
-        raise UsageError(f"MODEL={model} is not a folder on this machine",
-                         fix="point MODEL at the checkpoint folder (it must hold config.json)")
-    config = _read_json(model / "config.json", "config.json")
-    if not isinstance(config, dict):
-        raise UsageError(f"{model / 'config.json'}: expected a JSON object")
-    index_path = model / INDEX_NAME
-    total: int | None = None
-    if index_path.exists():
-        index = _read_json(index_path, "safetensors index")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise UsageError(f"{index_path}: has no weight_map object")
-        names = sorted({str(v) for v in weight_map.values()})
-        total = _total_size(index)
-    else:
-        names = sorted(p.name for p in model.glob("*.safetensors"))
-        if not names:
-            raise UsageError(f"{model}: no {INDEX_NAME} and no *.safetensors files")
-    shards = []
-    for name in names:
-        p = model / name
-        if "/" in name or name.startswith("."):
-            raise UsageError(f"{index_path}: shard name {name!r} must be a plain file name")
-        shards.append(Shard(name, p.stat().st_size if p.is_file() else None))
-    return CheckpointInfo(model, config, tuple(shards), total)
 
 
 @dataclass(frozen=True)

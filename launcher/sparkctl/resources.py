@@ -7,6 +7,8 @@ Recipes always live inside the package (sparkctl/recipes/).
 
 from __future__ import annotations
 
+import ast
+from functools import cache
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
@@ -25,5 +27,63 @@ def recipes_dir() -> Path:
 
 
 def probe_script(name: str) -> bytes:
-    """A script from sparkctl/probes/ that is shipped to nodes on stdin (nodes don't have sparkctl)."""
-    return (_PKG / "probes" / name).read_bytes()
+    """The script that ships probe `name` (a file in sparkctl/probes/, e.g. "ckpt_scan.py" or
+    "node_facts.sh") to a node's stdin: nodes do not have sparkctl installed.
+
+    A Python probe may import stdlib-only sparkctl modules (`from sparkctl.safetensors import ...`):
+    it is sent as one self-contained script that first defines those modules from their source, so
+    the node runs the very code this machine runs (one header parser, not a copy kept in step by
+    hand). Any other sparkctl import is refused here, before anything is sent."""
+    path = _PKG / "probes" / name
+    if path.suffix != ".py":
+        return path.read_bytes()
+    return _bundle(path).encode()
+
+
+#: sparkctl modules a probe may take to a node: they import nothing but the standard library.
+PROBE_MODULES = ("safetensors",)
+
+
+@cache
+def _bundle(path: Path) -> str:
+    text = path.read_text()
+    wanted = _sparkctl_imports(text, path.name)
+    if not wanted:
+        return text
+    lines = ["# sparkctl probe bundle: the modules below, then the probe itself",
+             "import sys as _sys, types as _types",
+             "_pkg = _sys.modules.setdefault('sparkctl', _types.ModuleType('sparkctl'))",
+             "_pkg.__path__ = []",
+             "def _define(_name, _src):",
+             "    _m = _types.ModuleType(_name)",
+             "    _m.__file__ = '<sparkctl probe module ' + _name + '>'",
+             "    _sys.modules[_name] = _m",
+             "    exec(compile(_src, _m.__file__, 'exec'), _m.__dict__)"]
+    for mod in wanted:
+        src = (_PKG / f"{mod}.py").read_text()
+        if _sparkctl_imports(src, f"{mod}.py"):
+            raise RuntimeError(f"sparkctl/{mod}.py imports other sparkctl modules: it cannot go to a node")
+        lines.append(f"_define({'sparkctl.' + mod!r}, {src!r})")
+    lines.append(f"exec(compile({text!r}, {'<probe ' + path.name + '>'!r}, 'exec'), "
+                 "{'__name__': '__main__', '__builtins__': __builtins__})")
+    return "\n".join(lines) + "\n"
+
+
+def _sparkctl_imports(text: str, where: str) -> list[str]:
+    """The sparkctl modules `text` imports, checked against PROBE_MODULES."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(text, where)):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.level:
+            raise RuntimeError(f"{where}: a probe imports sparkctl modules absolutely (`from sparkctl.X import`)")
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sparkctl":
+            names = [node.module.removeprefix("sparkctl.")]
+        elif isinstance(node, ast.Import):
+            names = [a.name.removeprefix("sparkctl.") for a in node.names if a.name.split(".")[0] == "sparkctl"]
+        for mod in names:
+            if mod not in PROBE_MODULES:
+                raise RuntimeError(f"{where} imports sparkctl.{mod}, which is not a probe module "
+                                   f"({', '.join(PROBE_MODULES)}): nodes do not have sparkctl installed")
+            if mod not in found:
+                found.append(mod)
+    return found

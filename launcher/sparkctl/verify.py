@@ -39,7 +39,7 @@ import gc
 import json
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from itertools import compress, repeat
 from operator import add, itemgetter
@@ -49,7 +49,7 @@ from typing import Any
 from .probes.ckpt_scan import decode_blob
 from .probes.ckpt_scan import scan as scan_dir
 from .resources import recipes_dir
-from .safetensors import Header, HeaderError, TensorKind, parse_header
+from .safetensors import DTYPE_BITS, Header, HeaderError, TensorKind, nbytes, parse_header
 
 INDEX = "model.safetensors.index.json"
 EXL3_PARTS = ("trellis", "suh", "svh")
@@ -251,8 +251,12 @@ def _shard_header(name: str, entry: Mapping[str, Any], findings: list[Finding]) 
     except ValueError as exc:  # a damaged transfer of the header blob
         findings.append(Finding("error", "header-transfer", f"{name}: header blob unreadable ({exc})", fix, name))
         return None
-    size = int(entry.get("size", 0))
-    want = header.file_size
+    _size_findings(name, int(entry.get("size", 0)), header.file_size, findings)
+    return header
+
+
+def _size_findings(name: str, size: int, want: int, findings: list[Finding]) -> None:
+    """The file on disk vs the size its header says it has."""
     if size < want:
         findings.append(Finding("error", "shard-truncated",
                                 f"{name} is {want - size:,} bytes short: {size:,} on disk, the header says {want:,}",
@@ -261,7 +265,6 @@ def _shard_header(name: str, entry: Mapping[str, Any], findings: list[Finding]) 
         findings.append(Finding("error", "shard-oversize",
                                 f"{name} has {size - want:,} bytes after its last tensor ({size:,} on disk, "
                                 f"the header says {want:,})", f"re-download {name}", name))
-    return header
 
 
 def _exl3_modules(tensors: Mapping[str, TensorKind], trellis_mods: list[str], mtp_layer: int | None,
@@ -390,6 +393,134 @@ def _check_abi(tensors: Mapping[str, TensorKind], rules: Mapping[str, Any], layo
                 has_trellis.add(mod)  # report each such module once
                 cls, layer = classify(mod, mtp_layer)
                 issues.add("error", "exl3-incomplete", cls, mod, layer, "no .trellis", reload)
+    _group_rules(groups, example, rules, layout, issues, summary, codebook_layers)
+
+    present = set(trellis_mods)
+    for mod in native:
+        t = tensors[mod + ".weight"]
+        if len(t.shape) != 2 or mod in present:
+            continue
+        present.add(mod)
+        cls, layer = classify(mod, mtp_layer)
+        if cls == "attention" and mod.endswith("kv_a_proj_with_mqa"):
+            widths[mod] = t.shape[0]
+        _native_rule(cls, mod, layer, t, 1, rules, layout, issues, summary)
+    return present, widths
+
+
+def _native_rule(cls: str, mod: str, layer: int | None, t: TensorKind, count: int, rules: Mapping[str, Any],
+                 layout: Mapping[str, Any], issues: _Issues, summary: Summary) -> None:
+    """`count` native (2-D .weight) linears like `mod`: counted, and an error where the layout wants EXL3."""
+    if cls == "embed":
+        return
+    summary.native_linears += count
+    if rules.get(cls, {"format": layout.get("default_format", "any")}).get("format") == "exl3":
+        issues.add("error", "native-in-scope", cls, mod, layer, f"{t.dtype}{list(t.shape)}",
+                   f"{layout.get('name', 'this layout')} expects {cls.replace('_', ' ')} linears as EXL3: use the "
+                   "checkpoint this recipe is for", count)
+
+
+def _index_vs_folder(counts: Mapping[str, int], shards_scan: Mapping[str, Any], has_map: bool,
+                     layout: Mapping[str, Any], summary: Summary, findings: list[Finding]) -> set[str]:
+    """Shards the index names (with how many tensors) vs the folder's: missing, extra, how many."""
+    top_level = {n for n in shards_scan if "/" not in n}
+    for sname in sorted(set(counts) - top_level):
+        findings.append(Finding("error", "shard-missing",
+                                f"{sname} is named by the index ({counts[sname]:,} tensors) but is not in the folder",
+                                f"download {sname} into the checkpoint folder", sname))
+    if has_map:
+        for sname in sorted(top_level - set(counts)):
+            findings.append(Finding("warn", "shard-extra", f"{sname} is in the folder but not in the index; "
+                                    "loaders that glob *.safetensors would load it twice or from another revision",
+                                    f"remove {sname} or re-download the index that lists it", sname))
+    summary.shards = len(top_level & set(counts)) if has_map else len(top_level)
+    if summary.expected_shards and counts and len(counts) != summary.expected_shards:
+        findings.append(Finding("warn", "shard-count",
+                                f"the index names {len(counts)} shards; {layout.get('name')} expects "
+                                f"{summary.expected_shards}", "check that MODEL is the checkpoint this recipe is for",
+                                INDEX))
+
+    return top_level
+
+
+def _total_size_finding(total_size: Any, data_total: int, findings: list[Finding]) -> None:
+    if isinstance(total_size, int) and total_size != data_total:
+        findings.append(Finding("warn", "index-total-size",
+                                f"index metadata.total_size is {total_size:,} but the shards hold {data_total:,} bytes",
+                                "re-download the index from the shards' revision", INDEX))
+
+
+def _mtp_layer(layout: Mapping[str, Any], cfg: Mapping[str, Any]) -> int | None:
+    """The MTP block's layer index: the layout's, else config.json's num_hidden_layers."""
+    mtp_layer = layout.get("mtp_layer", cfg.get("num_hidden_layers"))
+    return mtp_layer if isinstance(mtp_layer, int) else None
+
+
+def _config_checks(config: Any, qconf: Any, layout: Mapping[str, Any], findings: list[Finding]) -> None:
+    """config.json and the quantization config vs the layout."""
+    if isinstance(config, dict):
+        for key, want in (layout.get("config") or {}).items():
+            got = config.get(key)
+            if got != want:
+                findings.append(Finding(_expected_severity(layout, "config"), "config-mismatch",
+                                        f"config.json {key} is {got!r}; {layout.get('name')} expects {want!r}"
+                                        + _assumed_note(layout, "config"),
+                                        "use the checkpoint this recipe is for, or pick the matching RECIPE",
+                                        "config.json"))
+        if qconf is None and isinstance(config.get("quantization_config"), dict):
+            qconf = config["quantization_config"]
+    elif config is not None:
+        findings.append(Finding("error", "json-invalid", "config.json is not a JSON object", "re-download it",
+                                "config.json"))
+    if layout.get("quant_method"):
+        if not isinstance(qconf, dict):
+            findings.append(Finding("error", "quant-config-missing",
+                                    "no quantization_config.json and no quantization_config in config.json",
+                                    "download the checkpoint's quantization_config.json", "quantization_config.json"))
+        else:
+            for key in ("quant_method", "bits", "scope"):
+                want = layout.get(key)
+                if want is not None and qconf.get(key) != want:
+                    findings.append(Finding(_expected_severity(layout, key), "quant-config-mismatch",
+                                            f"quantization config {key} is {qconf.get(key)!r}; "
+                                            f"{layout.get('name')} expects {want!r}" + _assumed_note(layout, key),
+                                            "use the checkpoint this recipe is for, or pick the matching RECIPE",
+                                            "quantization_config.json"))
+
+
+def _finish(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], main_shards: list[str],
+            layout: Mapping[str, Any], findings: list[Finding], summary: Summary, issues: _Issues,
+            codebook_layers: dict[int, set[str]], widths: Mapping[str, int], mtp_layer: int | None) -> None:
+    """What every path ends with: kv_a widths, the grouped issues, codebooks, optional and serving
+    files, deep hashes, and the findings in severity order."""
+    want_w = layout.get("kv_a_proj_width")
+    if isinstance(want_w, int):
+        for mod, w in sorted(widths.items()):
+            if w != want_w:
+                issues.add(_expected_severity(layout, "kv_a_proj_width"), "kv-a-width", "attention", mod, classify(mod, mtp_layer)[1],
+                           f"{w} wide, expected {want_w}", "use the checkpoint this recipe is for")
+    findings.extend(issues.findings("shards"))
+
+    labels = {layer: "+".join(sorted(cbs)) for layer, cbs in codebook_layers.items()}
+    summary.codebooks = " · ".join(f"{label}: {ranges(ls)}" for label, ls in _runs(labels))
+    used = {cb for cbs in codebook_layers.values() for cb in cbs}
+    if len(used) > 1:
+        sev = "error" if layout.get("mixed_codebooks") == "error" else "warn"
+        findings.append(Finding(sev, "codebook-mixed", f"codebooks are mixed ({summary.codebooks})",
+                                layout.get("codebook_note") or "serve with an overlay that detects the codebook "
+                                "per layer", "shards"))
+
+    _optional_files(scan, shards_scan, set(main_shards), layout, findings, summary, mtp_layer)
+    _serving_files(scan, layout, findings)
+    _deep(scan, findings, summary)
+    order = {"error": 0, "warn": 1, "info": 2}
+    findings.sort(key=lambda f: order.get(f.severity, 3))
+
+
+def _group_rules(groups: _Groups, example: Mapping[_Group, str], rules: Mapping[str, Any],
+                 layout: Mapping[str, Any], issues: _Issues, summary: Summary,
+                 codebook_layers: dict[int, set[str]]) -> None:
+    """The scope/bits/codebook rules, once per group of (class, layer, bits, codebook) EXL3 linears."""
     allowed = set(layout.get("allowed_bits") or [])
     known_cbs = set(layout.get("codebooks") or MARKERS)
     default = {"format": layout.get("default_format", "any")}
@@ -432,32 +563,17 @@ def _check_abi(tensors: Mapping[str, TensorKind], rules: Mapping[str, Any], layo
                        f"the overlay needs one width for all {cls.replace('_', ' ')} linears: use the "
                        "checkpoint this recipe is for")
 
-    present = set(trellis_mods)
-    for mod in native:
-        t = tensors[mod + ".weight"]
-        if len(t.shape) != 2 or mod in present:
-            continue
-        present.add(mod)
-        cls, layer = classify(mod, mtp_layer)
-        if cls == "attention" and mod.endswith("kv_a_proj_with_mqa"):
-            widths[mod] = t.shape[0]
-        if cls == "embed":
-            continue
-        summary.native_linears += 1
-        if rules.get(cls, default).get("format") == "exl3":
-            issues.add("error", "native-in-scope", cls, mod, layer, f"{t.dtype}{list(t.shape)}",
-                       f"{name} expects {cls.replace('_', ' ')} linears as EXL3: use the checkpoint this "
-                       "recipe is for")
-    return present, widths
-
 
 def verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None = None) -> Report:
-    """Turn one node's scan into findings and a summary. Never raises for any scan content."""
+    """Turn one node's scan into findings and a summary. Never raises for any scan content, except
+    NeedHeaders for a summary scan that shows a problem: scan with headers and verify that."""
     # ~300k small containers are built and nothing forms a cycle: the cyclic GC would only
     # burn a third of the time budget re-walking them.
     enabled = gc.isenabled()
     gc.disable()
     try:
+        if scan.get("headers") == "summary" and not scan.get("error"):
+            return _verify_summary(scan, layout or {})
         return _verify_scan(scan, layout)
     finally:
         if enabled:
@@ -492,24 +608,8 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
         if isinstance(meta, dict) and isinstance(meta.get("total_size"), int):
             total_size = meta["total_size"]
 
-    # -- the folder vs the index
     counts = Counter(weight_map.values())  # shard -> tensors the index puts there
-    top_level = {n for n in shards_scan if "/" not in n}
-    for sname in sorted(set(counts) - top_level):
-        findings.append(Finding("error", "shard-missing",
-                                f"{sname} is named by the index ({counts[sname]:,} tensors) but is not in the folder",
-                                f"download {sname} into the checkpoint folder", sname))
-    if weight_map:
-        for sname in sorted(top_level - set(counts)):
-            findings.append(Finding("warn", "shard-extra", f"{sname} is in the folder but not in the index; "
-                                    "loaders that glob *.safetensors would load it twice or from another revision",
-                                    f"remove {sname} or re-download the index that lists it", sname))
-    summary.shards = len(top_level & set(counts)) if weight_map else len(top_level)
-    if summary.expected_shards and counts and len(counts) != summary.expected_shards:
-        findings.append(Finding("warn", "shard-count",
-                                f"the index names {len(counts)} shards; {layout.get('name')} expects "
-                                f"{summary.expected_shards}", "check that MODEL is the checkpoint this recipe is for",
-                                INDEX))
+    _index_vs_folder(counts, shards_scan, bool(weight_map), layout, summary, findings)
 
     # -- every shard's header
     headers: dict[str, Header] = {}
@@ -568,72 +668,20 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
                                         f"{len(unindexed):,} tensors of {sname} are not in the index, "
                                         f"e.g. {min(unindexed)}",
                                         "re-download the index from the shards' revision", sname))
-        if total_size is not None and not findings_have(findings, "shard-missing") and total_size != data_total:
-            findings.append(Finding("warn", "index-total-size",
-                                    f"index metadata.total_size is {total_size:,} but the shards hold {data_total:,} bytes",
-                                    "re-download the index from the shards' revision", INDEX))
+        if not findings_have(findings, "shard-missing"):
+            _total_size_finding(total_size, data_total, findings)
 
-    # -- config.json and the quantization config vs the layout
-    if isinstance(config, dict):
-        for key, want in (layout.get("config") or {}).items():
-            got = config.get(key)
-            if got != want:
-                findings.append(Finding(_expected_severity(layout, "config"), "config-mismatch",
-                                        f"config.json {key} is {got!r}; {layout.get('name')} expects {want!r}"
-                                        + _assumed_note(layout, "config"),
-                                        "use the checkpoint this recipe is for, or pick the matching RECIPE",
-                                        "config.json"))
-        if qconf is None and isinstance(config.get("quantization_config"), dict):
-            qconf = config["quantization_config"]
-    elif config is not None:
-        findings.append(Finding("error", "json-invalid", "config.json is not a JSON object", "re-download it",
-                                "config.json"))
-    if layout.get("quant_method"):
-        if not isinstance(qconf, dict):
-            findings.append(Finding("error", "quant-config-missing",
-                                    "no quantization_config.json and no quantization_config in config.json",
-                                    "download the checkpoint's quantization_config.json", "quantization_config.json"))
-        else:
-            for key in ("quant_method", "bits", "scope"):
-                want = layout.get(key)
-                if want is not None and qconf.get(key) != want:
-                    findings.append(Finding(_expected_severity(layout, key), "quant-config-mismatch",
-                                            f"quantization config {key} is {qconf.get(key)!r}; "
-                                            f"{layout.get('name')} expects {want!r}" + _assumed_note(layout, key),
-                                            "use the checkpoint this recipe is for, or pick the matching RECIPE",
-                                            "quantization_config.json"))
+    _config_checks(config, qconf, layout, findings)
 
     # -- EXL3 ABI, scope and expected modules
     cfg = config if isinstance(config, dict) else {}
-    mtp_layer = layout.get("mtp_layer", cfg.get("num_hidden_layers"))
-    mtp_layer = mtp_layer if isinstance(mtp_layer, int) else None
+    mtp_layer = _mtp_layer(layout, cfg)
     issues = _Issues()
     codebook_layers: dict[int, set[str]] = {}
     rules = layout.get("classes") or {}
     present, widths = _check_abi(merged, rules, layout, issues, summary, codebook_layers, mtp_layer)
     _expected_experts(cfg, present, headers, len(headers) == len(main_shards), issues)
-    want_w = layout.get("kv_a_proj_width")
-    if isinstance(want_w, int):
-        for mod, w in sorted(widths.items()):
-            if w != want_w:
-                issues.add(_expected_severity(layout, "kv_a_proj_width"), "kv-a-width", "attention", mod, classify(mod, mtp_layer)[1],
-                           f"{w} wide, expected {want_w}", "use the checkpoint this recipe is for")
-    findings.extend(issues.findings("shards"))
-
-    labels = {layer: "+".join(sorted(cbs)) for layer, cbs in codebook_layers.items()}
-    summary.codebooks = " · ".join(f"{label}: {ranges(ls)}" for label, ls in _runs(labels))
-    used = {cb for cbs in codebook_layers.values() for cb in cbs}
-    if len(used) > 1:
-        sev = "error" if layout.get("mixed_codebooks") == "error" else "warn"
-        findings.append(Finding(sev, "codebook-mixed", f"codebooks are mixed ({summary.codebooks})",
-                                layout.get("codebook_note") or "serve with an overlay that detects the codebook "
-                                "per layer", "shards"))
-
-    _optional_files(scan, shards_scan, set(main_shards), layout, findings, summary, mtp_layer)
-    _serving_files(scan, layout, findings)
-    _deep(scan, findings, summary)
-    order = {"error": 0, "warn": 1, "info": 2}
-    findings.sort(key=lambda f: order.get(f.severity, 3))
+    _finish(scan, shards_scan, main_shards, layout, findings, summary, issues, codebook_layers, widths, mtp_layer)
     return Report(findings, summary)
 
 
@@ -666,18 +714,29 @@ def _runs(labels: Mapping[int, str]) -> list[tuple[str, list[int]]]:
     return out
 
 
+def _expected_expert_count(cfg: Mapping[str, Any]) -> int | None:
+    """How many routed-expert linears config.json implies (three per expert per MoE layer, MTP
+    included); None when its values are missing or nonsense (the config checks report those)."""
+    n, first, layers = cfg.get("n_routed_experts"), cfg.get("first_k_dense_replace"), cfg.get("num_hidden_layers")
+    mtp = cfg.get("num_nextn_predict_layers", 0)
+    if not all(isinstance(x, int) and x >= 0 for x in (n, first, layers, mtp)):
+        return None
+    assert isinstance(n, int) and isinstance(first, int) and isinstance(layers, int) and isinstance(mtp, int)
+    if n > 4096 or layers > 1024:
+        return None
+    return (layers + mtp - first) * n * 3
+
+
 def _expected_experts(cfg: Mapping[str, Any], present: set[str], headers: Mapping[str, Header], complete: bool,
                       issues: _Issues) -> None:
     """Every MoE layer (first_k_dense_replace .. last incl. MTP) has all routed experts' three linears."""
-    n, first, layers = cfg.get("n_routed_experts"), cfg.get("first_k_dense_replace"), cfg.get("num_hidden_layers")
-    mtp = cfg.get("num_nextn_predict_layers", 0)
-    if not complete or not all(isinstance(x, int) and x >= 0 for x in (n, first, layers, mtp)):
+    want = _expected_expert_count(cfg)
+    if not complete or want is None:
         return  # a shard that could not be read is already an error; don't pile on
-    assert isinstance(n, int) and isinstance(first, int) and isinstance(layers, int) and isinstance(mtp, int)
-    if n > 4096 or layers > 1024:
-        return  # nonsense config values are reported by the config checks, not enumerated here
-    if sum(1 for m in present if ".mlp.experts." in m) == (layers + mtp - first) * n * 3:
+    if sum(1 for m in present if ".mlp.experts." in m) == want:
         return  # the usual case: as many expert linears as expected; enumerate only when not
+    n, first, layers = cfg["n_routed_experts"], cfg["first_k_dense_replace"], cfg["num_hidden_layers"]
+    mtp = cfg.get("num_nextn_predict_layers", 0)
     for layer in range(first, layers + mtp):
         for e in range(n):
             for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -700,13 +759,20 @@ def _optional_files(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], mai
             findings.append(Finding("info", "file-ignored", f"{rel} is not part of the index or the layout; "
                                     "vLLM will not load it", "", rel))
             continue
-        header = _shard_header(rel, shards_scan[rel], findings)
-        if header is None:
-            continue
+        entry = shards_scan[rel]
         issues = _Issues()
         sub = Summary()
-        _check_abi(header.kinds, spec.get("classes") or {}, {**layout, "default_format": "any"},
-                   issues, sub, {}, mtp_layer)
+        rules, sub_layout = spec.get("classes") or {}, {**layout, "default_format": "any"}
+        if isinstance(entry.get("summary"), dict) and not entry.get("error"):
+            summ = entry["summary"]
+            _size_findings(rel, int(entry.get("size", 0)),
+                           8 + int(entry.get("header_len") or 0) + int(summ.get("data_len") or 0), findings)
+            _abi_from_groups(_merge_groups([summ]), rules, sub_layout, issues, sub, {}, mtp_layer)
+        else:
+            header = _shard_header(rel, entry, findings)
+            if header is None:
+                continue
+            _check_abi(header.kinds, rules, sub_layout, issues, sub, {}, mtp_layer)
         findings.extend(issues.findings(rel))
         desc = ", ".join(f"{c} {'/'.join(map(str, sorted(b)))}-bit" for c, b in sub.quantized_by_class.items())
         summary.optional_files.append(f"{rel}: {desc or 'no EXL3 linears'}")
@@ -821,6 +887,224 @@ def compare_nodes(scans: Mapping[str, Mapping[str, Any]], head: str | None = Non
 
 
 def verify_dir(path: str | Path, layout: Mapping[str, Any] | None = None, *, fingerprints: bool = False,
-               **scan_options: Any) -> Report:
-    """Scan the folder on this machine and verify it."""
-    return verify_scan(scan_dir(str(path), headers="raw", fingerprints=fingerprints, **scan_options), layout)
+               summary_cache: str | None = None, **scan_options: Any) -> Report:
+    """Scan the folder on this machine and verify it: from its summaries (cached in `summary_cache`,
+    "" for no cache), and from its headers when the summaries show a problem."""
+    return verify_with(lambda headers: scan_dir(str(path), headers=headers, fingerprints=fingerprints,
+                                                summary_cache=summary_cache, **scan_options), layout)
+
+
+def verify_with(scan_fn: Callable[[str], Mapping[str, Any]], layout: Mapping[str, Any] | None) -> Report:
+    """Verify what `scan_fn("summary")` returns; if the summaries show a problem, scan again with
+    full headers (`scan_fn("raw")`, or "zlib" from a node: scan_fn chooses) and verify that."""
+    try:
+        return verify_scan(scan_fn("summary"), layout)
+    except NeedHeaders:
+        return verify_scan(scan_fn("raw"), layout)
+
+
+# ---------------------------------------------------------------- from summaries
+
+
+class NeedHeaders(Exception):
+    """The scan holds summaries, and they show something irregular that only the full headers can
+    say precisely (which tensor, which shard): scan again with headers and verify that."""
+
+
+_Key = tuple[str, str | None]  # (prefix, tail) of a numbered expert tensor, or (name, None)
+_Merged = dict[_Key, list[tuple[TensorKind, list[list[int]]]]]
+
+
+def _merge_groups(summaries: Iterable[Mapping[str, Any]]) -> _Merged:
+    """Every shard's groups (ckpt_scan.summarize_kinds) as one map: name pattern -> [(kind, id ranges)]."""
+    merged: _Merged = {}
+    kinds: dict[tuple[str, tuple[int, ...]], TensorKind] = {}
+    for summ in summaries:
+        groups = summ.get("groups")
+        if not isinstance(groups, list):
+            raise NeedHeaders("a shard summary has no groups")
+        for g in groups:
+            try:
+                pre, tail, dtype, shape, ids = g
+                shp = tuple(shape)
+                if not (isinstance(pre, str) and (tail is None or isinstance(tail, str)) and dtype in DTYPE_BITS
+                        and all(type(d) is int and d >= 0 for d in shp) and len(shp) <= 8
+                        and (ids is None) == (tail is None)):
+                    raise ValueError
+                rng = None if ids is None else [[int(a), int(b)] for a, b in ids]
+            except (TypeError, ValueError):
+                raise NeedHeaders("a shard summary is malformed") from None
+            kind = kinds.get((dtype, shp))
+            if kind is None:
+                kind = kinds[(dtype, shp)] = TensorKind(dtype, shp, nbytes(dtype, shp))
+            merged.setdefault((pre, tail), []).append((kind, rng or []))
+    return merged
+
+
+def _kinds(merged: _Merged, key: _Key) -> list[tuple[TensorKind, frozenset[int] | None]]:
+    """The kinds of the tensors named by `key`, each with its ids (None for a plain name); [] if none.
+    NeedHeaders if one name is there twice (the full headers say in which shards)."""
+    got = merged.get(key)
+    if not got:
+        return []
+    if key[1] is None:
+        if len(got) != 1:
+            raise NeedHeaders(f"{key[0]} is in two shards")
+        return [(got[0][0], None)]
+    by_kind: dict[TensorKind, set[int]] = {}
+    n = 0
+    for kind, rng in got:
+        ids = by_kind.setdefault(kind, set())
+        for a, b in rng:
+            if not 0 <= a <= b < 10**9:
+                raise NeedHeaders("a summary's id range is malformed")
+            ids.update(range(a, b + 1))
+            n += b - a + 1
+    if n != sum(map(len, by_kind.values())):
+        raise NeedHeaders(f"{key[0]}*.{key[1]} is in two shards")
+    return [(kind, frozenset(ids)) for kind, ids in by_kind.items()]
+
+
+def _single(merged: _Merged, key: _Key) -> tuple[TensorKind, frozenset[int] | None] | None:
+    """The one kind of `key` and its ids; None if absent; NeedHeaders if its tensors differ in kind."""
+    got = _kinds(merged, key)
+    if len(got) > 1:
+        raise NeedHeaders(f"{key[0]}*.{key[1]} has {len(got)} kinds")
+    return got[0] if got else None
+
+
+def _abi_from_groups(merged: _Merged, rules: Mapping[str, Any], layout: Mapping[str, Any], issues: _Issues,
+                     summary: Summary, codebook_layers: dict[int, set[str]],
+                     mtp_layer: int | None) -> tuple[int, dict[str, int]]:
+    """_check_abi from the grouped names: the same groups, counts and findings for a structurally
+    sound checkpoint; NeedHeaders for any structural problem (which the per-module path explains).
+    Returns (expert linears present, out-width per kv_a module)."""
+    groups: _Groups = {}
+    example: dict[_Group, str] = {}
+    widths: dict[str, int] = {}
+    experts = parts = accounted = 0
+    trellis_mods: set[tuple[str, str | None]] = set()
+    for key in merged:
+        name = key[1] if key[1] is not None else key[0]
+        if name.endswith(_PART_SUFFIXES):
+            parts += sum(1 if ids is None else len(ids) for _, ids in _kinds(merged, key))
+        if not name.endswith(".trellis"):
+            continue
+        base = (key[0][: -len(".trellis")], None) if key[1] is None else (key[0], key[1][: -len(".trellis")])
+        trellis_mods.add(base)
+
+        def part(suffix: str, base: tuple[str, str | None] = base) -> _Key:
+            return (base[0] + suffix, None) if base[1] is None else (base[0], base[1] + suffix)
+
+        suh, svh, mcg, mul1 = (_single(merged, part(x)) for x in (".suh", ".svh", ".mcg", ".mul1"))
+        trellis = _kinds(merged, part(".trellis"))
+        ids: frozenset[int] | None = None if base[1] is None else frozenset().union(*(i or () for _, i in trellis))
+        if (suh is None or svh is None or suh[1] != ids or svh[1] != ids or merged.get(part(".weight"))
+                or not (mcg or mul1)):
+            raise NeedHeaders(f"EXL3 module {base} is irregular")
+        if ids is None:
+            if mcg and mul1:
+                raise NeedHeaders(f"EXL3 module {base[0]} has two markers")
+            markers: list[tuple[str, frozenset[int] | None]] = [("mcg" if mcg else "mul1", None)]
+        else:
+            m1 = (mcg[1] if mcg else None) or frozenset()
+            m2 = (mul1[1] if mul1 else None) or frozenset()
+            if m1 & m2 or (m1 | m2) != ids:
+                raise NeedHeaders(f"EXL3 modules {base[0]}*.{base[1]} have missing or duplicate markers")
+            markers = [(m, sub) for m, sub in (("mcg", m1), ("mul1", m2)) if sub]
+        for kind, tids in trellis:
+            shape = kind.shape
+            if (kind.dtype != "I16" or len(shape) != 3 or shape[2] % 16 or not shape[2]
+                    or suh[0].shape != (shape[0] * 16,) or svh[0].shape != (shape[1] * 16,)):
+                raise NeedHeaders(f"EXL3 module {base} has an irregular trellis")
+            accounted += 3 * (1 if tids is None else len(tids))
+            for marker, mids in markers:
+                sub = tids if mids is None else (tids or frozenset()) & mids
+                if sub is not None and not sub:
+                    continue
+                mod = base[0] if sub is None else f"{base[0]}{min(sub)}.{base[1]}"
+                cls, layer = classify(mod, mtp_layer)
+                group = (cls, layer, shape[2] >> 4, marker)
+                count = 1 if sub is None else len(sub)
+                groups[group] = groups.get(group, 0) + count
+                example.setdefault(group, mod)
+                if ".mlp.experts." in mod:
+                    experts += count
+            if base[1] is None and base[0].endswith("kv_a_proj_with_mqa"):
+                widths[base[0]] = shape[1] * 16
+    if parts != accounted:
+        raise NeedHeaders("some EXL3 part belongs to no trellis")
+    _group_rules(groups, example, rules, layout, issues, summary, codebook_layers)
+    for key in merged:
+        name = key[1] if key[1] is not None else key[0]
+        if not name.endswith(".weight"):
+            continue
+        base = (key[0][: -len(".weight")], None) if key[1] is None else (key[0], key[1][: -len(".weight")])
+        if base in trellis_mods:
+            continue  # both .weight and .trellis: raised above
+        for kind, ids in _kinds(merged, key):
+            if len(kind.shape) != 2:
+                continue
+            mod = base[0] if ids is None else f"{base[0]}{min(ids)}.{base[1]}"
+            cls, layer = classify(mod, mtp_layer)
+            if cls == "attention" and mod.endswith("kv_a_proj_with_mqa"):
+                widths[mod] = kind.shape[0]
+            count = 1 if ids is None else len(ids)
+            if ".mlp.experts." in mod:
+                experts += count
+            _native_rule(cls, mod, layer, kind, count, rules, layout, issues, summary)
+    return experts, widths
+
+
+def _verify_summary(scan: Mapping[str, Any], layout: Mapping[str, Any]) -> Report:
+    """verify_scan for a scan made with headers="summary" (ckpt_scan): the same report for a sound
+    checkpoint, read from a few thousand groups instead of 232k tensor entries; NeedHeaders when
+    the summaries show a problem that only the headers can pin down."""
+    findings: list[Finding] = []
+    summary = Summary(expected_shards=int(layout.get("shards") or 0))
+    entry = (scan.get("json") or {}).get(INDEX) or {"missing": True}
+    isumm = entry.get("summary")
+    if entry.get("missing") or entry.get("error") or not isinstance(isumm, dict) or isumm.get("error") \
+            or not isumm.get("weight_map"):
+        raise NeedHeaders("the index is missing or unreadable")
+    config = _json_file(scan, "config.json", findings, required=True)
+    qconf = _json_file(scan, "quantization_config.json", findings, required=False)
+    shards_scan: Mapping[str, Any] = scan.get("shards") or {}
+    ishards = isumm.get("shards")
+    if not isinstance(ishards, dict):
+        raise NeedHeaders("the index summary is malformed")
+    counts = {str(k): int(v.get("count", -1)) for k, v in ishards.items() if isinstance(v, dict)}
+    top_level = _index_vs_folder(counts, shards_scan, True, layout, summary, findings)
+    if set(counts) - top_level:
+        raise NeedHeaders("a shard the index names is missing")  # the headers say which tensors went with it
+    main_shards = sorted(set(counts) & set(shards_scan))
+    summaries = []
+    data_total = 0
+    for sname in main_shards:
+        e = shards_scan[sname]
+        summ = e.get("summary")
+        if e.get("error") or not isinstance(summ, dict):
+            raise NeedHeaders(f"{sname} could not be summarised")
+        if summ.get("tensors") != counts[sname] or summ.get("names_sha256") != ishards[sname].get("names_sha256"):
+            raise NeedHeaders(f"{sname} and the index disagree")
+        summary.bytes += int(e.get("size") or 0)
+        data_len = int(summ.get("data_len") or 0)
+        data_total += data_len
+        _size_findings(sname, int(e.get("size", 0)), 8 + int(e.get("header_len") or 0) + data_len, findings)
+        summaries.append(summ)
+    summary.tensors = sum(int(x.get("tensors") or 0) for x in summaries)
+    if summary.tensors != isumm.get("tensors"):
+        raise NeedHeaders("the index names tensors no shard holds")
+    _total_size_finding(isumm.get("total_size"), data_total, findings)
+    _config_checks(config, qconf, layout, findings)
+    cfg = config if isinstance(config, dict) else {}
+    mtp_layer = _mtp_layer(layout, cfg)
+    issues = _Issues()
+    codebook_layers: dict[int, set[str]] = {}
+    experts, widths = _abi_from_groups(_merge_groups(summaries), layout.get("classes") or {}, layout, issues,
+                                       summary, codebook_layers, mtp_layer)
+    want = _expected_expert_count(cfg)
+    if want is not None and experts != want:
+        raise NeedHeaders("routed experts are missing")  # the per-module path names them
+    _finish(scan, shards_scan, main_shards, layout, findings, summary, issues, codebook_layers, widths, mtp_layer)
+    return Report(findings, summary)

@@ -515,20 +515,31 @@ def _scan(index: bool = True, **extra: Any) -> dict[str, Any]:
 
 
 def test_checkpoint_from_scan() -> None:
-    info = C.checkpoint_from_scan(_scan(), "/models/lab")
+    from sparkctl.plan import checkpoint_from_scan
+
+    info = checkpoint_from_scan(_scan(), Path("/models/lab"), "spark1")
     assert info.config["kv_lora_rank"] == 512 and info.index_total_size == 6_000_000
     assert [(s.name, s.size) for s in info.shards] == sorted(SHARDS.items())
-    no_index = C.checkpoint_from_scan(_scan(index=False), "/models/lab")
+    no_index = checkpoint_from_scan(_scan(index=False), Path("/models/lab"), "spark1")
     assert [s.name for s in no_index.shards] == sorted(SHARDS) and no_index.index_total_size is None
+    summarised = _scan()  # the index as the head's summary (check's scan) gives the same plan input
+    summarised["json"]["model.safetensors.index.json"] = {"summary": {
+        "weight_map": True, "total_size": 6_000_000, "shards": {n: {"count": 1} for n in SHARDS}}}
+    assert checkpoint_from_scan(summarised, Path("/models/lab"), "spark1") == info
 
 
 def test_checkpoint_from_scan_refuses() -> None:
-    with pytest.raises(ValueError, match="not a folder"):
-        C.checkpoint_from_scan({"error": {"code": "dir-missing", "message": "/m is not a folder"}}, "/m")
+    from sparkctl.errors import CheckFailed, UsageError
+    from sparkctl.plan import checkpoint_from_scan
+
+    with pytest.raises(UsageError, match="not a folder on spark1"):
+        checkpoint_from_scan({"error": {"code": "dir-missing", "message": "/m is not a folder"}}, Path("/m"), "spark1")
     scan = _scan()
     scan["json"]["config.json"] = {"missing": True}
-    with pytest.raises(ValueError, match="config.json"):
-        C.checkpoint_from_scan(scan, "/m")
+    with pytest.raises(UsageError, match="config.json not found in /m on spark1"):
+        checkpoint_from_scan(scan, Path("/m"), "spark1")
+    with pytest.raises(CheckFailed, match="spark1"):
+        checkpoint_from_scan({"error": "boom"}, Path("/m"), "spark1")
 
 
 # ------------------------------------------------------------------------------ every failure
@@ -791,15 +802,6 @@ def test_open_api_is_a_cluster_warning_with_a_fix() -> None:
     assert rule_open_api(None) is None
     f = rule_open_api("the API on spark1:8888 will listen on 0.0.0.0 without an API key")
     assert f is not None and f.node == CLUSTER_ROW and f.status == WARN and "VLLM_API_KEY" in f.fix
-
-
-def test_checkpoint_from_scan_refuses_hostile_scans_with_value_error() -> None:
-    from sparkctl.check import checkpoint_from_scan
-
-    for scan in ({"error": "boom"}, {"json": [], "files": {}}, {"json": {"config.json": "x"}},
-                 {"json": {"config.json": {"data": 5}}}, {"json": {"config.json": {"data": "!!notbase64"}}}):
-        with pytest.raises(ValueError):
-            checkpoint_from_scan(scan, "/m")
 
 
 def test_docker_api_asks_for_every_image_and_reads_each_answer() -> None:

@@ -17,9 +17,9 @@ from sparkctl import ckptgen, modelsync
 from sparkctl.commands.model import BOOT
 from sparkctl.errors import CheckFailed
 from sparkctl.lab.hfhub import StandinHub
-from sparkctl.probes import source
 from sparkctl.probes.ckpt_scan import scan
 from sparkctl.probes.model_node import describe, mount_of
+from sparkctl.resources import probe_script
 
 hf = pytest.importorskip("huggingface_hub")
 REPO = "lab/tiny"
@@ -33,7 +33,7 @@ def pack(tmp_path: Path) -> Path:
 
 def _pull(url: str, rev: str, dest: Path, token: str = TOKEN) -> tuple[dict[str, object], str]:
     """hf_pull.py exactly as the head runs it: bootstrap on argv, script then token on stdin."""
-    script = source("hf_pull").encode()
+    script = probe_script("hf_pull.py")
     env = {"PATH": os.environ.get("PATH", ""), "HF_ENDPOINT": url, "HOME": str(dest.parent),
            "HF_HUB_DISABLE_TELEMETRY": "1"}
     r = subprocess.run([sys.executable, "-c", BOOT, str(len(script)), REPO, rev, str(dest)],

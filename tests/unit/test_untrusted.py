@@ -25,7 +25,8 @@ from sparkctl.cluster import NodeError, RunResult
 from sparkctl.commands.lifecycle import _metrics_summary
 from sparkctl.errors import SparkctlError
 from sparkctl.lock import LockOwner
-from sparkctl.plan import CheckpointInfo, checkpoint_from_listing, kv_terms
+from sparkctl.plan import CheckpointInfo, checkpoint_from_scan, kv_terms
+from sparkctl.probes.ckpt_scan import _encode
 from sparkctl.readiness import MAX_JSON_ANSWER, PHASES, BadAnswer, HeadApi, phase_of
 from sparkctl.service import ContainerState, inspect_cluster
 
@@ -168,37 +169,46 @@ def test_metrics_summary_bounded_on_a_huge_answer() -> None:
     assert _metrics_summary("vllm:num_requests_running 1\n" * 2_000_000) == {"requests_running": 20000.0}
 
 
-# --------------------------------------------------------------------------- checkpoint listing
+# --------------------------------------------------------------------------- checkpoint scan
 
 
-def listing() -> st.SearchStrategy[Any]:
+def _blob(text: str) -> dict[str, Any]:
+    return {"data": _encode(text.encode("utf-8", "surrogatepass"), "zlib")}
+
+
+def scan_doc() -> st.SearchStrategy[Any]:
+    """What a hostile node's ckpt_scan could print (the planner reads it from the head)."""
     config = st.fixed_dictionaries({}, optional={
         k: st.integers(min_value=-5, max_value=10**40) | json_values
         for k in ("num_hidden_layers", "num_nextn_predict_layers", "kv_lora_rank", "qk_rope_head_dim",
                   "index_head_dim", "num_key_value_heads", "num_attention_heads", "hidden_size", "head_dim")})
+    shard_names = st.sampled_from(["a.safetensors", "../x", ".h", "b/c.safetensors"]) | st.text(max_size=5)
     index = st.fixed_dictionaries({}, optional={
-        "weight_map": st.dictionaries(st.text(max_size=8), st.sampled_from(["a.safetensors", "../x", ".h"]) |
-                                      json_values, max_size=3) | json_values,
+        "weight_map": st.dictionaries(st.text(max_size=8), shard_names | json_values, max_size=3) | json_values,
         "metadata": st.fixed_dictionaries({}, optional={"total_size": json_values}) | json_values})
-    files = st.fixed_dictionaries({}, optional={
-        "config.json": config.map(json.dumps) | nasty_text | st.just(DEEP) | json_values,
-        "model.safetensors.index.json": index.map(json.dumps) | nasty_text | json_values}) | json_values
-    sizes = st.dictionaries(st.sampled_from(["a.safetensors", "b.safetensors"]) | st.text(max_size=5),
-                            st.integers(min_value=-(2**70), max_value=2**70) | json_values | nasty_text,
-                            max_size=3) | json_values
-    return st.fixed_dictionaries({"is_dir": json_values | st.just(True), "files": files, "sizes": sizes})
+    summary = st.fixed_dictionaries({}, optional={
+        "weight_map": json_values | st.just(True), "total_size": st.integers(min_value=-(2**70), max_value=2**70),
+        "shards": st.dictionaries(shard_names, json_values, max_size=3) | json_values, "error": json_values})
+    entry = st.just({"missing": True}) | json_values | nasty_text.map(_blob)
+    js = st.fixed_dictionaries({}, optional={
+        "config.json": entry | config.map(json.dumps).map(_blob) | st.just(_blob(DEEP)),
+        "model.safetensors.index.json": entry | index.map(json.dumps).map(_blob) |
+        summary.map(lambda x: {"summary": x})}) | json_values
+    sizes = st.integers(min_value=-(2**70), max_value=2**70) | json_values | nasty_text
+    files = st.dictionaries(shard_names, st.fixed_dictionaries({"size": sizes}) | json_values, max_size=3) | json_values
+    return st.fixed_dictionaries({"files": files, "json": js}, optional={"error": json_values})
 
 
 @FAST
-@given(listing())
-def test_checkpoint_from_any_listing(doc: dict[str, Any]) -> None:
+@given(scan_doc())
+def test_checkpoint_from_any_scan(doc: dict[str, Any]) -> None:
     try:
-        info = checkpoint_from_listing(Path("/m"), doc, "n1")
+        info = checkpoint_from_scan(doc, Path("/m"), "n1")
     except SparkctlError:
         return
     assert isinstance(info, CheckpointInfo)
     assert all(s.size is None or 0 <= s.size <= 1 << 50 for s in info.shards)
-    assert all("/" not in s.name for s in info.shards)
+    assert all("/" not in s.name and not s.name.startswith(".") for s in info.shards)
     try:  # the planner's reading of a config a node handed over
         terms = kv_terms(info.config, "fp8", 4, Path("/m"))
     except SparkctlError:
@@ -206,18 +216,24 @@ def test_checkpoint_from_any_listing(doc: dict[str, Any]) -> None:
     assert all(0 <= t.bytes_per_token < 2**64 for t in terms)
 
 
-def test_checkpoint_listing_known_traps() -> None:
-    good = {"config.json": json.dumps({"num_hidden_layers": 2})}
-    for bad in [{"is_dir": True, "files": good, "sizes": {"a.safetensors": "12"}},
-                {"is_dir": True, "files": good, "sizes": {"a.safetensors": -1}},
-                {"is_dir": True, "files": good, "sizes": {"a.safetensors": 10**30}},
-                {"is_dir": True, "files": good, "sizes": [1]},
-                {"is_dir": True, "files": {"config.json": "{\"a\": " + "1" * 5000 + "}"}, "sizes": {}},
-                {"is_dir": True, "files": {**good, "model.safetensors.index.json": '{"weight_map": []}'}},
-                {"is_dir": True, "files": {**good, "model.safetensors.index.json":
-                                           '{"weight_map": {"w": "../../etc/passwd"}}'}}]:
+def test_checkpoint_scan_known_traps() -> None:
+    good = {"config.json": _blob(json.dumps({"num_hidden_layers": 2}))}
+    for bad in [{"files": {"a.safetensors": {"size": "12"}}, "json": good},
+                {"files": {"a.safetensors": {"size": -1}}, "json": good},
+                {"files": {"a.safetensors": {"size": 10**30}}, "json": good},
+                {"files": [1], "json": good},
+                {"files": {}, "json": {"config.json": _blob("{\"a\": " + "1" * 5000 + "}")}},
+                {"files": {}, "json": {**good, "model.safetensors.index.json": _blob('{"weight_map": []}')}},
+                {"files": {}, "json": {**good, "model.safetensors.index.json":
+                                       _blob('{"weight_map": {"w": "../../etc/passwd"}}')}},
+                {"files": {}, "json": {**good, "model.safetensors.index.json":
+                                       {"summary": {"weight_map": True, "shards": {"../../etc/passwd": {}}}}}},
+                {"files": {}, "json": {**good, "model.safetensors.index.json": {"summary": {"weight_map": False}}}},
+                {"error": {"code": "dir-missing", "message": "no"}}, {"error": "boom"}, {"json": [], "files": {}},
+                {"json": {"config.json": "x"}, "files": {}}, {"json": {"config.json": {"data": 5}}, "files": {}},
+                {"json": {"config.json": {"data": "!!notbase64"}}, "files": {}}, []]:
         with pytest.raises(SparkctlError):
-            checkpoint_from_listing(Path("/m"), bad, "n1")
+            checkpoint_from_scan(bad, Path("/m"), "n1")
 
 
 # ------------------------------------------------------------------------------ the head's HTTP

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from sparkctl import ckptgen
 from sparkctl.cli import cli
-from sparkctl.probes import ckpt_scan, source
+from sparkctl.probes import ckpt_scan
+from sparkctl.resources import probe_script
 from sparkctl.safetensors import _validate, read_header
 from sparkctl.verify import (
     _EXPERT_TAIL,
@@ -184,7 +185,7 @@ def test_probe_runs_standalone_over_stdin(tmp_path: Path) -> None:
     import sys
 
     d = tiny(tmp_path)
-    out = subprocess.run([sys.executable, "-I", "-", str(d), "--fingerprints"], input=source("ckpt_scan"),
+    out = subprocess.run([sys.executable, "-I", "-", str(d), "--fingerprints"], input=probe_script("ckpt_scan.py").decode(),
                          capture_output=True, text=True, check=True, cwd="/")
     doc = json.loads(out.stdout)
     assert len(doc["shards"]) == 3 and doc["json"]["config.json"]["sha256"]

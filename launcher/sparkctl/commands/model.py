@@ -87,9 +87,9 @@ def _rate_text(done: int, total: int, seconds: float) -> str:
 # ------------------------------------------------------------------------------------------- pull
 def _pull_on_head(g: Any, s: Any, repo: str, revision: str, board: Board) -> dict[str, Any]:
     from ..cluster import Cluster
-    from ..probes import source
+    from ..resources import probe_script
 
-    script = source("hf_pull").encode()
+    script = probe_script("hf_pull.py")
     token = s.secrets().get("HF_TOKEN", "")
     env = {"HF_HUB_DISABLE_TELEMETRY": "1"}
     if s.get("HF_ENDPOINT"):

@@ -1,13 +1,6 @@
-"""Probe scripts: standalone, stdlib-only Python that the cluster layer ships to nodes over SSH
-(`python3 - ARGS < probe.py`), because nodes do not have sparkctl installed. Local code imports
-the same modules and calls their functions directly. Nothing here may import sparkctl.
+"""Probe scripts: standalone Python (and sh) that the cluster layer ships to nodes over SSH
+(`python3 - ARGS` with resources.probe_script(NAME) on stdin), because nodes do not have sparkctl
+installed. A probe imports the standard library and, absolutely, only the stdlib-only sparkctl
+modules listed in resources.PROBE_MODULES (probe_script bundles them). Local code imports the same
+modules and calls their functions directly. resources.probe_script is the one loader.
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-
-
-def source(name: str) -> str:
-    """The source text of probe `name` (e.g. "ckpt_scan"), to send to a node's python3 stdin."""
-    return (Path(__file__).resolve().parent / f"{name}.py").read_text()
