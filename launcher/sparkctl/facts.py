@@ -27,7 +27,7 @@ is a shell function in node_facts.sh's library part, called by the declaration.
 
 Why the probe is generated into node_facts.sh rather than assembled at each run: the script that
 goes to the nodes stays one complete file, byte for byte what is reviewed and tested, that a person
-X, with its
+can run by hand (`sh -s < probes/node_facts.sh`, as check's own advice says), with its
 shell helpers next to the calls that use them; the registry test keeps the generated part equal to
 the declarations, so the two cannot drift.
 """
