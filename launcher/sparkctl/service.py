@@ -26,6 +26,7 @@ from .builders import (
 )
 from .cluster import Cluster, Node, NodeError
 from .docker_parse import ContainerState, parse_container_inspect, parse_format_value
+from .engine_lines import failure_in
 from .errors import CheckFailed
 from .lock import audit_append_argv, audit_line, state_dir
 from .parsing import ParseError
@@ -292,9 +293,11 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
         assert not isinstance(node_states, NodeError)
         mine = [c for c in node_states if c.rank == spec.rank]
         if not mine or not mine[0].running:
-            tail = _log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 5)
+            tail = _log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 50)
             status = f"{mine[0].status}, exit {mine[0].exit_code}" if mine else "gone"
-            dead.append(f"rank {spec.rank} ({spec.node}) {status}" + (f": {tail[-1]}" if tail else ""))
+            found = failure_in(tail)  # vLLM's words for the cause, even with lines after it
+            said = f"{found[0]}: {found[1]}" if found else (tail[-1] if tail else "")
+            dead.append(f"rank {spec.rank} ({spec.node}) {status}" + (f": {said}" if said else ""))
     if dead:
         raise CheckFailed("containers died right after start:\n  " + "\n  ".join(dead))
 
