@@ -13,6 +13,7 @@ Each figure is the best of --repeat runs (the least disturbed by other work on t
 | status's /metrics summary of a 2,000,000-line answer | < 5 s | test_untrusted.py:162 |
 | bench.parse_prometheus on a pathological 60 kB line | < 2 s | test_untrusted.py:319 |
 | stand-in: 80 tokens at 400 tok/s (+ 0.05 s TTFT) | 0.2 s <= t < 1.5 s | test_standin.py:245 |
+| nccl.parse of 20 pathological 200 kB lines | < 2 s (lines cut to MAX_LINE) | test_nccl.py:194 |
 | bench: a request's TTFT (role chunk at 0.02 s, 8 tokens 0.02 s apart) | TTFT < 1 s, > 8 tok/s | test_bench.py:313 |
 | bench: a request with --timeout 0.5 against a stalled stream ends | < 2 s | test_bench.py:381 |
 """
@@ -45,7 +46,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from sparkctl import bench, ckptgen
+    from sparkctl import bench, ckptgen, nccl
     from sparkctl.commands.lifecycle import _metrics_summary
     from sparkctl.readiness import phase_of
 
@@ -63,6 +64,8 @@ def main() -> int:
     results.append(("/metrics summary, 2M lines", best(lambda: _metrics_summary(text), args.repeat), 0, 5))
     bad = "a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000
     results.append(("parse_prometheus, pathological", best(lambda: list(bench.parse_prometheus(bad)), args.repeat), 0, 2))
+    nccl_log = ("a:1:1 [0] " * 20000 + "NCCL INFO x\n") * 20
+    results.append(("nccl.parse, 20 pathological lines", best(lambda: nccl.parse(nccl_log), args.repeat), 0, 2))
 
     from tests.unit import test_bench as tb  # its tiny loopback servers
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .facts import Image, normalize_image_ref
+from .docker_parse import Image, normalize_image_ref
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from . import docker_parse as D
 from . import facts as F
 from .builders import open_api_warning
 from .cluster import Cluster, Node, NodeError, Session
@@ -596,16 +597,16 @@ def rule_model(
 
 
 def rule_image(
-    images: Mapping[str, list[F.Image] | None], head: str, ref: str, problems: Mapping[str, str]
+    images: Mapping[str, list[D.Image] | None], head: str, ref: str, problems: Mapping[str, str]
 ) -> dict[str, Finding]:
     """The image every rank runs (the chain's top layer, IMAGE) is the same on every node: the same
     sparkctl content hash when sparkctl built it (a build on each rank gives each copy its own ID, from
     creation times, for the same inputs), else the same image ID. A missing image is a warning
     (`sparkctl build` makes it); a different one is a failure."""
     out: dict[str, Finding] = {}
-    ids: dict[str, F.Image] = {}
+    ids: dict[str, D.Image] = {}
     for n, imgs in images.items():
-        img = F.find_image(imgs or [], ref) if imgs is not None else None
+        img = D.find_image(imgs or [], ref) if imgs is not None else None
         if imgs is None:
             out[n] = _f(
                 n,
@@ -621,7 +622,7 @@ def rule_image(
             ids[n] = img
     if not ids:
         return out
-    def identity(img: F.Image) -> str:
+    def identity(img: D.Image) -> str:
         return img.labels.get("sparkctl.content-hash") or img.id
 
     counts = Counter(identity(i) for i in ids.values())
@@ -648,7 +649,7 @@ def rule_image(
     return out
 
 
-def rule_versions(images: Mapping[str, list[F.Image] | None], head: str, ref: str,
+def rule_versions(images: Mapping[str, list[D.Image] | None], head: str, ref: str,
                   expect: Mapping[str, str]) -> dict[str, Finding]:
     """What IMAGE reports (the `sparkctl.versions` label `build` records after its version probe) is the
     same on every rank and what the recipe expects (e.g. exllamav3 1.4.5 after v145). An image without
@@ -656,7 +657,7 @@ def rule_versions(images: Mapping[str, list[F.Image] | None], head: str, ref: st
     from .images import read_versions, version_disagreements, version_problems
 
     found = {n: v for n, imgs in images.items() if imgs is not None
-             if (img := F.find_image(imgs, ref)) is not None and (v := read_versions(img)) is not None}
+             if (img := D.find_image(imgs, ref)) is not None and (v := read_versions(img)) is not None}
     out: dict[str, Finding] = {}
     differ = version_disagreements(found, head)
     for n, versions in found.items():
@@ -673,12 +674,12 @@ def rule_versions(images: Mapping[str, list[F.Image] | None], head: str, ref: st
     return out
 
 
-def rule_base_image(images: Mapping[str, list[F.Image] | None], head: str, ref: str) -> dict[str, Finding]:
+def rule_base_image(images: Mapping[str, list[D.Image] | None], head: str, ref: str) -> dict[str, Finding]:
     """Every rank holds the head's base image (by image ID: RepoDigests do not survive save | load).
     A rank with another one is the stale-base case: one `sparkctl build` gives it the head's."""
     from .basepin import pin, stale
 
-    head_img = F.find_image(images.get(head) or [], ref)
+    head_img = D.find_image(images.get(head) or [], ref)
     if head_img is None:
         return {n: _f(n, "base", WARN, "missing", f"{n}: base image {ref} is not on the head {head} yet",
                       "run `sparkctl build` (it pulls the base on the head first)") for n in images if images[n] is not None}
@@ -687,7 +688,7 @@ def rule_base_image(images: Mapping[str, list[F.Image] | None], head: str, ref: 
     for n, imgs in images.items():
         if imgs is None:
             continue  # rule_image already says the images could not be read
-        why = stale(p, F.find_image(imgs, ref))
+        why = stale(p, D.find_image(imgs, ref))
         short = p.id.removeprefix("sha256:")[:12]
         if why is None:
             out[n] = _f(n, "base", OK, short, f"{n}: {ref} = {p.describe()}")

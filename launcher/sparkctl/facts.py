@@ -3,26 +3,64 @@
 Every parser here is a pure function from text to a small frozen dataclass. Node output is untrusted
 (a broken tool, a truncated stream, a hostile host): a parser returns its fact, or raises ParseError
 with a short reason, and never any other exception. Missing values a real tool prints as "[N/A]" or
-"Not Supported" (the GB10's unified memory) become None, not errors.
+"Not Supported" (the GB10's unified memory) become None, not errors. Docker's output is parsed in
+`docker_parse` (re-exported here where facts used to define it).
 
 The fixtures these are tested on are real output: tests/fixtures/ (nvidia-smi from an H200, the rest
 captured on a Debian 12 host) plus a derived GB10 set that says what was changed.
+
+Each node fact is declared once, as a field of NodeFacts: the probe section that carries it, its
+parser, the shell that prints it, and for an optional fact the switch that asks for it. From those
+declarations come node_facts.sh's facts() (the section calls and their conditions), the parse
+dispatch of node_facts_from_probe, the SWITCH=no flags probe_args takes and the expect_SWITCH
+arguments of node_facts_from_probe. Adding a fact, say the uptime:
+
+    uptime_s: float | None = fact("uptime", parse_uptime, "read_file /proc/uptime", switch="uptime")
+
+beside its parser (and its test), then `PYTHONPATH=launcher python -m sparkctl.facts` rewrites the
+probe's generated part (tests/unit/test_fact_registry.py fails until it is done). That replaces the
+edits it took before: the section call in node_facts.sh, for an optional fact its argument there
+(`uptime=no) UPTIME=no`, a default, the guard), the NodeFacts field, the _PARSERS entry, _PARTIAL_OK,
+and for an optional fact a probe_args flag and an expect_* argument with its place in the "asked"
+logic -- 4 to 8 edits in 2 files and 2 languages, now one line in one. A command longer than a line
+is a shell function in node_facts.sh's library part, called by the declaration.
+
+Why the probe is generated into node_facts.sh rather than assembled at each run: the script that
+goes to the nodes stays one complete file, byte for byte what is reviewed and tested, that a person
+can run by hand (`sh -s < probes/node_facts.sh`, as check's own advice says), with its
+shell helpers next to the calls that use them; the registry test keeps the generated part equal to
+the declarations, so the two cannot drift.
 """
 
 from __future__ import annotations
 
 import csv
-import functools
 import ipaddress
-import json
 import re
-import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, ParamSpec, TypeVar
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Final, TypeVar
 
-MAX_INPUT_CHARS: Final = 8 * 1024 * 1024
-"""Anything longer is refused: no real probe output comes near it, and parsing it would cost memory."""
+from .docker_parse import (
+    DOCKER_SECTIONS,
+    Container,
+    DockerFacts,
+    DockerVersion,
+    Image,
+    docker_api_paths,
+    parse_docker_api,
+    parse_docker_ps,
+    parse_docker_version,
+    parse_image_inspect,
+)
+
+# Re-exported: these were defined here before docker_parse and parsing held them.
+from .docker_parse import docker_version_from_headers as docker_version_from_headers
+from .docker_parse import find_image as find_image
+from .docker_parse import normalize_image_ref as normalize_image_ref
+from .parsing import MAX_INPUT_CHARS as MAX_INPUT_CHARS
+from .parsing import ParseError, guard, parse_json
 
 UNLIMITED: Final = 2**64 - 1
 """How an "unlimited" ulimit is represented (RLIM_INFINITY on Linux), so plain `>=` comparisons work."""
@@ -30,45 +68,9 @@ UNLIMITED: Final = 2**64 - 1
 GPU_QUERY_FIELDS: Final = ("name", "driver_version", "memory.total", "compute_cap", "count")
 """The fields `check` asks `nvidia-smi --query-gpu=` for, in this order."""
 
+T = TypeVar("T")
+
 _MISSING = {"", "[n/a]", "n/a", "not supported", "[not supported]", "unknown", "[unknown error]"}
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-class ParseError(ValueError):
-    """The output was not what the tool prints; the message says what was wrong with it."""
-
-
-def _guard(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn any failure while parsing untrusted text into ParseError (and refuse oversized input)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        text = args[0] if args else None
-        if isinstance(text, str) and len(text) > MAX_INPUT_CHARS:
-            raise ParseError(f"output too large ({len(text)} characters)")
-        if text is not None and not isinstance(text, str):
-            raise ParseError(f"expected text, got {type(text).__name__}")
-        try:
-            return fn(*args, **kwargs)
-        except ParseError:
-            raise
-        except (
-            ValueError,
-            KeyError,
-            TypeError,
-            IndexError,
-            AttributeError,
-            RecursionError,
-            OverflowError,
-        ) as exc:
-            raise ParseError(
-                f"{fn.__name__}: unexpected output ({type(exc).__name__}: {exc})"[:300]
-            ) from None
-
-    return wrapper
-
 
 def _missing(value: str) -> bool:
     return value.strip().lower() in _MISSING
@@ -88,13 +90,6 @@ def _str_or_none(value: str) -> str | None:
     return None if _missing(value) else value.strip()
 
 
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ParseError(f"not JSON: {exc.msg} at character {exc.pos}") from None
-
-
 # --------------------------------------------------------------------------------------------- GPUs
 
 
@@ -108,7 +103,7 @@ class Gpu:
     count: int | None = None
 
 
-@_guard
+@guard
 def parse_nvidia_smi_query(text: str, fields: Iterable[str] = GPU_QUERY_FIELDS) -> list[Gpu]:
     """`nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits]`, one GPU per row.
 
@@ -157,7 +152,7 @@ class NvidiaSmiBanner:
     cuda_version: str | None
 
 
-@_guard
+@guard
 def parse_nvidia_smi_banner(text: str) -> NvidiaSmiBanner:
     """The header of plain `nvidia-smi`: the only place the driver's CUDA version is printed."""
     driver = re.search(r"Driver Version:\s*([0-9][0-9.]*)", text)
@@ -174,7 +169,7 @@ class GpuListEntry:
     uuid: str | None
 
 
-@_guard
+@guard
 def parse_nvidia_smi_list(text: str) -> list[GpuListEntry]:
     """`nvidia-smi -L`: 'GPU 0: NVIDIA H200 (UUID: GPU-...)' per line (MIG lines are indented; skipped)."""
     out = []
@@ -196,7 +191,7 @@ class MemInfo:
     available_bytes: int | None  # absent on very old kernels
 
 
-@_guard
+@guard
 def parse_meminfo(text: str) -> MemInfo:
     """/proc/meminfo ('MemTotal:  131072000 kB'); on unified-memory nodes this is the GPU's memory too."""
     values: dict[str, int] = {}
@@ -209,7 +204,7 @@ def parse_meminfo(text: str) -> MemInfo:
     return MemInfo(values["MemTotal"], values.get("MemAvailable"))
 
 
-@_guard
+@guard
 def parse_ulimit(text: str) -> int:
     """`ulimit -Hn` / `ulimit -Hl` output: a number or 'unlimited' (UNLIMITED). -l counts KiB."""
     value = text.strip()
@@ -241,10 +236,10 @@ class NetDev:
         return "UP" in self.flags and "LOWER_UP" in self.flags and self.operstate in ("UP", "UNKNOWN")
 
 
-@_guard
+@guard
 def parse_ip_addr(text: str) -> list[NetDev]:
     """`ip -j addr show`: every netdev with its state and IPv4 addresses (prefix kept)."""
-    data = _json(text)
+    data = parse_json(text)
     if not isinstance(data, list):
         raise ParseError("`ip -j addr` did not print a list")
     devs = []
@@ -274,7 +269,7 @@ class Listener:
     port: int
 
 
-@_guard
+@guard
 def parse_listening_ports(text: str) -> list[Listener]:
     """`ss -Hltn`: 'LISTEN 0 4096 127.0.0.1:631 0.0.0.0:*' (the local address is the 4th column)."""
     out = []
@@ -348,7 +343,7 @@ class Hca:
 _IB_RECORD = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
-@_guard
+@guard
 def parse_infiniband(text: str) -> list[Hca]:
     """The probe's walk of /sys/class/infiniband (or $SPARKCTL_SYSFS_ROOT), one tab-separated record
     per line:  hca NAME | netdev NAME DEV | port NAME N STATE LINK_LAYER | gid NAME N INDEX GID TYPE NDEV.
@@ -406,278 +401,6 @@ def hca_for_netdev(hcas: Iterable[Hca], netdev: str) -> Hca | None:
     return next((h for h in hcas if netdev in h.netdevs), None)
 
 
-# ------------------------------------------------------------------------------------------- docker
-
-
-@dataclass(frozen=True)
-class DockerVersion:
-    client_version: str | None
-    server_version: str | None  # None when the engine could not be reached
-    api_version: str | None
-    os: str | None
-    arch: str | None
-
-
-@_guard
-def parse_docker_version(text: str) -> DockerVersion:
-    """`docker version --format '{{json .}}'` (Server is null when the engine is down)."""
-    data = _json(text.strip().splitlines()[0] if text.strip() else "")
-    if not isinstance(data, dict):
-        raise ParseError("docker version did not print a JSON object")
-    server = _dict(data.get("Server"))  # {} when the engine could not be reached
-    return DockerVersion(
-        client_version=_opt_str(_dict(data.get("Client")).get("Version")),
-        server_version=_opt_str(server.get("Version")),
-        api_version=_opt_str(server.get("ApiVersion")),
-        os=_opt_str(server.get("Os")),
-        arch=_opt_str(server.get("Arch")),
-    )
-
-
-def _opt_str(v: Any) -> str | None:
-    return v if isinstance(v, str) and v else None
-
-
-def _dict(v: Any) -> dict[str, Any]:
-    return v if isinstance(v, dict) else {}
-
-
-def _list(v: Any) -> list[Any]:
-    return v if isinstance(v, list) else []
-
-
-@dataclass(frozen=True)
-class Image:
-    id: str
-    repo_tags: tuple[str, ...]
-    labels: dict[str, str]
-    layers: tuple[str, ...]
-    architecture: str | None = None
-    repo_digests: tuple[str, ...] = ()  # `repo@sha256:...` it was pulled as (none after save | load or a build)
-
-
-@_guard
-def parse_image_inspect(text: str) -> list[Image]:
-    """`docker image inspect A B ...`: the images found (missing ones appear only on stderr)."""
-    if not text.strip():
-        return []
-    data = _json(text)
-    if not isinstance(data, list):
-        raise ParseError("docker image inspect did not print a list")
-    out = []
-    for item in data:
-        if not isinstance(item, dict) or not isinstance(item.get("Id"), str):
-            raise ParseError("docker image inspect entry without Id")
-        out.append(
-            Image(
-                id=item["Id"],
-                repo_tags=tuple(t for t in _list(item.get("RepoTags")) if isinstance(t, str)),
-                labels={str(k): str(v) for k, v in _dict(_dict(item.get("Config")).get("Labels")).items()},
-                layers=tuple(str(x) for x in _list(_dict(item.get("RootFS")).get("Layers"))),
-                architecture=_opt_str(item.get("Architecture")),
-                repo_digests=tuple(d for d in _list(item.get("RepoDigests")) if isinstance(d, str)),
-            )
-        )
-    return out
-
-
-def normalize_image_ref(ref: str) -> str:
-    """How docker names a reference in RepoTags: 'x' -> 'x:latest', 'docker.io/library/x:1' -> 'x:1'."""
-    name, tag = ref, "latest"
-    if "@" in ref:
-        return ref
-    last = ref.rsplit("/", 1)[-1]
-    if ":" in last:
-        name, tag = ref.rsplit(":", 1)
-    for prefix in ("docker.io/library/", "index.docker.io/library/", "docker.io/", "index.docker.io/"):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-            break
-    return f"{name}:{tag}"
-
-
-def find_image(images: Iterable[Image], ref: str) -> Image | None:
-    """The inspected image that `ref` names (by tag, by `repo@sha256:` digest, or by full/short ID)."""
-    want = normalize_image_ref(ref)
-    for img in images:
-        if want in img.repo_tags or ref in img.repo_digests or ref in (img.id, img.id.removeprefix("sha256:")):
-            return img
-        if len(ref) >= 12 and img.id.removeprefix("sha256:").startswith(ref.removeprefix("sha256:")):
-            return img
-    return None
-
-
-@dataclass(frozen=True)
-class Container:
-    id: str
-    names: str
-    image: str
-    state: str  # created, running, exited, ...
-    status: str
-    labels: dict[str, str]
-
-
-@_guard
-def parse_docker_ps(text: str) -> list[Container]:
-    """`docker ps -a --format '{{json .}}'`: one JSON object per line; Labels is 'k=v,k2=v2'."""
-    out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        item = _json(line)
-        if not isinstance(item, dict) or not isinstance(item.get("ID"), str):
-            raise ParseError("docker ps line without ID")
-        labels = {}
-        for pair in str(item.get("Labels") or "").split(","):
-            if pair:
-                k, _, v = pair.partition("=")
-                labels[k] = v
-        out.append(
-            Container(
-                id=item["ID"],
-                names=str(item.get("Names", "")),
-                image=str(item.get("Image", "")),
-                state=str(item.get("State", "")),
-                status=str(item.get("Status", "")),
-                labels=labels,
-            )
-        )
-    return out
-
-
-# ------------------------------------------------------------- docker API (the probe's docker-api)
-
-DOCKER_SECTIONS: Final = ("docker-version", "docker-ps", "docker-images")
-"""The problem keys of the three Docker facts, whether they came from the CLI or from the API."""
-
-
-def docker_api_paths(cluster: str, image: str | None, *more: str) -> list[str]:
-    """Engine API paths the probe asks (with curl over the engine's unix socket): this cluster's
-    containers, then each image (IMAGE, and BASE_IMAGE when asked). (The engine's version comes with
-    every answer's headers.) Percent-encoded here, so nothing in them is URL syntax."""
-    filters = urllib.parse.quote(json.dumps({"label": [f"sparkctl.cluster={cluster}"]}), safe="")
-    paths = [f"/containers/json?all=1&filters={filters}"]
-    for ref in (image, *more):
-        if ref:
-            paths.append(f"/images/{urllib.parse.quote(ref, safe='/:@')}/json")
-    return paths
-
-
-def _http_reply(raw: str) -> tuple[dict[str, str], str]:
-    """curl -D - output of one answer: (headers with lower-case names, body)."""
-    if not raw.startswith("HTTP/"):
-        return {}, raw
-    head, sep, body = raw.partition("\r\n\r\n")
-    if not sep:
-        head, _, body = raw.partition("\n\n")
-    headers: dict[str, str] = {}
-    for line in head.splitlines()[1:]:
-        name, colon, value = line.partition(":")
-        if colon:
-            headers[name.strip().lower()] = value.strip()[:200]
-    return headers, body
-
-
-_SERVER = re.compile(r"Docker/([0-9A-Za-z.+~_-]+)(?:\s*\(([^)]*)\))?")
-
-
-def docker_version_from_headers(headers: Mapping[str, str]) -> DockerVersion:
-    """The engine's version from the headers it puts on every answer: "Server: Docker/27.5.1
-    (linux)", "Api-Version: 1.47". An engine that answers without them is still an engine."""
-    server = headers.get("server", "")
-    m = _SERVER.fullmatch(server.strip())
-    version = m.group(1) if m else (server or "unknown (no Server header)")
-    os_name = (m.group(2) if m else None) or headers.get("ostype") or None
-    return DockerVersion(None, version, headers.get("api-version") or None, os_name, None)
-
-
-@dataclass(frozen=True)
-class DockerFacts:
-    version: DockerVersion | None
-    containers: list[Container] | None
-    images: list[Image] | None
-    problems: dict[str, str]
-
-
-def docker_facts_from_api(sec: Section, nonce: str) -> DockerFacts:
-    """The probe's docker-api section: 'socket unix://PATH', then per request curl's headers and body
-    followed by '@@sparkctl NONCE http CODE' (000: no answer): the containers, then the image.
-    Never raises: what went wrong goes to .problems."""
-    head, _, rest = sec.stdout.partition("\n")
-    where = head.removeprefix("socket ").strip()[:200] or "its socket"
-    parts = re.split(rf"\n?@@sparkctl {re.escape(nonce)} http (\d{{3}})\n", rest)
-    replies = [(int(code), *_http_reply(raw)) for raw, code in zip(parts[0::2], parts[1::2], strict=False)]
-    if not replies or any(code == 0 for code, _, _ in replies):
-        err = next((ln.strip() for ln in sec.stderr.splitlines() if ln.strip()), f"exit status {sec.rc}")
-        why = f"cannot connect to the Docker engine at {where} ({err[:200]})"
-        return DockerFacts(None, None, None, dict.fromkeys(DOCKER_SECTIONS, why))
-    problems: dict[str, str] = {}
-
-    def body_json(i: int, key: str) -> Any:
-        code, _, body = replies[i] if i < len(replies) else (0, {}, "")
-        if code != 200:
-            problems[key] = _api_message(code, body)
-            return None
-        try:
-            return _json(body)
-        except ParseError as exc:
-            problems[key] = str(exc)
-            return None
-
-    version = docker_version_from_headers(replies[0][1])
-    containers: list[Container] | None = None
-    c = body_json(0, "docker-ps")
-    if c is not None:
-        try:
-            containers = _containers_from_api(c)
-        except ParseError as exc:
-            problems["docker-ps"] = str(exc)
-    images: list[Image] | None = None
-    for n in range(1, len(replies)):  # one answer per image asked; 404: not on the node
-        if replies[n][0] == 404:
-            images = images if images is not None else []
-            continue
-        i = body_json(n, "docker-images")
-        if i is not None:
-            try:
-                images = (images or []) + parse_image_inspect(json.dumps([i]))
-            except ParseError as exc:
-                problems["docker-images"] = str(exc)
-    if "docker-images" in problems:
-        images = None
-    return DockerFacts(version, containers, images, problems)
-
-
-def _api_message(code: int, body: str) -> str:
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    msg = doc.get("message") if isinstance(doc, dict) else None
-    return f"HTTP {code}: {str(msg)[:300]}" if msg else f"HTTP {code}"
-
-
-def _containers_from_api(data: Any) -> list[Container]:
-    """GET /containers/json: [{"Id", "Names": ["/name"], "Image", "State", "Status", "Labels": {}}]."""
-    if not isinstance(data, list):
-        raise ParseError("the container list is not a list")
-    out = []
-    for item in data:
-        if not isinstance(item, dict) or not isinstance(item.get("Id"), str):
-            raise ParseError("container without Id")
-        out.append(
-            Container(
-                id=item["Id"],
-                names=",".join(str(n).lstrip("/") for n in _list(item.get("Names"))),
-                image=str(item.get("Image", "")),
-                state=str(item.get("State", "")),
-                status=str(item.get("Status", "")),
-                labels={str(k): str(v) for k, v in _dict(item.get("Labels")).items()},
-            )
-        )
-    return out
-
-
 # ------------------------------------------------------------------------------------------- disks
 
 
@@ -690,7 +413,7 @@ class DiskUsage:
     mountpoint: str
 
 
-@_guard
+@guard
 def parse_df(text: str) -> list[DiskUsage]:
     """`df -PB1 PATH...`: a header, then one line per path (mount points may contain spaces)."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -718,7 +441,7 @@ class DiskPath:
 DOCKER_ROOT = "@docker-root"  # df= token: the filesystem holding the engine's DockerRootDir
 
 
-@_guard
+@guard
 def parse_disk_paths(text: str) -> list[DiskPath]:
     out = []
     for line in text.splitlines()[:64]:
@@ -731,7 +454,7 @@ def parse_disk_paths(text: str) -> list[DiskPath]:
     return out
 
 
-@_guard
+@guard
 def parse_machine_id(text: str) -> str:
     from .identity import parse_machine_id as parse
 
@@ -754,7 +477,7 @@ class ModelListing:
         return {k: v for k, v in self.files.items() if "/" not in k and k.endswith(".safetensors")}
 
 
-@_guard
+@guard
 def parse_model_listing(text: str) -> ModelListing:
     """The probe's listing of $MODEL: 'missing' alone, or 'SIZE<TAB>RELATIVE/PATH' per file."""
     if text.strip() == "missing":
@@ -784,7 +507,7 @@ class Section:
 STDERR_LINES = 20  # of each section's stderr, kept (the first one is what a finding quotes)
 
 
-@_guard
+@guard
 def parse_probe_sections(text: str, nonce: str, stderr: str = "") -> dict[str, Section]:
     """Split node_facts.sh output into its sections (see the framing described in the script):
     stdout carries "begin NAME" ... "end NAME RC", stderr "stderr NAME" before each one's errors.
@@ -824,29 +547,167 @@ def parse_probe_sections(text: str, nonce: str, stderr: str = "") -> dict[str, S
         pos = rc_start
 
 
+# ------------------------------------------------------------------------ the declarations, whole
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One node fact: the probe section that carries it, the shell that prints it, its parser.
+
+    sh: the section's command, run on the node as `section NAME SH` inside node_facts.sh (where the
+    probe's helper functions and $T, the timeout prefix, are defined); None: the fact reads a section
+    another fact runs (uname's one line gives both hostname and arch).
+    switch: an optional fact's name for "asked or not": probe_args(SWITCH=False) leaves the section
+    out (the probe argument SWITCH=no) and node_facts_from_probe(expect_SWITCH=False) then does not
+    report it missing. only_if: the shell condition for it instead (default: `on SWITCH`, i.e. no
+    SWITCH=no argument was given), e.g. a value argument that was given.
+    partial_ok: parse stdout even after a non-zero exit (docker prints what it found, the error on
+    stderr). quiet: a fact that cannot be read is left None without a problem (hostname, arch).
+    """
+
+    section: str
+    parser: Callable[[str], Any]
+    sh: str | None
+    switch: str | None = None
+    only_if: str | None = None
+    partial_ok: bool = False
+    quiet: bool = False
+
+    @property
+    def condition(self) -> str | None:
+        """The shell condition the probe runs the section under (None: always)."""
+        if self.only_if is not None:
+            return self.only_if
+        return f"on {self.switch}" if self.switch else None
+
+
+def fact(
+    section: str,
+    parser: Callable[[str], T],
+    sh: str | None,
+    *,
+    switch: str | None = None,
+    only_if: str | None = None,
+    partial_ok: bool = False,
+    quiet: bool = False,
+) -> T | None:
+    """Declare a NodeFacts field as a fact (typed by its parser's result; None until it is read)."""
+    return field(
+        default=None,
+        metadata={"fact": Fact(section, parser, sh, switch, only_if, partial_ok, quiet)},
+    )
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A section that, when its condition holds on the node, stands in for several facts' sections:
+    the Docker engine's API answers the three Docker facts with one curl."""
+
+    section: str
+    sh: str
+    only_if: str
+    replaces: tuple[str, ...]
+    read: Callable[[Section, str], DockerFacts]  # (the section, the nonce) -> the facts it stands for
+
+
+def _docker_from_api(sec: Section, nonce: str) -> DockerFacts:
+    return parse_docker_api(sec.stdout, sec.stderr, sec.rc, nonce)
+
+
+docker_facts_from_api = _docker_from_api  # the probe's docker-api section -> the three Docker facts
+
+DOCKER_API: Final = Alternative(
+    "docker-api",
+    "docker_api",
+    '[ -n "$API_PATHS" ] && command -v curl >/dev/null 2>&1 && engine_socket',
+    DOCKER_SECTIONS,
+    _docker_from_api,
+)
+ALTERNATIVES: Final = (DOCKER_API,)
+
+
+@guard
+def _uname_words(text: str) -> list[str]:
+    """`uname -nm`: 'HOSTNAME ARCH'."""
+    words = text.split()
+    if not words:
+        raise ParseError("uname printed nothing")
+    return words
+
+
+def _hostname(text: str) -> str:
+    return _uname_words(text)[0][:255]
+
+
+def _arch(text: str) -> str | None:
+    words = _uname_words(text)
+    return words[1][:32] if len(words) > 1 else None
+
+
+_GPU_QUERY = f"--query-gpu={','.join(GPU_QUERY_FIELDS)} --format=csv,noheader,nounits"
+_DOCKER_PS = """--filter "label=sparkctl.cluster=$CLUSTER" --format '{{json .}}'"""
+
+
 @dataclass
 class NodeFacts:
     """Everything node_facts.sh found on one node. A fact that could not be read is None, and
-    `problems` says why (section name -> one line), so a rule can tell "absent" from "unknown"."""
+    `problems` says why (section name -> one line), so a rule can tell "absent" from "unknown".
 
-    hostname: str | None = None
-    arch: str | None = None
-    meminfo: MemInfo | None = None
-    nofile_hard: int | None = None
-    memlock_hard_kib: int | None = None
-    gpus: list[Gpu] | None = None
-    gpu_banner: NvidiaSmiBanner | None = None
-    netdevs: list[NetDev] | None = None
-    hcas: list[Hca] | None = None
-    listeners: list[Listener] | None = None
-    disks: list[DiskUsage] | None = None
-    disk_paths: list[DiskPath] | None = None  # disks[i] measures disk_paths[i]
-    machine_id: str | None = None
-    docker: DockerVersion | None = None
-    containers: list[Container] | None = None
-    images: list[Image] | None = None
-    model: ModelListing | None = None
+    Each field is a fact's whole declaration, in the order the probe runs them (disk-paths before
+    df: df measures what disk-paths resolved). See the module's docstring for adding one.
+    """
+
+    hostname: str | None = fact("host", _hostname, "uname -nm", quiet=True)
+    arch: str | None = fact("host", _arch, None, quiet=True)
+    meminfo: MemInfo | None = fact("meminfo", parse_meminfo, "read_file /proc/meminfo")
+    nofile_hard: int | None = fact("nofile", parse_ulimit, "ulimit -Hn")
+    memlock_hard_kib: int | None = fact("memlock", parse_ulimit, "ulimit -Hl")
+    gpus: list[Gpu] | None = fact("gpu", parse_nvidia_smi_query, f"$T nvidia-smi {_GPU_QUERY}")
+    # The banner only carries the CUDA version, which the driver version decides: check asks the
+    # head for it (banner=no on the other nodes), one nvidia-smi run per node less.
+    gpu_banner: NvidiaSmiBanner | None = fact(
+        "gpu-banner", parse_nvidia_smi_banner, "$T nvidia-smi", switch="banner"
+    )
+    netdevs: list[NetDev] | None = fact("ip-addr", parse_ip_addr, "ip -j addr show")
+    hcas: list[Hca] | None = fact("infiniband", parse_infiniband, "ib_walk")
+    # Only the head's ports matter (the API, the rendezvous): check asks the head alone.
+    listeners: list[Listener] | None = fact(
+        "listening", parse_listening_ports, "ss -Hltn", switch="listening"
+    )
+    machine_id: str | None = fact("machine-id", parse_machine_id, "read_file /etc/machine-id")
+    disk_paths: list[DiskPath] | None = fact("disk-paths", parse_disk_paths, "disk_paths")
+    disks: list[DiskUsage] | None = fact("df", parse_df, "df_paths")  # disks[i] measures disk_paths[i]
+    # The Docker facts: from the engine's API over its socket when the probe can (DOCKER_API),
+    # else from the docker CLI, three runs.
+    docker: DockerVersion | None = fact(
+        "docker-version", parse_docker_version, "$T docker version --format '{{json .}}'",
+        switch="docker", partial_ok=True,
+    )  # fmt: skip
+    containers: list[Container] | None = fact(
+        "docker-ps", parse_docker_ps, f"$T docker ps -a --no-trunc {_DOCKER_PS}", switch="docker"
+    )
+    images: list[Image] | None = fact(
+        "docker-images", parse_image_inspect, 'images "$@"', switch="docker", partial_ok=True
+    )
+    model: ModelListing | None = fact(
+        "model", parse_model_listing, "model_listing", switch="model", only_if='[ -n "$MODEL" ]'
+    )
     problems: dict[str, str] = field(default_factory=dict)
+
+
+def declared(kind: type[NodeFacts] = NodeFacts) -> list[tuple[str, Fact]]:
+    """(NodeFacts attribute, its Fact), in declaration order: the order the probe runs them."""
+    return [(f.name, f.metadata["fact"]) for f in fields(kind) if "fact" in f.metadata]
+
+
+def switches(kind: type[NodeFacts] = NodeFacts) -> dict[str, bool]:
+    """Every optional fact's switch -> whether it is a flag (SWITCH=no turns it off) rather than a
+    value the caller gives (model=DIR)."""
+    out: dict[str, bool] = {}
+    for _, f in declared(kind):
+        if f.switch:
+            out[f.switch] = out.get(f.switch, True) and f.only_if is None
+    return out
 
 
 def _problem(sec: Section) -> str:
@@ -858,77 +719,58 @@ def _problem(sec: Section) -> str:
     return (lines[0] if lines else f"exit status {sec.rc}")[:300]
 
 
-# section name -> (NodeFacts attribute, parser). Sections whose parser wants stdout even after a
-# non-zero exit (docker prints what it found, and the error on stderr) are listed in _PARTIAL_OK.
-_PARSERS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "meminfo": ("meminfo", parse_meminfo),
-    "nofile": ("nofile_hard", parse_ulimit),
-    "memlock": ("memlock_hard_kib", parse_ulimit),
-    "gpu": ("gpus", parse_nvidia_smi_query),
-    "gpu-banner": ("gpu_banner", parse_nvidia_smi_banner),
-    "ip-addr": ("netdevs", parse_ip_addr),
-    "infiniband": ("hcas", parse_infiniband),
-    "listening": ("listeners", parse_listening_ports),
-    "df": ("disks", parse_df),
-    "disk-paths": ("disk_paths", parse_disk_paths),
-    "machine-id": ("machine_id", parse_machine_id),
-    "docker-version": ("docker", parse_docker_version),
-    "docker-ps": ("containers", parse_docker_ps),
-    "docker-images": ("images", parse_image_inspect),
-    "model": ("model", parse_model_listing),
-}
-_PARTIAL_OK = {"docker-version", "docker-images"}
-
-
 def node_facts_from_probe(
-    text: str,
-    nonce: str,
-    stderr: str = "",
-    *,
-    expect_model: bool = True,
-    expect_docker: bool = True,
-    expect_banner: bool = True,
-    expect_listening: bool = True,
+    text: str, nonce: str, stderr: str = "", *, kind: type[NodeFacts] = NodeFacts, **expect: bool
 ) -> NodeFacts:
     """Parse the whole probe output (its stdout and stderr) into NodeFacts. Never raises: what went
     wrong goes to .problems.
-    expect_docker/expect_banner/expect_listening=False: the probe ran with probe_args(docker=False /
-    banner=False / listening=False), so those sections are not missing, just not asked for."""
-    facts = NodeFacts()
+    expect_SWITCH=False (expect_docker, expect_banner, expect_listening, expect_model: one per
+    switch declared): the probe ran with probe_args(SWITCH=False) or without the value, so those
+    sections are not missing, just not asked for."""
+    known = switches(kind)
+    unknown = [k for k in expect if not k.startswith("expect_") or k.removeprefix("expect_") not in known]
+    if unknown:
+        raise TypeError(f"node_facts_from_probe() got unexpected keyword arguments: {', '.join(unknown)}")
+    facts = kind()
     try:
         sections = parse_probe_sections(text, nonce, stderr)
     except ParseError as exc:
         facts.problems["probe"] = str(exc)
         return facts
-    api = sections.get("docker-api")
-    if api is not None:  # the engine was asked over its socket: the CLI sections were not run
-        expect_docker = False
-        d = docker_facts_from_api(api, nonce)
-        facts.docker, facts.containers, facts.images = d.version, d.containers, d.images
-        facts.problems.update(d.problems)
-    host = sections.get("host")
-    if host and host.rc == 0 and host.stdout.split():
-        words = host.stdout.split()
-        facts.hostname, facts.arch = words[0][:255], (words[1][:32] if len(words) > 1 else None)
-    for name, (attr, parser) in _PARSERS.items():
+    stood_in: set[str] = set()  # sections an alternative answered: not run, so not missing
+    for alt in ALTERNATIVES:
+        sec = sections.get(alt.section)
+        if sec is not None:
+            d = alt.read(sec, nonce)
+            for attr, f in declared(kind):
+                if f.section in alt.replaces:
+                    setattr(facts, attr, getattr(d, _ALT_FIELDS[f.section]))
+            facts.problems.update(d.problems)
+            stood_in.update(alt.replaces)
+    for attr, f in declared(kind):
+        name = f.section
+        if name in stood_in:
+            continue
         sec = sections.get(name)
         if sec is None:
-            optional = {"model": expect_model, "gpu-banner": expect_banner, "listening": expect_listening}
-            asked = optional.get(name, True) and (
-                name not in DOCKER_SECTIONS or expect_docker
-            )
-            if asked:
+            if not f.quiet and (not f.switch or expect.get(f"expect_{f.switch}", True)):
                 facts.problems[name] = "no output (the probe was cut short)"
             continue
         if sec.rc != 0:
-            facts.problems[name] = _problem(sec)
-            if name not in _PARTIAL_OK or not sec.stdout.strip():
+            if not f.quiet:
+                facts.problems[name] = _problem(sec)
+            if not f.partial_ok or not sec.stdout.strip():
                 continue
         try:
-            setattr(facts, attr, parser(sec.stdout))
+            setattr(facts, attr, f.parser(sec.stdout))
         except ParseError as exc:
-            facts.problems.setdefault(name, str(exc))
+            if not f.quiet:
+                facts.problems.setdefault(name, str(exc))
     return facts
+
+
+_ALT_FIELDS: Final = {"docker-version": "version", "docker-ps": "containers", "docker-images": "images"}
+"""Which DockerFacts field answers which Docker section, when the engine's API stood in for them."""
 
 
 def probe_args(
@@ -937,23 +779,90 @@ def probe_args(
     cluster: str = "sparkctl",
     images: Iterable[str] = (),
     df_paths: Iterable[str] = (),
-    docker: bool = True,
-    banner: bool = True,
-    listening: bool = True,
     api: bool = False,
+    kind: type[NodeFacts] = NodeFacts,
+    **switched: bool,
 ) -> list[str]:
     """The key=value arguments node_facts.sh takes (after its nonce); each becomes one quoted word.
-    docker=False leaves out the Docker sections; api=True asks the engine's API over its local
-    socket with one curl (the three docker CLI runs where that cannot be done); banner=False leaves
-    out plain `nvidia-smi` (its CUDA version; check asks the head only); listening=False leaves out
-    the listening ports (only the head's matter)."""
+    SWITCH=False, for each optional fact's flag (docker, banner, listening: see NodeFacts), leaves
+    its section(s) out (SWITCH=no): docker=False the Docker sections, banner=False plain
+    `nvidia-smi` (its CUDA version; check asks the head only), listening=False the listening ports
+    (only the head's matter). api=True asks the engine's API over its local socket with one curl (the
+    three docker CLI runs where that cannot be done)."""
+    flags = [s for s, is_flag in switches(kind).items() if is_flag]
+    unknown = [k for k in switched if k not in flags]
+    if unknown:
+        raise TypeError(f"probe_args() got unexpected keyword arguments: {', '.join(unknown)}")
     images = list(images)
-    args = [f"cluster={cluster}"] + ([] if docker else ["docker=no"]) + ([] if banner else ["banner=no"])
-    args += [] if listening else ["listening=no"]
-    if docker and api:
+    args = [f"cluster={cluster}"] + [f"{s}=no" for s in flags if not switched.get(s, True)]
+    if switched.get("docker", True) and api:
         args += [f"api={p}" for p in docker_api_paths(cluster, images[0] if images else None, *images[1:])]
     if model:
         args.append(f"model={model}")
     args += [f"df={p}" for p in df_paths]
     args += [f"image={ref}" for ref in images]
     return args
+
+
+# ------------------------------------------------------------- the probe's facts(), generated here
+
+PROBE: Final = Path(__file__).resolve().parent / "probes" / "node_facts.sh"
+_BEGIN: Final = "# ---- generated by `python -m sparkctl.facts` from NodeFacts' declarations: edit those, not this\n"
+_END: Final = "# ---- end of the generated part\n"
+
+
+def probe_body(kind: type[NodeFacts] = NodeFacts) -> str:
+    """node_facts.sh's facts(): one `section NAME SH` per declared fact, in declaration order, under
+    its condition (consecutive facts with the same one share an `if`), with an Alternative's section
+    standing in for the sections it replaces when its own condition holds on the node."""
+    runs = [f for _, f in declared(kind) if f.sh is not None]
+    out = ["facts() {\n"]
+    i = 0
+    while i < len(runs):
+        cond = runs[i].condition
+        j = i
+        while j < len(runs) and runs[j].condition == cond:
+            j += 1
+        group, i = runs[i:j], j
+        pad = "    " if cond is None or len(group) == 1 else "        "
+        body = _with_alternatives(group, pad)
+        if cond is None:
+            out += body
+        elif len(body) == 1:
+            out.append(f"    {cond} && {body[0].lstrip()}")
+        else:
+            out += [f"    if {cond}; then\n", *body, "    fi\n"]
+    out.append("}\n")
+    return "".join(out)
+
+
+def _with_alternatives(group: list[Fact], pad: str) -> list[str]:
+    lines: list[str] = []
+    k = 0
+    while k < len(group):
+        alt = next((a for a in ALTERNATIVES if group[k].section == a.replaces[0]), None)
+        n = len(alt.replaces) if alt else 0
+        if alt and tuple(f.section for f in group[k : k + n]) == alt.replaces:
+            lines += [f"{pad}if {alt.only_if}; then\n", f"{pad}    section {alt.section} {alt.sh}\n",
+                      f"{pad}else\n", *(f"{pad}    section {f.section} {f.sh}\n" for f in group[k : k + n]),
+                      f"{pad}fi\n"]  # fmt: skip
+            k += n
+        else:
+            lines.append(f"{pad}section {group[k].section} {group[k].sh}\n")
+            k += 1
+    return lines
+
+
+def probe_script_text(kind: type[NodeFacts] = NodeFacts, script: str | None = None) -> str:
+    """node_facts.sh with its generated part (between the marker lines) made from the declarations."""
+    text = PROBE.read_text() if script is None else script
+    head, sep, rest = text.partition(_BEGIN)
+    _, sep2, tail = rest.partition(_END)
+    if not sep or not sep2:
+        raise ValueError(f"{PROBE.name} has lost its generated-part markers")
+    return head + _BEGIN + probe_body(kind) + _END + tail
+
+
+if __name__ == "__main__":  # python -m sparkctl.facts: write the declarations into node_facts.sh
+    PROBE.write_text(probe_script_text())
+    print(f"wrote {PROBE}")

@@ -19,6 +19,7 @@ from typing import Any
 
 from .builders import LABEL_CONTENT_HASH
 from .cluster import Cluster, Node, NodeError
+from .docker_parse import parse_content_hash
 from .errors import UsageError
 from .lock import audit_line, now_iso, state_dir, whoami
 from .render import Rendered
@@ -78,8 +79,7 @@ def knob_snapshot(s: Settings) -> dict[str, str]:
 def content_hash_on(node: Node, image: str) -> str | None:
     r = node.docker(["image", "inspect", "--format", f'{{{{index .Config.Labels "{LABEL_CONTENT_HASH}"}}}}',
                      image], timeout=30)
-    value = (r.stdout.strip() if r.ok else "").removeprefix("sha256:")  # the label is `sha256:<hex>`
-    return value if re.fullmatch(r"[0-9a-f]{12,64}", value) else None
+    return parse_content_hash(r.stdout) if r.ok else None
 
 
 def record_release(cluster: Cluster, s: Settings, rendered: Rendered, *, source: str) -> dict[str, Any]:

@@ -38,8 +38,9 @@ from typing import Any
 
 from . import dockerfile
 from .builders import LABEL_CONTENT_HASH, LABEL_VERSIONS, docker_build_argv, image_labels
+from .docker_parse import Image, find_image, parse_image_inspect
 from .errors import UsageError
-from .facts import Image, ParseError, parse_image_inspect
+from .parsing import ParseError
 from .recipes import Recipe
 
 HASH_SCHEME = "sparkctl-content-hash/1"
@@ -230,8 +231,6 @@ class RankFacts:
     images: tuple[Image, ...] = ()
 
     def image(self, ref: str) -> Image | None:
-        from .facts import find_image
-
         return find_image(self.images, ref)
 
     def chain(self, refs: Sequence[LayerRef]) -> tuple[list[LayerSpec], list[str]]:

@@ -20,7 +20,7 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponenti
 
 from .builders import container_name
 from .cluster import Cluster, Node, NodeError
-from .engine_lines import phase_patterns
+from .engine_lines import FAILURE_MARKERS, failure_in, phase_patterns
 from .errors import CheckFailed
 from .service import ContainerState, _failures, _log_tail, _raise_nodes, inspect_cluster
 from .settings import Settings
@@ -143,6 +143,24 @@ class RankDied(CheckFailed):
     pass
 
 
+# The failures whose cause is the rank's MODEL folder (engine_lines.FAILURE_MARKERS' first two).
+_FOLDER_FAILURES = {m.phase for m in FAILURE_MARKERS[:2]}
+
+
+def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[str], after_s: float) -> RankDied:
+    """A dead rank, with the cause in vLLM's words when its log says it (however many lines follow)."""
+    status = f"{state.status}, exit code {state.exit_code}" if state else "no container"
+    tail = "\n    ".join(lines[-15:]) or "(no log output)"
+    found = failure_in(lines)
+    cause = f": {found[0]}: {found[1]}" if found else ""
+    fix = f"read `sparkctl logs --rank {rank}`; then `sparkctl down` and fix the cause"
+    if found and found[0] in _FOLDER_FAILURES:
+        fix = (f"MODEL on {node} is incomplete: `sparkctl verify-model` names what is missing there, "
+               "`sparkctl model sync` copies it from the head; then `sparkctl down` and `sparkctl up`")
+    return RankDied(f"rank {rank} on {node} died ({status}) after {after_s:.1f}s{cause}; "
+                    f"its last log lines:\n    {tail}", fix=fix)
+
+
 def wait_ready(
     cluster: Cluster,
     settings: Settings,
@@ -181,11 +199,7 @@ def wait_ready(
             states, lines = res
             mine = [c for c in states if c.rank == rank]
             if not mine or not mine[0].running:
-                status = f"{mine[0].status}, exit code {mine[0].exit_code}" if mine else "no container"
-                tail = "\n    ".join(lines[-15:]) or "(no log output)"
-                raise RankDied(f"rank {rank} on {w.node} died ({status}) after {time.monotonic() - start:.1f}s; "
-                               f"its last log lines:\n    {tail}",
-                               fix=f"read `sparkctl logs --rank {rank}`; then `sparkctl down` and fix the cause")
+                raise rank_died(rank, w.node, mine[0] if mine else None, lines, time.monotonic() - start)
             phase = phase_of(lines)
             if phase != w.phase:
                 now = time.monotonic()

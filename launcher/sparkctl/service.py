@@ -9,9 +9,6 @@ container, a Ctrl-C — it removes every container of this cluster it can reach 
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +18,6 @@ from typing import Any, TypeVar
 from . import cleanup, signals
 from .builders import (
     LABEL_CLUSTER,
-    LABEL_CONFIG_HASH,
-    LABEL_CONTENT_HASH,
-    LABEL_RANK,
     RankSpec,
     container_name,
     docker_run_argv,
@@ -31,8 +25,11 @@ from .builders import (
     remote_env_file,
 )
 from .cluster import Cluster, Node, NodeError
+from .docker_parse import ContainerState, parse_container_inspect, parse_format_value
+from .engine_lines import failure_in
 from .errors import CheckFailed
 from .lock import audit_append_argv, audit_line, state_dir
+from .parsing import ParseError
 from .settings import Settings
 
 T = TypeVar("T")
@@ -43,88 +40,6 @@ _INSPECT = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1") || exit $?
 if [ -z "$ids" ]; then echo '[]'; else docker inspect $ids; fi'''
 
 
-@dataclass(frozen=True)
-class ContainerState:
-    """One sparkctl container as `docker inspect` sees it."""
-
-    id: str
-    name: str
-    rank: int | None
-    config_hash: str | None
-    image_id: str
-    status: str  # created | running | exited | dead | ...
-    running: bool
-    exit_code: int
-    started_at: str
-    restarts: int
-    error: str
-    content_hash: str | None = None  # the image's sparkctl.content-hash (containers inherit image labels)
-
-    @property
-    def image_identity(self) -> str:
-        """Same on every rank for the same image: its content hash when sparkctl built it, else its ID."""
-        return self.content_hash or self.image_id
-
-    @classmethod
-    def from_inspect(cls, doc: dict[str, Any]) -> ContainerState:
-        """From one `docker inspect` object. Node output is untrusted: a field of the wrong type or
-        size becomes a neutral value (unknown rank, exit code 0, ...), never an exception."""
-        cfg = _obj(doc.get("Config"))
-        labels = _obj(cfg.get("Labels"))
-        state = _obj(doc.get("State"))
-        return cls(
-            id=_text(doc.get("Id"), 64),
-            name=_text(doc.get("Name"), 256).lstrip("/"),
-            rank=_small_int(labels.get(LABEL_RANK)),
-            config_hash=_label(labels, LABEL_CONFIG_HASH),
-            image_id=_text(doc.get("Image"), 256),
-            status=_text(state.get("Status"), 32) or "unknown",
-            running=state.get("Running") is True,
-            exit_code=_small_int(state.get("ExitCode"), signed=True) or 0,
-            started_at=_text(state.get("StartedAt"), 64),
-            restarts=_small_int(doc.get("RestartCount")) or 0,
-            error=_text(state.get("Error"), 500),
-            content_hash=_label(labels, LABEL_CONTENT_HASH),
-        )
-
-    def uptime_s(self, now: _dt.datetime | None = None) -> float | None:
-        # Docker prints nanoseconds ("2026-11-29T11:30:00.123456789Z"); seconds are enough here.
-        m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", self.started_at)
-        if not self.running or not m:
-            return None
-        try:
-            started = _dt.datetime.fromisoformat(m.group(1)).replace(tzinfo=_dt.UTC)
-        except ValueError:  # digits in the right places but not a date (month 13)
-            return None
-        return ((now or _dt.datetime.now(_dt.UTC)) - started).total_seconds()
-
-
-def _obj(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _text(value: Any, limit: int) -> str:
-    if value is None or isinstance(value, dict | list):
-        return ""
-    return str(value)[:limit]
-
-
-def _label(labels: dict[str, Any], key: str) -> str | None:
-    value = labels.get(key)
-    return value[:128] if isinstance(value, str) and value else None
-
-
-def _small_int(value: Any, *, signed: bool = False) -> int | None:
-    """An integer field from node output: an int, or a string of at most 9 digits; else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if (signed or value >= 0) and abs(value) < 10**9 else None
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9:
-        return int(value)
-    return None
-
-
 def inspect_cluster(node: Node, cluster: str) -> list[ContainerState]:
     r = node.run(["sh", "-c", _INSPECT, "sparkctl-inspect", f"{LABEL_CLUSTER}={cluster}"], timeout=30)
     if not r.ok:
@@ -132,19 +47,14 @@ def inspect_cluster(node: Node, cluster: str) -> list[ContainerState]:
         raise NodeError(node.name, "docker", f"cannot list containers: {first[:300]}",
                         f"check the Docker engine on {node.name} (`docker version` there)")
     try:
-        docs = json.loads(r.stdout or "[]")
-    except json.JSONDecodeError as exc:
-        raise NodeError(node.name, "output", f"docker inspect printed something that is not JSON ({exc.msg})") from None
-    except RecursionError:  # absurdly nested JSON
-        raise NodeError(node.name, "output", "docker inspect printed JSON nested too deeply") from None
-    if not isinstance(docs, list):
-        raise NodeError(node.name, "output", "docker inspect did not print a list")
-    return [ContainerState.from_inspect(d) for d in docs if isinstance(d, dict)]
+        return parse_container_inspect(r.stdout)
+    except ParseError as exc:
+        raise NodeError(node.name, "output", str(exc)) from None
 
 
 def image_id(node: Node, ref: str) -> str | None:
     r = node.docker(["image", "inspect", "--format", "{{.Id}}", ref], timeout=30)
-    return r.stdout.strip() if r.ok and r.stdout.strip() else None
+    return parse_format_value(r.stdout) if r.ok else None
 
 
 def node_state(node: Node, cluster: str, image: str) -> tuple[list[ContainerState], str | None]:
@@ -383,9 +293,11 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
         assert not isinstance(node_states, NodeError)
         mine = [c for c in node_states if c.rank == spec.rank]
         if not mine or not mine[0].running:
-            tail = _log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 5)
+            tail = _log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 50)
             status = f"{mine[0].status}, exit {mine[0].exit_code}" if mine else "gone"
-            dead.append(f"rank {spec.rank} ({spec.node}) {status}" + (f": {tail[-1]}" if tail else ""))
+            found = failure_in(tail)  # vLLM's words for the cause, even with lines after it
+            said = f"{found[0]}: {found[1]}" if found else (tail[-1] if tail else "")
+            dead.append(f"rank {spec.rank} ({spec.node}) {status}" + (f": {said}" if said else ""))
     if dead:
         raise CheckFailed("containers died right after start:\n  " + "\n  ".join(dead))
 

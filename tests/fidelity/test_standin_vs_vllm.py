@@ -29,7 +29,7 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 vllm = pytest.importorskip("vllm")
 
-from sparkctl.engine_lines import METRIC_SOURCES, PHASE_MARKERS  # noqa: E402
+from sparkctl.engine_lines import FAILURE_MARKERS, METRIC_SOURCES, PHASE_MARKERS  # noqa: E402
 from sparkctl.lab import standin_vllm as standin  # noqa: E402
 from sparkctl.readiness import HeadApi  # noqa: E402
 from tests.fidelity import vllm_serve_flags  # noqa: E402
@@ -49,9 +49,13 @@ def source_file(rel: str) -> Path:
 
 @cache
 def literals(rel: str) -> tuple[str, ...]:
-    """Every string constant of a source file (implicitly joined literals come out joined)."""
+    """Every string constant of a source file (implicitly joined literals come out joined), and every
+    f-string as a printf-style format (each `{...}` a `%s`: exceptions' messages are f-strings)."""
     tree = ast.parse(source_file(rel).read_text())
-    return tuple(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    consts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    fstrings = ["".join(v.value if isinstance(v, ast.Constant) else "%s" for v in n.values)
+                for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)]
+    return (*consts, *fstrings)
 
 
 def sample(fmt: str) -> str:
@@ -82,7 +86,7 @@ def formats_for(marker: Any) -> list[str]:
     return [s for s in literals(marker.source) if rx.search(sample(s))]
 
 
-@pytest.mark.parametrize("marker", PHASE_MARKERS, ids=lambda m: m.pattern[:40])
+@pytest.mark.parametrize("marker", PHASE_MARKERS + FAILURE_MARKERS, ids=lambda m: m.pattern[:40])
 def test_each_log_pattern_matches_a_format_string_in_vllm(marker: Any) -> None:
     assert formats_for(marker), f"{marker.pattern!r} matches no string in {marker.source} (vLLM {vllm.__version__})"
 
@@ -123,6 +127,30 @@ def test_the_standin_prints_each_line_as_vllm_formats_it(marker: Any, standin_li
     formats = [as_regex(f) for f in formats_for(marker)]
     for msg in mine:
         assert any(f.match(msg) for f in formats), f"{msg!r} is not how vLLM prints it: {formats_for(marker)}"
+
+
+@pytest.mark.parametrize("case", ["one shard missing", "no shard at all"])
+def test_the_standins_load_failures_are_vllms(case: str, tmp_path: Path) -> None:
+    """A folder that lacks shards: the stand-in fails the load with the lines vLLM 0.33 prints
+    (WorkerProc's "failed to start", then the exception raised by _prepare_weights /
+    filter_duplicate_safetensors_files), each matching its format string in vLLM's source."""
+    model = write_checkpoint(tmp_path / "m", shards=3)
+    for shard in sorted(model.glob("*.safetensors"))[1 if case == "no shard at all" else 2:]:
+        shard.unlink()
+    if case == "no shard at all":
+        next(model.glob("*.safetensors")).unlink()
+    res = subprocess.run([sys.executable, str(STANDIN), "serve", str(model), "--port", "0"], capture_output=True,
+                         text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert res.returncode == 1
+    wanted = [FAILURE_MARKERS[2], FAILURE_MARKERS[1 if case == "no shard at all" else 0]]
+    for marker in wanted:
+        rx = re.compile(marker.pattern)
+        mine = [re.sub(r"^\w+(?:\.\w+)*Error: ", "", line.split("] ", 1)[-1])
+                for line in res.stderr.splitlines() if rx.search(line)]
+        assert mine, f"the stand-in never prints {marker.pattern!r}"
+        formats = [as_regex(f) for f in formats_for(marker)]
+        for msg in mine:
+            assert any(f.match(msg) for f in formats), f"{msg!r} is not how vLLM says it: {formats_for(marker)}"
 
 
 # --------------------------------------------------------------------------------------------- HTTP shapes

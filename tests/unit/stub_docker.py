@@ -2,7 +2,9 @@
 
 Records every call (argv, node, order) in $STUB_ROOT/docker-calls.jsonl and keeps containers in
 $STUB_ROOT/docker-<node>.json: enough of run / ps / inspect / rm / logs / image inspect for sparkctl's
-lifecycle commands. $STUB_ROOT/docker-fail-<node> makes `docker run` fail on that node.
+lifecycle commands. $STUB_ROOT/docker-fail-<node> makes `docker run` fail on that node;
+$STUB_ROOT/docker-exited-<node> shows that node's containers exited (code 1), and
+$STUB_ROOT/docker-logs-<node> is what `docker logs` prints there.
 """
 import fcntl
 import hashlib
@@ -146,6 +148,9 @@ def main():
     if cmd == "inspect":
         _, ids = options(rest)
         docs = [state[i] for i in ids if i in state]
+        if os.path.exists(os.path.join(ROOT, f"docker-exited-{NODE}")):
+            for d in docs:
+                d["State"].update(Status="exited", Running=False, ExitCode=1)
         print(json.dumps(docs))
         return 0 if len(docs) == len(ids) else 1
     if cmd == "rm":
@@ -156,6 +161,11 @@ def main():
         return 0
     if cmd == "logs":
         _, names = options(rest)
+        given = os.path.join(ROOT, f"docker-logs-{NODE}")
+        if os.path.exists(given):
+            with open(given) as f:
+                sys.stdout.write(f.read())
+            return 0
         for line in ("INFO stub engine started", f"INFO serving {names[-1] if names else '?'}", "INFO done"):
             print(line)
         return 0

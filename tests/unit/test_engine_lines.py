@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.engine_lines import PHASE_MARKERS, PHASE_ORDER
+from sparkctl.engine_lines import FAILURE_MARKERS, PHASE_MARKERS, PHASE_ORDER, failure_in
 from sparkctl.lab import standin_vllm as standin
 from sparkctl.lab.local import local_standin
 from sparkctl.readiness import phase_of
@@ -144,3 +144,42 @@ def test_right_pins_serve(tmp_path: Path, pins: dict[str, str]) -> None:
     env = {"SPARKCTL_SYSFS_ROOT": str(fake_infiniband(tmp_path / "ib")), **pins}
     with local_standin(write_checkpoint(tmp_path / "m"), env=env) as url:
         assert wait_status(f"{url}/health", 200, 5)
+
+
+# ------------------------------------------------------------------------------- a rank that failed
+SHARD_FAIL_0_33 = [  # a worker whose folder lacks a shard, then what vLLM prints after it (abridged)
+    "(Worker_TP0_DCP0 pid=120) INFO 11-29 10:00:20 [gpu_model_runner.py:4979] Starting to load model /models/x...",
+    "(Worker_TP0_DCP0 pid=120) ERROR 11-29 10:00:21 [multiproc_executor.py:1057] WorkerProc failed to start.",
+    "(Worker_TP0_DCP0 pid=120) ERROR 11-29 10:00:21 [multiproc_executor.py:1057] Traceback (most recent call last):",
+    "(Worker_TP0_DCP0 pid=120) ERROR 11-29 10:00:21 [multiproc_executor.py:1057] FileNotFoundError: Weight files "
+    "referenced in index but missing: {'/models/x/model-00041-of-00041.safetensors'}",
+    "(EngineCore pid=90) ERROR 11-29 10:00:23 [core.py:1584] EngineCore failed to start.",
+    "(EngineCore pid=90) ERROR 11-29 10:00:23 [core.py:1584] Traceback (most recent call last):",
+    "(EngineCore pid=90) ERROR 11-29 10:00:23 [core.py:1584] Exception: WorkerProc initialization failed due to an "
+    "exception in a background process. See stack trace for root cause.",
+    "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore_DP0': 1}",
+]
+
+
+def test_a_dead_ranks_cause_is_found_in_vllms_words_wherever_it_is() -> None:
+    assert failure_in(SHARD_FAIL_0_33) == (
+        "a shard the index names is missing",
+        "FileNotFoundError: Weight files referenced in index but missing: "
+        "{'/models/x/model-00041-of-00041.safetensors'}")
+    other = [*SHARD_FAIL_0_33[:3], "(Worker_TP0_DCP0 pid=120) ERROR 11-29 10:00:21 [multiproc_executor.py:1057]"
+             "   File \"vllm/x.py\", line 1, in f", "(Worker_TP0_DCP0 pid=120) ERROR 11-29 10:00:22 "
+             "[multiproc_executor.py:1057] torch.OutOfMemoryError: CUDA out of memory.", *SHARD_FAIL_0_33[4:]]
+    # a failure without a known cause: the traceback's last line (same process, pid and place; any second)
+    assert failure_in(other) == ("the worker failed to start", "torch.OutOfMemoryError: CUDA out of memory.")
+    assert failure_in(HEAD_0_33) is None and failure_in([]) is None
+    assert {m.phase for m in FAILURE_MARKERS}.isdisjoint(PHASE_ORDER)
+
+
+def test_the_standins_missing_shard_failure_is_found(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m", shards=3)
+    (model / "model-00003-of-00003.safetensors").unlink()
+    res = subprocess.run([sys.executable, str(STANDIN), "serve", str(model), "--port", "0"], capture_output=True,
+                         text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    found = failure_in(res.stderr.splitlines())
+    assert found is not None and found[0] == "a shard the index names is missing"
+    assert str(model / "model-00003-of-00003.safetensors") in found[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sparkctl import facts as f
@@ -371,6 +371,15 @@ def _parses_or_parse_error(parser: Callable[[str], Any], text: str) -> None:
     assert parser(text) == got  # a pure function of its input
 
 
+def _json_that_is_not_an_object(fn: Any) -> Any:
+    """Explicit examples: valid JSON of the wrong shape, which random text almost never is."""
+    for parser in (f.parse_ip_addr, f.parse_docker_version, f.parse_image_inspect, f.parse_docker_ps):
+        for text in ("1", "[]", "null", '"x"', "[1, {}]", "{}"):
+            fn = example(parser, text)(fn)
+    return fn
+
+
+@_json_that_is_not_an_object
 @FUZZ
 @given(st.sampled_from(PARSERS), st.text(max_size=400))
 def test_fuzz_text(parser: Callable[[str], Any], text: str) -> None:

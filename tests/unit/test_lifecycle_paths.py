@@ -13,6 +13,7 @@ import http.server
 import json
 import socketserver
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -233,6 +234,30 @@ def test_wait_needs_the_model_listed_and_a_chat_answer(nodes: LocalNodes, capsys
         assert "hello there from the head" in out
     else:
         assert code == 1 and expected in err, err
+
+
+def test_wait_names_a_missing_shard_in_vllms_words(nodes: LocalNodes, capsys: Any, tmp_path: Path) -> None:
+    """A rank whose folder lacks a shard dies during load; however many lines vLLM prints after the
+    cause, `wait` names it (vLLM's own words) and says how to mend the folder. The log is the
+    stand-in's real output for that case followed by the head's shutdown lines."""
+    from sparkctl.lab import standin_vllm as standin
+    from tests.unit.test_standin import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "ckpt", shards=3)
+    (model / "model-00002-of-00003.safetensors").unlink()
+    res = subprocess.run([sys.executable, standin.__file__, "serve", str(model), "--port", "0"],
+                         capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    after = [f"(EngineCore pid=9) ERROR 11-29 10:00:23 [core.py:1584] line {i} of the shutdown" for i in range(30)]
+    assert run(["up"], capsys)[0] == 0
+    (nodes.root / "docker-logs-spark3").write_text(res.stderr + "\n".join(after) + "\n")
+    (nodes.root / "docker-exited-spark3").touch()
+    with head_api(lambda path: (503, "")) as url:
+        code, out, err = run(["wait", "--timeout", "20", "--url", url], capsys)
+    assert code == 1, err
+    assert "rank 2 on spark3 died (exited, exit code 1)" in err
+    assert ("a shard the index names is missing: FileNotFoundError: Weight files referenced in index but "
+            f"missing: {{'{model}/model-00002-of-00003.safetensors'}}") in err
+    assert "sparkctl model sync" in err and "sparkctl verify-model" in err
 
 
 # ------------------------------------------------------------------------------- lock --force-unlock

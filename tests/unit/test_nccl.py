@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import random
-import time
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -187,11 +188,76 @@ def test_parse_never_raises(lines: list[str]) -> None:
         json.dumps(r.to_dict())
 
 
-def test_pathological_line_is_fast() -> None:
-    line = "a:1:1 [0] " * 20000 + "NCCL INFO x"
-    t = time.monotonic()
-    nccl.parse((line + "\n") * 20)
-    assert time.monotonic() - t < 10.0  # a hang guard (the regex must stay linear), not a timing target
+PATTERNS = {name: rx for name, rx in vars(nccl).items() if isinstance(rx, re.Pattern)}
+
+
+class _Spy:
+    """A compiled pattern that records the length of every string it is asked to scan."""
+
+    def __init__(self, rx: re.Pattern[str], seen: list[int]) -> None:
+        self.rx, self.seen = rx, seen
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.rx, name)
+
+        def spied(*args: Any, **kw: Any) -> Any:
+            self.seen.extend(len(a) for a in args if isinstance(a, str))
+            return fn(*args, **kw)
+        return spied
+
+
+def test_no_regex_scans_more_than_max_line_characters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mechanism that keeps a pathological log cheap, without a stopwatch (the wall-clock figure
+    is bench/suite_timings.py's): every line is cut to MAX_LINE before any pattern sees it, so with
+    the patterns' shape (next test) a line costs a bounded amount of matching however long it is."""
+    seen: list[int] = []
+    for name, rx in PATTERNS.items():
+        monkeypatch.setattr(nccl, name, _Spy(rx, seen))
+    hostile = ["a:1:1 [0] " * 20000 + "NCCL INFO x",  # NCCL's words only past the cut
+               "h:1:1 [0] NCCL INFO " + "NET/IB : Using " + "[0]x:" * 5000,
+               "h:1:1 [0] NCCL INFO NCCL_IB_HCA set to " + "=" * 50000,
+               "2024-01-01T00:00:00Z " * 3000 + "h:1:1 [0] NCCL INFO x",
+               nccl.FABRIC_MARK + "{" * 40000]
+    log = nccl.parse("\n".join(hostile * 4))
+    assert seen and max(seen) <= nccl.MAX_LINE
+    assert log.lines == 20 and log.events == []
+    assert {r.host for r in log.ranks} == {"h"}  # the first and fourth lines' NCCL words lie past the cut
+
+
+def _unbounded_repeats(tree: Any, inside: bool = False) -> int:
+    """How deep unbounded repeats (*, +, {n,}) nest in a parsed pattern (re._parser's tree)."""
+    import re._parser as sre  # noqa: PLC0415 - CPython's own pattern parser
+
+    depth = 0
+    for op, arg in tree:
+        if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+            lo, hi, sub = arg
+            unbounded = hi is sre.MAXREPEAT or hi > 4096
+            d = _unbounded_repeats(sub, inside or unbounded)
+            depth = max(depth, d + 1 if unbounded else d)
+        elif op in (sre.SUBPATTERN, sre.ATOMIC_GROUP):
+            depth = max(depth, _unbounded_repeats(arg[-1] if op is sre.SUBPATTERN else arg, inside))
+        elif op is sre.BRANCH:
+            depth = max(depth, *(_unbounded_repeats(b, inside) for b in arg[1]))
+        elif op in (sre.ASSERT, sre.ASSERT_NOT):
+            depth = max(depth, _unbounded_repeats(arg[1], inside))
+    return depth
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_no_pattern_nests_an_unbounded_repeat(name: str) -> None:
+    """Star height 1 at most: no (x+)+-style nesting, the shape that backtracks exponentially."""
+    import re._parser as sre  # noqa: PLC0415
+
+    assert _unbounded_repeats(sre.parse(PATTERNS[name].pattern)) <= 1, PATTERNS[name].pattern
+
+
+def test_the_nesting_check_sees_nesting() -> None:
+    import re._parser as sre  # noqa: PLC0415
+
+    assert _unbounded_repeats(sre.parse(r"^(a+)+$")) == 2
+    assert _unbounded_repeats(sre.parse(r"(?:x|(?:ab*)*)c")) == 2
+    assert _unbounded_repeats(sre.parse(r"a{1,200}(b*)c")) == 1
 
 
 # ------------------------------------------------------------------------------ the command

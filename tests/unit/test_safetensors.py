@@ -139,11 +139,12 @@ def test_fuzz_parse_header_only_raises_header_error(raw: bytes) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64) | st.binary(max_size=63).map(lambda b: b"{" + b),  # often a JSON-looking start
-       st.integers(0, 2**64 - 1) | st.integers(0, 130), st.binary(max_size=64))
-def test_fuzz_read_header_bytes(prefix_tail: bytes, length: int, body: bytes) -> None:
+       st.integers(0, 2**64 - 1) | st.integers(0, 130), st.binary(max_size=64),
+       st.sampled_from([0, 0, 1, 40]))  # the file shrank by this much after its size was taken
+def test_fuzz_read_header_bytes(prefix_tail: bytes, length: int, body: bytes, shrank: int) -> None:
     data = length.to_bytes(8, "little") + prefix_tail + body
     try:
-        got = read_header_bytes(io.BytesIO(data), len(data))
+        got = read_header_bytes(io.BytesIO(data), len(data) + shrank)
     except HeaderError:
         pass
     else:  # exactly the `length` bytes after the prefix, never more

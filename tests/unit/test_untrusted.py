@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sparkctl import bench
@@ -285,6 +285,10 @@ bodies = st.one_of(nasty_text.map(str.encode), st.binary(max_size=100), json_val
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from([200, 200, 401, 500, 503]), bodies, st.booleans())
+@example(200, b"[1, 2]", False)  # JSON, but not an object: every reader must say so, not crash
+@example(200, b'"data"', False)
+@example(200, b"null", False)
+@example(200, b'{"data": {"id": "m"}, "choices": "x"}', False)
 def test_head_api_any_answer(head: tuple[str, Answers], status: int, body: bytes, truncate: bool) -> None:
     url, answers = head
     answers.truncate = truncate

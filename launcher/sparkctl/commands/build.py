@@ -37,9 +37,10 @@ from rich.table import Table
 from .. import basepin
 from .. import images as im
 from ..cluster import Cluster, Node, NodeError, remote_command, wait_channel
+from ..docker_parse import Image, normalize_image_ref, parse_image_inspect
 from ..errors import CheckFailed, UsageError
-from ..facts import Image, ParseError, normalize_image_ref, parse_image_inspect
 from ..output import emit_json
+from ..parsing import ParseError
 from ..resources import probe_script
 
 BUILD_TIMEOUT = 3 * 3600.0  # one layer (v145 compiles CUDA kernels on a real node)

@@ -19,7 +19,9 @@ runs in production, and it behaves like vLLM where sparkctl can observe it:
   the IPv4 of the interface named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (retrying until a
   deadline, in either start order); a missing interface, one without IPv4, or one that cannot reach
   the master fails like Gloo/NCCL do. All --nnodes ranks must join before loading;
-- loading: reads every shard's safetensors header (index -> shards); a missing shard kills the rank;
+- loading: picks the shards as vLLM 0.33's DefaultModelLoader does (the folder's *.safetensors, kept
+  to those the index names; a shard the index names but the folder lacks fails that rank's load
+  with vLLM's FileNotFoundError, before any weight is read), then reads each one's header;
 - serving (rank 0 only): /health, /version, /v1/models, /v1/chat/completions, /v1/completions
   (streaming or not), /metrics with vLLM's metric names; the port stays closed until loaded;
 - failure: ranks heartbeat over the rendezvous sockets; if any rank dies the head answers /health
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import glob
 import ipaddress
 import json
 import math
@@ -49,7 +52,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NoReturn
 
 VERSION = "0.33.0"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
@@ -624,6 +627,62 @@ class Cluster:
 
 
 # ----------------------------------------------------------------------------------------- loading
+def fail_load(worker: str, exc: str, frames: list[tuple[str, int, str]]) -> NoReturn:
+    """A worker whose load raised, as vLLM 0.33 logs it and ends: WorkerProc.worker_main
+    (vllm/v1/executor/multiproc_executor.py) catches the exception before READY and calls
+    logger.exception("WorkerProc failed to start."); vLLM's NewLineFormatter puts the line prefix on
+    every line of the traceback, so the exception's own line ends the block, prefix and all."""
+    where = "multiproc_executor.py:1057"
+    log("ERROR", where, "WorkerProc failed to start.", proc=worker)
+    log("ERROR", where, "Traceback (most recent call last):", proc=worker)
+    for file, line, func in frames:
+        log("ERROR", where, f'  File "vllm/{file}", line {line}, in {func}', proc=worker)
+    log("ERROR", where, exc, proc=worker)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+_PREPARE = "model_executor/model_loader/default_loader.py"  # the frames' lines are vLLM 0.33.0's
+
+
+def weight_files(args: argparse.Namespace, model: str, worker: str) -> list[str]:
+    """The shard files this rank loads, chosen as vLLM 0.33 chooses them, failing where it fails.
+
+    vllm/model_executor/model_loader/default_loader.py, DefaultModelLoader._prepare_weights (every
+    worker runs it on its own node's folder, after "Starting to load model" and before
+    safetensors_weights_iterator logs "Filesystem type for checkpoints", i.e. before any weight is
+    read): glob.glob(folder/"*.safetensors") (top level only, no dot-files); with none it tries
+    *.bin and *.pt and, finding none, raises RuntimeError("Cannot find any model weights with
+    `MODEL`"). Then weight_utils.py, filter_duplicate_safetensors_files: with no
+    model.safetensors.index.json the glob is used as is (a missing shard is not noticed here; for a
+    quantized checkpoint, where DefaultModelLoader.load_weights's "Following weights were not
+    initialized from checkpoint" check is off by default, not at all); with one, every file its
+    weight_map names must be among the globbed ones, else FileNotFoundError("Weight files referenced
+    in index but missing: {set of full paths}"), and the files it does not name are dropped."""
+    files = glob.glob(os.path.join(model, "*.safetensors"))
+    if not files:
+        if glob.glob(os.path.join(model, "*.bin")) or glob.glob(os.path.join(model, "*.pt")):
+            die("NotImplementedError: the stand-in reads safetensors checkpoints only")
+        fail_load(worker, f"RuntimeError: Cannot find any model weights with `{model}`",
+                  [(_PREPARE, 259, "_prepare_weights")])
+    index_path = os.path.join(model, "model.safetensors.index.json")
+    if not os.path.isfile(index_path):
+        return sorted(files)
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        in_index = {os.path.join(model, name) for name in weight_map.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        fail_load(worker, f"{type(exc).__name__}: {exc}", [(_PREPARE, 252, "_prepare_weights"), (
+            "model_executor/model_loader/weight_utils.py", 602, "filter_duplicate_safetensors_files")])
+    missing = in_index - set(files)
+    if missing:
+        fail_load(worker, f"FileNotFoundError: Weight files referenced in index but missing: {missing}",
+                  [(_PREPARE, 252, "_prepare_weights"), ("model_executor/model_loader/weight_utils.py", 611,
+                                                          "filter_duplicate_safetensors_files")])
+    return sorted(f for f in files if f in in_index)
+
+
 def load_model(args: argparse.Namespace) -> dict[str, Any]:
     """Read config.json and every shard's safetensors header; die naming what is missing or broken."""
     model = args.model
@@ -636,33 +695,22 @@ def load_model(args: argparse.Namespace) -> dict[str, Any]:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         die(f"OSError: cannot read {cfg_path}: {exc}")
-    index_path = os.path.join(model, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
-    else:
-        shards = sorted(n for n in os.listdir(model) if n.endswith(".safetensors"))
-    if not shards:
-        die(f"RuntimeError: Cannot find any model weights with `{model}`")
     worker = worker_name(args)
     if args.node_rank == 0:  # logger.info_once(..., scope="global"): global rank 0 only
         log("INFO", "gpu_model_runner.py:4979", f"Starting to load model {model}...", proc=worker)
-    total = sum(os.path.getsize(os.path.join(model, n)) for n in shards if os.path.exists(os.path.join(model, n)))
+    paths = weight_files(args, model, worker)
+    total = sum(os.path.getsize(p) for p in paths)
     log("INFO", "weight_utils.py:1144", f"Filesystem type for checkpoints: unknown. Checkpoint size: "
         f"{total / 1024**3:.2f} GiB. Available RAM: {available_ram_gib():.2f} GiB.", proc=worker)
     tensors = 0
     nbytes = 0
-    for shard in shards:
-        path = os.path.join(model, shard)
+    for path in paths:
         try:
             with open(path, "rb") as f:
                 (hlen,) = struct.unpack("<Q", f.read(8))
                 if hlen > 100 * 2**20:
                     raise ValueError(f"header length {hlen} is implausible")
                 header = json.loads(f.read(hlen))
-        except FileNotFoundError:
-            die(f"FileNotFoundError: [Errno 2] No such file or directory: '{path}' "
-                f"(shard named in model.safetensors.index.json)")
         except (OSError, ValueError, struct.error) as exc:
             die(f"safetensors_rust.SafetensorError: Error while deserializing header of {path}: {exc}")
         for name, meta in header.items():
@@ -688,7 +736,7 @@ def load_model(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(gdelay)
         log("INFO", "gpu_model_runner.py:6516", f"Graph capturing finished in {max(gdelay, 0.01):.0f} secs, "
             "took 0.00 GiB", proc=worker)
-    return {"config": config, "shards": len(shards), "tensors": tensors, "bytes": nbytes}
+    return {"config": config, "shards": len(paths), "tensors": tensors, "bytes": nbytes}
 
 
 # ----------------------------------------------------------------------------------------- engine
