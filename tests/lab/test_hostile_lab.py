@@ -252,9 +252,11 @@ def test_a_hostile_model_path_that_exists_is_served_as_data(work: tuple[Lab, Pat
     model.symlink_to("/models/lab")  # each host resolves it to its own /models/lab
     try:
         env = {"MODEL": str(model)}
-        for args in (("--json", "plan"), ("check",)):
+        # every command that passes MODEL into a remote script: the checkpoint scan, the chain probe
+        for args in (("--json", "plan"), ("check",), ("verify-model",), ("build", "--dry-run")):
             r = sk(lab, cwd, *args, env=env)
             assert_clean_outcome(r, (0,))
+            assert canaries(lab, cwd) == [], args
         up = sk(lab, cwd, "up", env=env)
         assert_clean_outcome(up, (0,))
         wait = sk(lab, cwd, "wait", "--timeout", "60", env=env)
