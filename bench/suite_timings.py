@@ -47,7 +47,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from sparkctl import bench, ckptgen, nccl
-    from sparkctl.commands.lifecycle import _metrics_summary
+    from sparkctl.orchestrate.status import metrics_summary
     from sparkctl.readiness import phase_of
 
     results: list[tuple[str, float, float, float]] = []  # name, seconds, low, high
@@ -61,7 +61,7 @@ def main() -> int:
     lines = ["Loading " * 200_000, "\x00\xff" * 500_000, "Application startup complete" + "x" * 1_000_000]
     results.append(("phase_of on 3 huge lines", best(lambda: phase_of(lines), args.repeat), 0, 2))
     text = "vllm:num_requests_running 1\n" * 2_000_000
-    results.append(("/metrics summary, 2M lines", best(lambda: _metrics_summary(text), args.repeat), 0, 5))
+    results.append(("/metrics summary, 2M lines", best(lambda: metrics_summary(text), args.repeat), 0, 5))
     bad = "a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000
     results.append(("parse_prometheus, pathological", best(lambda: list(bench.parse_prometheus(bad)), args.repeat), 0, 2))
     nccl_log = ("a:1:1 [0] " * 20000 + "NCCL INFO x\n") * 20

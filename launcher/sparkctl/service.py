@@ -1,4 +1,5 @@
-"""The service lifecycle on the nodes: up, wait, status, logs, down.
+"""The service lifecycle on the nodes: up, status, logs, down (what `orchestrate` runs; wait is
+readiness.py).
 
 Everything here runs over one `Cluster` (one SSH connection per node for the whole command). Only
 containers labelled `sparkctl.cluster=<CLUSTER_NAME>` are ever inspected, replaced or removed.
@@ -126,14 +127,13 @@ def up(
     recreate: bool = False,
     say: Callable[[str], None] = lambda s: None,
     settle_s: float = 0.25,
-    gathered: dict[str, tuple[list[ContainerState], str | None] | NodeError] | None = None,
+    gathered: dict[str, tuple[list[ContainerState], str | None] | NodeError],
 ) -> UpOutcome:
-    """Start the service (workers, then the head) or leave an identical one alone."""
+    """Start the service (workers, then the head) or leave an identical one alone. gathered: each
+    node's node_state, read by the caller's preflight (orchestrate.up.start_service)."""
     name = settings.cluster_name
     nodes = settings.nodes
     image = settings.image
-    if gathered is None:
-        gathered = cluster.run_all(lambda n: node_state(n, name, image), nodes=nodes)
     states = {n: g if isinstance(g, NodeError) else g[0] for n, g in gathered.items()}
     images = {n: g if isinstance(g, NodeError) else g[1] for n, g in gathered.items()}
     failed = node_failures(states) | node_failures(images)

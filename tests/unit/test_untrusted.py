@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from sparkctl import bench
 from sparkctl.cluster import NodeError, RunResult
-from sparkctl.commands.lifecycle import _metrics_summary
 from sparkctl.errors import SparkctlError
 from sparkctl.lock import LockOwner
+from sparkctl.orchestrate.status import metrics_summary
 from sparkctl.plan import CheckpointInfo, checkpoint_from_scan, kv_terms
 from sparkctl.probes.ckpt_scan import _encode
 from sparkctl.readiness import MAX_JSON_ANSWER, PHASES, BadAnswer, HeadApi, phase_of
@@ -159,14 +159,14 @@ def test_lock_owner_known_traps() -> None:
     lambda n: n + ' {a="b"} '), st.from_regex(r"vllm:num_requests_waiting\{[^}]*\} (nan|inf|-inf|1e999|x|7)",
                                              fullmatch=True)), max_size=20).map("\n".join))
 def test_metrics_summary_any_text(text: str) -> None:
-    out = _metrics_summary(text)
+    out = metrics_summary(text)
     assert set(out) <= {"requests_running", "requests_waiting", "kv_cache_usage", "generation_tokens"}
     assert all(isinstance(v, float) for v in out.values())
 
 
 def test_metrics_summary_bounded_on_a_huge_answer() -> None:
     # Series are summed (one per label set), over the first 20,000 lines only: the work is bounded.
-    assert _metrics_summary("vllm:num_requests_running 1\n" * 2_000_000) == {"requests_running": 20000.0}
+    assert metrics_summary("vllm:num_requests_running 1\n" * 2_000_000) == {"requests_running": 20000.0}
 
 
 # --------------------------------------------------------------------------- checkpoint scan
