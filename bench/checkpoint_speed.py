@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
 
-from sparkctl import ckptgen  # noqa: E402
+from sparkctl.lab import ckptgen  # noqa: E402
 from sparkctl.lab.client import Lab  # noqa: E402
 from sparkctl.resources import probe_script  # noqa: E402
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkctl import ckptgen
+from sparkctl.lab import ckptgen
 from sparkctl.lab.client import Lab
 from sparkctl.lab.hfhub import StandinHub
 from sparkctl.lab.state import MGMT_NET

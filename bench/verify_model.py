@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
 
-from sparkctl.ckptgen import make_checkpoint  # noqa: E402
+from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.probes.ckpt_scan import deep_hashes  # noqa: E402
 from sparkctl.verify import load_layout, verify_dir  # noqa: E402
 

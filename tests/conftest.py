@@ -75,7 +75,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]
 def write_serving(model: Path) -> None:
     """The checkpoint's serving/ folder as the lab's generated checkpoint ships it (the chain's
     Dockerfiles and what they copy): `build` reads the chain from there."""
-    from sparkctl.ckptgen import serving_files
+    from sparkctl.lab.ckptgen import serving_files
 
     for name, data in serving_files().items():
         (model / "serving" / name).parent.mkdir(parents=True, exist_ok=True)

@@ -182,13 +182,13 @@ def config_hash(settings: Settings, specs: list[RankSpec]) -> str:
     doc: dict[str, Any] = {
         "image": settings.image,
         "recipe": settings.recipe.name,
-        "container": _container_options(settings),
+        "container": container_options(settings),
         "ranks": [{"node": s.node, "env": scrub(s.env), "argv": s.vllm_argv} for s in specs],
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _container_options(settings: Settings) -> list[str]:
+def container_options(settings: Settings) -> list[str]:
     c = settings.recipe.container
     nofile = settings.getint("ULIMIT_NOFILE")
     memlock = settings.getint("ULIMIT_MEMLOCK")
@@ -228,7 +228,7 @@ def docker_run_argv(settings: Settings, spec: RankSpec, cfg_hash: str) -> list[s
         "--label", f"{LABEL_CONFIG_HASH}={cfg_hash}",
         "--label", f"{LABEL_RECIPE}={settings.recipe.name}",
         "--restart", "no",
-        *_container_options(settings),
+        *container_options(settings),
         "--env-file", remote_env_file(cluster, spec.rank),
         "--entrypoint", entrypoint,
         settings.image,

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,10 @@ from . import facts as F
 from .builders import open_api_warning
 from .cluster import Cluster, Node, NodeError, Session
 from .errors import SparkctlError
+from .findings import CLUSTER_ROW, FAIL, OK, PIN_ENV, SKIP, WARN, Finding, Needs
+from .findings import finding as _f
+from .findings import unknown as _unknown
+from .pins import discover_fabric
 from .plan import (
     GB,
     CheckpointInfo,
@@ -44,10 +48,6 @@ from .plan import (
 )
 from .resources import probe_script
 from .settings import RankPins, Settings
-
-OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
-SYMBOL = {OK: "✓", FAIL: "✗", WARN: "!", SKIP: "·"}
-CLUSTER_ROW = "(cluster)"
 
 # Column order of the table; every node gets one finding per column.
 CHECKS = (
@@ -69,83 +69,6 @@ CHECKS = (
 DISK_FAIL_BYTES = 10 * GB  # below this the image chain cannot even be unpacked
 DISK_WARN_BYTES = 50 * GB  # a production chain (vLLM + CUDA) is tens of GB per rank
 DF_PATHS = (F.DOCKER_ROOT,)  # the engine says where its data root is (DockerRootDir); MODEL is added
-
-
-@dataclass(frozen=True)
-class Finding:
-    node: str  # a node alias, or CLUSTER_ROW for what concerns the whole cluster
-    check: str
-    status: str  # ok | fail | warn | skip
-    short: str  # the table cell
-    reason: str = ""  # the whole story (defaults to short)
-    fix: str = ""
-
-    @property
-    def text(self) -> str:
-        return self.reason or self.short
-
-    def to_dict(self) -> dict[str, str]:
-        d = asdict(self)
-        d["reason"] = self.text
-        return d
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What the settings and recipe ask of every node, distilled so the rules need no Settings."""
-
-    nofile: int
-    memlock_bytes: int  # -1: unlimited
-    gpus_per_node: int
-    port: int
-    master_port: int
-    fabric_subnet: ipaddress.IPv4Network | None
-    image: str
-    cluster: str
-    model: str
-    given_pins: tuple[RankPins, ...] = ()
-    base_image: str = ""  # BASE_IMAGE: every rank must hold the head's (sparkctl.basepin)
-    expect: tuple[tuple[str, str], ...] = ()  # versions the recipe expects of the chain (its layers' expect)
-    prebuilt: str = ""  # the recipe runs a published image: where it comes from (no chain, no base)
-    pin_env: tuple[tuple[str, str], ...] = ()  # pin keys the recipe's [container.env] sets for every rank
-    recipe_path: str = ""
-
-    @classmethod
-    def from_settings(cls, s: Settings) -> Needs:
-        subnet = s.get("FABRIC_SUBNET")
-        return cls(
-            nofile=s.getint("ULIMIT_NOFILE"),
-            memlock_bytes=s.getint("ULIMIT_MEMLOCK"),
-            gpus_per_node=int(s.get("GPUS_PER_NODE", 1)),
-            port=s.getint("PORT"),
-            master_port=s.getint("MASTER_PORT"),
-            fabric_subnet=ipaddress.IPv4Network(subnet, strict=False) if subnet else None,
-            image=s.image,
-            cluster=s.cluster_name,
-            model=str(s.model),
-            given_pins=tuple(s.rank_pins(r) for r in range(len(s.nodes))),
-            base_image="" if s.recipe.prebuilt else str(s.get("BASE_IMAGE") or ""),
-            prebuilt=s.recipe.prebuilt.source if s.recipe.prebuilt else "",
-            pin_env=tuple(sorted((k, v) for k, v in s.recipe.container.env.items() if k in PIN_ENV)),
-            recipe_path=str(s.recipe.path),
-            expect=tuple(sorted({k: v for layer in s.recipe.layers for k, v in layer.expect.items()}.items())),
-        )
-
-
-def _f(node: str, check: str, status: str, short: str, reason: str = "", fix: str = "") -> Finding:
-    return Finding(node, check, status, short, reason, fix)
-
-
-def _unknown(node: str, check: str, facts: F.NodeFacts, section: str) -> Finding:
-    why = facts.problems.get(section, "not reported")
-    return _f(
-        node,
-        check,
-        FAIL,
-        "unreadable",
-        f"{node}: could not read {section}: {why}",
-        f"run the probe by hand on {node} to see why: sh -s < probes/node_facts.sh",
-    )
 
 
 # -------------------------------------------------------------------------------- per-node rules
@@ -276,112 +199,6 @@ def rule_limits(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
             "docker.service), or lower ULIMIT_NOFILE/ULIMIT_MEMLOCK in the env file",
         )
     return _f(node, "limits", OK, short)
-
-
-def discover_fabric(
-    node: str, rank: int, facts: F.NodeFacts, needs: Needs
-) -> tuple[Finding, RankPins | None]:
-    """Find this rank's fabric pins: the RDMA-backed netdev that is up with an IPv4 address (in
-    FABRIC_SUBNET when set; the one RANKn_CX7_IF / RANKn_FABRIC_IP names when pinned), its RDMA device,
-    and the RoCE v2 GID index of that address. Names differ across nodes: nothing is assumed."""
-    if facts.netdevs is None:
-        return _unknown(node, "fabric", facts, "ip-addr"), None
-    if facts.hcas is None or not facts.hcas:
-        why = facts.problems.get("infiniband", "no RDMA devices")
-        return _f(
-            node,
-            "fabric",
-            FAIL,
-            "no RDMA device",
-            f"{node}: no RDMA devices: {why}",
-            f"install the CX7 driver (mlx5) on {node}; /sys/class/infiniband must list its ports",
-        ), None
-    given = needs.given_pins[rank] if rank < len(needs.given_pins) else RankPins()
-    rdma_backed = {nd for h in facts.hcas for nd in h.netdevs}
-    candidates = []  # (netdev, address)
-    for dev in facts.netdevs:
-        if dev.name not in rdma_backed or (given.netdev and dev.name != given.netdev):
-            continue
-        for addr in dev.ipv4:
-            if needs.fabric_subnet and addr.ip not in needs.fabric_subnet:
-                continue
-            if given.fabric_ip and str(addr.ip) != given.fabric_ip:
-                continue
-            candidates.append((dev, addr))
-    where = f" in FABRIC_SUBNET={needs.fabric_subnet}" if needs.fabric_subnet else ""
-    pinned = [
-        f"RANK{rank}_{k}={v}" for k, v in (("CX7_IF", given.netdev), ("FABRIC_IP", given.fabric_ip)) if v
-    ]
-    if pinned:
-        where += f" matching the pinned {' '.join(pinned)}"
-    up = [(d, a) for d, a in candidates if d.is_up]
-    if not up:
-        if candidates:
-            dev, addr = candidates[0]
-            return _f(
-                node,
-                "fabric",
-                FAIL,
-                f"{dev.name} down",
-                f"{node}: fabric netdev {dev.name} ({addr}) is {dev.operstate}",
-                f"bring it up on {node} (`ip link set {dev.name} up`) and check its cable/QSFP link",
-            ), None
-        have = (
-            ", ".join(
-                f"{d.name} {'/'.join(str(a) for a in d.ipv4) or 'no IPv4'}"
-                for d in facts.netdevs
-                if d.name in rdma_backed
-            )
-            or "none"
-        )
-        return _f(
-            node,
-            "fabric",
-            FAIL,
-            "no fabric IP",
-            f"{node}: no RDMA-backed netdev is up with an IPv4 address{where} (CX7 netdevs: {have})",
-            f"give {node}'s CX7 port its fabric address (e.g. `ip addr add ADDR/24 dev IFACE`), or fix "
-            "FABRIC_SUBNET",
-        ), None
-    dev, addr = up[0]
-    hca = F.hca_for_netdev(facts.hcas, dev.name)
-    assert hca is not None  # candidates are RDMA-backed
-    gids = hca.roce_v2_gid_candidates(addr.ip)
-    if not gids:
-        return _f(
-            node,
-            "fabric",
-            FAIL,
-            "no RoCE v2 GID",
-            f"{node}: {hca.name} has no RoCE v2 GID for {addr.ip} "
-            f"({dev.name}); an empty NCCL_IB_GID_INDEX would silently mean index 0",
-            f"check {node}'s RoCE configuration (`show_gids`); the address must be on {dev.name} itself",
-        ), None
-    _, gid = gids[0]
-    pins = RankPins(fabric_ip=str(addr.ip), netdev=dev.name, rdma_dev=hca.name, gid_index=gid)
-    desc = f"{dev.name} {addr} {hca.name} GID {gid}"
-    notes = []
-    if len(up) > 1:
-        notes.append(
-            f"also up with a fabric address: {', '.join(d.name for d, _ in up[1:])} (using {dev.name})"
-        )
-    if given.gid_index is not None and given.gid_index != gid:
-        notes.append(
-            f"RANK{rank}_GID_INDEX={given.gid_index} is set but the GID is now {gid} (it drifts); "
-            f"env.tp4 gets {gid}"
-        )
-    if given.rdma_dev and given.rdma_dev != hca.name:
-        notes.append(f"RANK{rank}_CX7_IB={given.rdma_dev} is set but {dev.name} belongs to {hca.name}")
-    if notes:
-        return _f(
-            node,
-            "fabric",
-            WARN,
-            dev.name,
-            f"{node}: {desc}; " + "; ".join(notes),
-            "remove stale RANK<n>_* pins from the env file; check writes the discovered ones",
-        ), pins
-    return _f(node, "fabric", OK, dev.name, f"{node}: {desc}"), pins
 
 
 def rule_reach(node: str, outcome: Mapping[str, str] | NodeError | None, peers: Mapping[str, str]) -> Finding:
@@ -698,10 +515,6 @@ def rule_base_image(images: Mapping[str, list[D.Image] | None], head: str, ref: 
                         f"run `sparkctl build`: it gives {n} the head's base ({p.describe()}), once")
     return out
 
-
-# The container variables that carry a rank's own fabric pins (builders.rank_env): what each must name.
-PIN_ENV = {"NCCL_SOCKET_IFNAME": "netdev", "GLOO_SOCKET_IFNAME": "netdev", "NCCL_IB_HCA": "rdma_dev",
-           "NCCL_IB_GID_INDEX": "gid_index", "VLLM_HOST_IP": "fabric_ip"}
 
 
 def _names_device(value: str, device: str) -> bool:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import nccl
-from .builders import LABEL_CLUSTER, LABEL_RANK, LABEL_RECIPE, _container_options, master_addr, rank_env
-from .check import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
+from .builders import LABEL_CLUSTER, LABEL_RANK, LABEL_RECIPE, container_options, master_addr, rank_env
 from .cluster import Cluster, Node, NodeError, RunResult
+from .findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
 from .recipes import FabricTest
 from .resources import probe_script
 from .settings import RankPins, Settings
@@ -85,7 +85,7 @@ def fabric_run_argv(settings: Settings, rank: int, pins: list[RankPins], *, time
         "--label", f"{LABEL_RANK}={rank}",
         "--label", f"{LABEL_RECIPE}={settings.recipe.name}",
         "--label", f"{LABEL_PURPOSE}={PURPOSE}",
-        *_without_mounts(_container_options(settings)),
+        *_without_mounts(container_options(settings)),
     ]  # fmt: skip
     for key, value in sorted(fabric_env(settings, rank, pins[rank]).items()):
         argv += ["--env", f"{key}={value}"]

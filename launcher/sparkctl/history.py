@@ -51,14 +51,14 @@ def hash_tag(image: str, content_hash: str) -> str:
 
 def image_override(s: Settings, ref: str) -> str:
     """`up --image REF`: a tag or image reference as given, or a content hash (12+ hex) as its tag."""
-    from .settings import _IMAGE_RE  # the same rule as the IMAGE knob
+    from .settings import IMAGE_RE  # the same rule as the IMAGE knob
 
     ref = ref.strip()
     if _HEX12.match(ref.removeprefix("sha256:")) and not _HEX12.match(ref):  # sha256:<content hash>
         ref = ref.removeprefix("sha256:")
     if _HEX12.match(ref):
         return hash_tag(s.image, ref)
-    if not _IMAGE_RE.match(ref):
+    if not IMAGE_RE.match(ref):
         raise UsageError(f"--image {ref!r} is neither a Docker image reference nor a content hash (12+ hex)",
                          fix="give a tag such as sparkctl-lab/chain:keys3-1a2b3c4d5e6f, or a hash from "
                              "`sparkctl history`")

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .check import FAIL, OK, WARN, Finding
+from .findings import FAIL, OK, WARN, Finding
 
 FABRIC_MARK = "@@sparkctl-fabric "
 MAX_LINE = 4096  # a longer line is cut: a log is data, and a pathological one must not cost quadratic time

@@ -22,7 +22,7 @@ from .builders import container_name
 from .cluster import Cluster, Node, NodeError
 from .engine_lines import FAILURE_MARKERS, failure_in, phase_patterns
 from .errors import CheckFailed
-from .service import ContainerState, _failures, _log_tail, _raise_nodes, inspect_cluster
+from .service import ContainerState, inspect_cluster, log_tail, node_failures, raise_node_failures
 from .settings import Settings
 
 # The lines of vLLM 0.33 that mark each phase (engine_lines.PHASE_MARKERS says where vLLM writes each).
@@ -185,14 +185,14 @@ def wait_ready(
     def poll_rank(node: Node) -> tuple[list[ContainerState], list[str]]:
         rank = settings.nodes.index(node.name)
         states = inspect_cluster(node, name)
-        lines = _log_tail(node, container_name(name, rank), 200)
+        lines = log_tail(node, container_name(name, rank), 200)
         return states, lines
 
     def once() -> dict[str, Any] | None:
         results = cluster.run_all(poll_rank, nodes=settings.nodes)
-        failed = _failures(results)
+        failed = node_failures(results)
         if failed:
-            _raise_nodes("lost contact while waiting", failed)
+            raise_node_failures("lost contact while waiting", failed)
         for rank, w in watches.items():
             res = results[w.node]
             assert not isinstance(res, NodeError)

@@ -1,4 +1,5 @@
-"""The service lifecycle on the nodes: up, wait, status, logs, down.
+"""The service lifecycle on the nodes: up, status, logs, down (what `orchestrate` runs; wait is
+readiness.py).
 
 Everything here runs over one `Cluster` (one SSH connection per node for the whole command). Only
 containers labelled `sparkctl.cluster=<CLUSTER_NAME>` are ever inspected, replaced or removed.
@@ -82,11 +83,11 @@ class UpOutcome:
     config_hash: str = ""
 
 
-def _failures(results: dict[str, Any]) -> dict[str, NodeError]:
+def node_failures(results: dict[str, Any]) -> dict[str, NodeError]:
     return {n: r for n, r in results.items() if isinstance(r, NodeError)}
 
 
-def _raise_nodes(what: str, failed: dict[str, NodeError]) -> None:
+def raise_node_failures(what: str, failed: dict[str, NodeError]) -> None:
     lines = [f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()]
     raise CheckFailed(f"{what} on {len(failed)} node(s):\n  " + "\n  ".join(lines))
 
@@ -126,19 +127,18 @@ def up(
     recreate: bool = False,
     say: Callable[[str], None] = lambda s: None,
     settle_s: float = 0.25,
-    gathered: dict[str, tuple[list[ContainerState], str | None] | NodeError] | None = None,
+    gathered: dict[str, tuple[list[ContainerState], str | None] | NodeError],
 ) -> UpOutcome:
-    """Start the service (workers, then the head) or leave an identical one alone."""
+    """Start the service (workers, then the head) or leave an identical one alone. gathered: each
+    node's node_state, read by the caller's preflight (orchestrate.up.start_service)."""
     name = settings.cluster_name
     nodes = settings.nodes
     image = settings.image
-    if gathered is None:
-        gathered = cluster.run_all(lambda n: node_state(n, name, image), nodes=nodes)
     states = {n: g if isinstance(g, NodeError) else g[0] for n, g in gathered.items()}
     images = {n: g if isinstance(g, NodeError) else g[1] for n, g in gathered.items()}
-    failed = _failures(states) | _failures(images)
+    failed = node_failures(states) | node_failures(images)
     if failed:
-        _raise_nodes("cannot start: nodes not ready", failed)
+        raise_node_failures("cannot start: nodes not ready", failed)
     missing = [n for n in nodes if images[n] is None]
     if missing:
         raise CheckFailed(f"image {image} is not on {', '.join(missing)}",
@@ -172,7 +172,7 @@ def up(
             failed_down = _down_all(cluster, settings, say)
             audit(cluster, [n for n in nodes if n not in failed_down], name, orphan_lines)
             if failed_down:
-                _raise_nodes("cannot remove the old containers", failed_down)
+                raise_node_failures("cannot remove the old containers", failed_down)
         by_rank = {s.rank: s for s in specs}
         workers = [s for s in specs if s.rank > 0]
         for s in specs:
@@ -274,9 +274,9 @@ def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash
             ids[node] = res.splitlines()[-1].strip()[:128] if res else ""  # docker run --detach prints the ID
             started.append(f"rank {rank[node]} on {node}")
             say(f"started rank {rank[node]} on {node}")
-    failed = _failures(results)
+    failed = node_failures(results)
     if failed:
-        _raise_nodes("start failed", failed)
+        raise_node_failures("start failed", failed)
 
 
 def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec], settle_s: float) -> None:
@@ -284,16 +284,16 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
     if settle_s > 0:
         time.sleep(settle_s)
     states = cluster.run_all(lambda n: inspect_cluster(n, settings.cluster_name), nodes=settings.nodes)
-    failed = _failures(states)
+    failed = node_failures(states)
     if failed:
-        _raise_nodes("lost nodes while starting", failed)
+        raise_node_failures("lost nodes while starting", failed)
     dead = []
     for spec in specs:
         node_states = states[spec.node]
         assert not isinstance(node_states, NodeError)
         mine = [c for c in node_states if c.rank == spec.rank]
         if not mine or not mine[0].running:
-            tail = _log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 50)
+            tail = log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 50)
             status = f"{mine[0].status}, exit {mine[0].exit_code}" if mine else "gone"
             found = failure_in(tail)  # vLLM's words for the cause, even with lines after it
             said = f"{found[0]}: {found[1]}" if found else (tail[-1] if tail else "")
@@ -354,7 +354,7 @@ def down(cluster: Cluster, settings: Settings, say: Callable[[str], None] = lamb
 
 # ------------------------------------------------------------------------------------------ logs
 
-def _log_tail(node: Node, container: str, n: int) -> list[str]:
+def log_tail(node: Node, container: str, n: int) -> list[str]:
     try:
         r = node.run(["docker", "logs", "--tail", str(int(n)), container], timeout=20)
     except NodeError:

@@ -41,7 +41,7 @@ _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._
 _REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")
 _URL_RE = re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._~/-]*)?$")
 _COMMAND_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,255}$")
-_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$", re.IGNORECASE)
+IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$", re.IGNORECASE)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "fp8_inc")
 RANK_KEY_RE = re.compile(r"^RANK(\d+)_(FABRIC_IP|CX7_IF|CX7_IB|GID_INDEX)$")
 PASSTHROUGH_RE = re.compile(r"^(STANDIN_[A-Z0-9_]+|SKIP_[A-Z0-9_]+)$")
@@ -213,8 +213,8 @@ KNOBS: dict[str, Knob] = {
         Knob("DSPARK", "path", "DSpark drafter folder (with SPEC_METHOD=dspark).", check=_abs_path),
         Knob("IMAGE", "str", "Image every rank runs: the chain's top layer, or a prebuilt recipe's published image "
              "(pin it by digest: repo@sha256:...).",
-             check=_regex(_IMAGE_RE, "a Docker image reference")),
-        Knob("BASE_IMAGE", "str", "Base image of the chain.", check=_regex(_IMAGE_RE, "a Docker image reference")),
+             check=_regex(IMAGE_RE, "a Docker image reference")),
+        Knob("BASE_IMAGE", "str", "Base image of the chain.", check=_regex(IMAGE_RE, "a Docker image reference")),
         Knob("ULIMIT_NOFILE", "int", "Container nofile limit (soft=hard).", minimum=1024),
         Knob("ULIMIT_MEMLOCK", "int", "Container memlock limit in bytes, -1 for unlimited.", minimum=-1),
         Knob("SHM_SIZE", "str", "Container /dev/shm size (docker --shm-size).",

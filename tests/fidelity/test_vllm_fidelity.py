@@ -85,9 +85,9 @@ def referee() -> Any:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A GLM-5.3-shaped checkpoint folder per recipe (config.json from sparkctl.ckptgen, sparse shards),
+    """A GLM-5.3-shaped checkpoint folder per recipe (config.json from sparkctl.lab.ckptgen, sparse shards),
     and a DSpark drafter folder."""
-    from sparkctl.ckptgen import config_json
+    from sparkctl.lab.ckptgen import config_json
     from tests.conftest import write_model
 
     root = tmp_path_factory.mktemp("fidelity-models")

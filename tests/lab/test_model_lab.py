@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl import ckptgen
-from sparkctl.lab import hosts
+from sparkctl.lab import ckptgen, hosts
 from sparkctl.lab.client import Lab
 from sparkctl.lab.hfhub import StandinHub
 from sparkctl.lab.proc import read_pid, stop_pid

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from sparkctl import ckptgen
+from sparkctl.lab import ckptgen
 from sparkctl.lab.client import Lab
 
 pytestmark = pytest.mark.lab

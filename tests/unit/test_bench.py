@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkctl import bench as b
+from sparkctl import loadgen as b
 from sparkctl.errors import CheckFailed, UsageError
 from sparkctl.lab.local import local_standin
 from tests.conftest import run_cli
@@ -581,7 +581,7 @@ def test_cli_non_streaming_server_exits_1(capsys):
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The lab's stand-in engine on loopback: fast (2,000 tok/s per stream), MTP k=3, acceptance 0.5."""
-    from sparkctl.ckptgen import make_checkpoint
+    from sparkctl.lab.ckptgen import make_checkpoint
 
     model = tmp_path_factory.mktemp("standin") / "tiny"
     make_checkpoint(model, "tiny")

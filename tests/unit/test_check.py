@@ -2,7 +2,7 @@
 
 Facts are built from real captured output where the parsers are involved (tests/fixtures/), and as
 plain dataclasses where a rule only needs one value. Every failing finding must carry a one-line fix.
-Fabric discovery (check.discover_fabric) is mostly covered in test_pins.py; this file adds the rest.
+Fabric discovery (pins.discover_fabric) is mostly covered in test_pins.py; this file adds the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from sparkctl import check as C
 from sparkctl import facts as F
 from sparkctl.check import FAIL, OK, SKIP, WARN, CheckReport, Finding, Needs, _names_device, rule_pin_env
 from sparkctl.cluster import NodeError
+from sparkctl.pins import discover_fabric
 from sparkctl.plan import GB, CheckpointInfo, Plan, Shard, make_plan
 from sparkctl.probes.ckpt_scan import _encode
 from sparkctl.settings import RankPins, Settings, load_settings
@@ -201,21 +202,21 @@ def _fabric_facts(ip: str = "10.232.0.12", gid: int = 5) -> F.NodeFacts:
 
 
 def test_stale_gid_pin_is_replaced_with_a_warning() -> None:
-    f, pins = C.discover_fabric("spark2", 1, _fabric_facts(), needs(given_pins=(RankPins(), RankPins(gid_index=3))))
+    f, pins = discover_fabric("spark2", 1, _fabric_facts(), needs(given_pins=(RankPins(), RankPins(gid_index=3))))
     assert pins is not None and pins.gid_index == 5
     assert f.status == WARN and "RANK1_GID_INDEX=3" in f.text and "now 5" in f.text and f.fix
 
 
 def test_stale_rdma_pin_and_pinned_fabric_ip() -> None:
-    f, pins = C.discover_fabric("n", 0, _fabric_facts(), needs(given_pins=(RankPins(rdma_dev="mlx5_0"),)))
+    f, pins = discover_fabric("n", 0, _fabric_facts(), needs(given_pins=(RankPins(rdma_dev="mlx5_0"),)))
     assert pins is not None and f.status == WARN and "RANK0_CX7_IB=mlx5_0" in f.text
-    f, pins = C.discover_fabric("n", 0, _fabric_facts(), needs(given_pins=(RankPins(fabric_ip="10.232.0.99"),)))
+    f, pins = discover_fabric("n", 0, _fabric_facts(), needs(given_pins=(RankPins(fabric_ip="10.232.0.99"),)))
     assert pins is None
     fails_with_fix(f, "RANK0_FABRIC_IP=10.232.0.99")
 
 
 def test_address_outside_the_fabric_subnet_is_not_taken() -> None:
-    f, pins = C.discover_fabric("n", 0, _fabric_facts("192.168.1.5"), needs())
+    f, pins = discover_fabric("n", 0, _fabric_facts("192.168.1.5"), needs())
     assert pins is None
     fails_with_fix(f, "FABRIC_SUBNET=10.232.0.0/24", "192.168.1.5/24")
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparkctl import ckptgen
+from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import DTYPE_BITS, TensorKind, nbytes, read_header

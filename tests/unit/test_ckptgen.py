@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl import ckptgen
+from sparkctl.lab import ckptgen
 from sparkctl.safetensors import read_header
 
 

@@ -228,8 +228,8 @@ def test_up_fabric_gate_refuses_on_failure_and_skips_while_serving(clean_env: di
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from sparkctl.commands import lifecycle
     from sparkctl.errors import CheckFailed
+    from sparkctl.orchestrate.up import fabric_gate
 
     s = _settings("lab")
     calls: list[int] = []
@@ -238,12 +238,11 @@ def test_up_fabric_gate_refuses_on_failure_and_skips_while_serving(clean_env: di
                               1.0, 0.5, {}, {})
     monkeypatch.setattr(fabric, "run_fabric_test", lambda *a, **k: calls.append(1) or bad)
     printed: list[str] = []
-    out = SimpleNamespace(print=lambda m, **k: printed.append(m))
     with pytest.raises(CheckFailed, match="rank 2 \\(spark3\\): failed at init"):
-        lifecycle._fabric_gate(None, s, _pins(s), {n: [] for n in NODES}, out)  # type: ignore[arg-type]
+        fabric_gate(None, s, _pins(s), {n: [] for n in NODES}, printed.append)  # type: ignore[arg-type]
     assert calls == [1]
     running = {n: [SimpleNamespace(running=True)] for n in NODES}
-    lifecycle._fabric_gate(None, s, _pins(s), running, out)  # type: ignore[arg-type]
+    fabric_gate(None, s, _pins(s), running, printed.append)  # type: ignore[arg-type]
     assert calls == [1] and "skipped" in printed[-1]
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from sparkctl import ckptgen
 from sparkctl import images as im
 from sparkctl.builders import LABEL_CONTENT_HASH
 from sparkctl.commands.bake import local_chain, render_bake, stage_contexts
 from sparkctl.errors import UsageError
 from sparkctl.facts import Image
+from sparkctl.lab import ckptgen
 from sparkctl.recipes import available_recipes, load_recipe
 
 SERVING = ckptgen.serving_files()  # the lab checkpoint's serving/: relative path -> bytes

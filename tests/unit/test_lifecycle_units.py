@@ -6,7 +6,6 @@ import json
 import subprocess
 
 from sparkctl.builders import RankSpec
-from sparkctl.commands.lifecycle import _metrics_summary
 from sparkctl.lock import (
     LockOwner,
     acquire_argv,
@@ -16,6 +15,7 @@ from sparkctl.lock import (
     release_argv,
     show_argv,
 )
+from sparkctl.orchestrate.status import metrics_summary
 from sparkctl.readiness import phase_of
 from sparkctl.service import ContainerState, diff_running
 from sparkctl.settings import RankPins
@@ -100,5 +100,5 @@ def test_metrics_summary():
         'vllm:num_requests_waiting{model_name="m"} 1', 'vllm:kv_cache_usage_perc{model_name="m"} 0.25',
         'vllm:generation_tokens_total{model_name="m"} 1234', "garbage line here", 'vllm:num_requests_running{x="y"} nan?',
     ])
-    assert _metrics_summary(text) == {"requests_running": 2.0, "requests_waiting": 1.0, "kv_cache_usage": 0.25,
+    assert metrics_summary(text) == {"requests_running": 2.0, "requests_waiting": 1.0, "kv_cache_usage": 0.25,
                                       "generation_tokens": 1234.0}

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from sparkctl import ckptgen
 from sparkctl.cli import cli
+from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import _validate, read_header

@@ -2,7 +2,7 @@
 
 Without --url it measures the head's API from the settings: http://<head>:PORT, where <head> is the
 HostName the ssh config gives the first node's alias, and the model is SERVED_MODEL_NAME.
-The measuring itself is in sparkctl.bench; this module is input, progress and output.
+The measuring itself is in sparkctl.loadgen; this module is input, progress and output.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import bench
+from .. import loadgen
 from ..errors import CheckFailed, UsageError
 from ..output import emit_json, warn
 
@@ -51,16 +51,16 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     from ..cli import Globals
 
     assert isinstance(g, Globals)
-    levels = bench.parse_int_list(concurrency, "--concurrency")
+    levels = loadgen.parse_int_list(concurrency, "--concurrency")
     if n_requests is not None and n_requests < max(levels):
         raise UsageError(f"--requests {n_requests} is fewer than the concurrency {max(levels)}: a level needs "
                          "at least one request per stream", fix=f"use --requests {max(levels)} or more")
     workloads = _workloads(workload, prompt_file)
-    base = bench.load_saved(compare_file) if compare_file else None  # a bad file fails before measuring
+    base = loadgen.load_saved(compare_file) if compare_file else None  # a bad file fails before measuring
     if save:
         _check_writable(Path(save))
     endpoint, model, api_key = _target(g, url, model, api_key_env)
-    models = bench.list_models(endpoint, api_key, timeout=min(timeout, 10.0))
+    models = loadgen.list_models(endpoint, api_key, timeout=min(timeout, 10.0))
     if model is None:
         if not models:
             raise UsageError(f"cannot tell which model {endpoint.url} serves (its /v1/models gives no list)",
@@ -69,7 +69,7 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     elif models is not None and model not in models:
         raise UsageError(f"{endpoint.url} serves {', '.join(models) or 'no model'}, not {model!r}",
                          fix=f"pass --model {models[0]}" if models else "check the service")
-    cfg = bench.BenchConfig(endpoint=endpoint, model=model, api_key=api_key, workloads=workloads,
+    cfg = loadgen.BenchConfig(endpoint=endpoint, model=model, api_key=api_key, workloads=workloads,
                             concurrency=levels, requests=n_requests, warmup=warmup, max_tokens=max_tokens,
                             timeout=timeout)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -78,16 +78,16 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
         err.print(f"bench {endpoint.url} model {model}: {', '.join(w.name for w in workloads)} at "
                   f"C{', C'.join(map(str, levels))}, {max_tokens}-token outputs", markup=False)
     with sink:
-        run = bench.run_bench(cfg, sink)
+        run = loadgen.run_bench(cfg, sink)
     doc = run.to_dict()
     if base is not None:
-        doc["compare"] = bench.compare(doc, base)
+        doc["compare"] = loadgen.compare(doc, base)
     if save:
         Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     _report(g, doc, run, base, save)
     if run.interrupted:
         raise click.exceptions.Exit(130)
-    problems = bench.summarize_failures(doc)
+    problems = loadgen.summarize_failures(doc)
     if run.stopped and not problems:
         problems = [run.stopped]
     if problems:
@@ -95,15 +95,15 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
                           fix="see the per-request lines above; the table counts only requests that finished")
 
 
-def _workloads(workload: str | None, prompt_file: str | None) -> list[bench.Workload]:
+def _workloads(workload: str | None, prompt_file: str | None) -> list[loadgen.Workload]:
     names = [w.strip() for w in (workload or "").split(",") if w.strip()]
     if not names and not prompt_file:
-        names = list(bench.DEFAULT_WORKLOADS)
-    out = [bench.builtin_workload(n) for n in dict.fromkeys(names)]
+        names = list(loadgen.DEFAULT_WORKLOADS)
+    out = [loadgen.builtin_workload(n) for n in dict.fromkeys(names)]
     if prompt_file:
-        wl = bench.load_prompt_file(prompt_file)
+        wl = loadgen.load_prompt_file(prompt_file)
         if wl.name in {w.name for w in out}:
-            wl = bench.Workload(f"{wl.name} (file)", wl.prompts)
+            wl = loadgen.Workload(f"{wl.name} (file)", wl.prompts)
         out.append(wl)
     return out
 
@@ -119,7 +119,7 @@ def _check_writable(path: Path) -> None:
 
 
 def _target(g: Any, url: str | None, model: str | None,
-            api_key_env: str | None) -> tuple[bench.Endpoint, str | None, str | None]:
+            api_key_env: str | None) -> tuple[loadgen.Endpoint, str | None, str | None]:
     """The endpoint, the model (None: ask the server) and the API key (never printed)."""
     api_key: str | None = None
     if api_key_env:
@@ -132,7 +132,7 @@ def _target(g: Any, url: str | None, model: str | None,
                 api_key = g.settings(validate=False).get("VLLM_API_KEY")
             except UsageError:
                 api_key = os.environ.get("VLLM_API_KEY") or None
-        return bench.Endpoint.parse(url), model, api_key
+        return loadgen.Endpoint.parse(url), model, api_key
     s = g.settings()
     warn(s.warnings)
     # The head's address is its HostName in the ssh config, resolved as every other command does.
@@ -143,10 +143,10 @@ def _target(g: Any, url: str | None, model: str | None,
     host = resolve_target(s.head, config, config_path).hostname
     if api_key is None:
         api_key = s.get("VLLM_API_KEY")
-    return bench.Endpoint.parse(api_base_url(host, s.getint("PORT"))), model or s.get("SERVED_MODEL_NAME"), api_key
+    return loadgen.Endpoint.parse(api_base_url(host, s.getint("PORT"))), model or s.get("SERVED_MODEL_NAME"), api_key
 
 
-def _report(g: Any, doc: dict[str, Any], run: bench.BenchRun, base: dict[str, Any] | None, save: str | None) -> None:
+def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None) -> None:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     notes = list(doc["notes"])
     if run.interrupted:
@@ -164,16 +164,16 @@ def _report(g: Any, doc: dict[str, Any], run: bench.BenchRun, base: dict[str, An
         for n in notes:
             err.print(f"note: {n}", markup=False)
         return
-    out = [bench.render_table(doc), "", bench.render_details(doc)]
+    out = [loadgen.render_table(doc), "", loadgen.render_details(doc)]
     if base is not None:
-        out += ["", bench.render_compare(doc, base)]
+        out += ["", loadgen.render_compare(doc, base)]
     out += [f"note: {n}" for n in notes]
     if save:
         out.append(f"saved to {save}")
     click.echo("\n".join(out))
 
 
-class RichProgress(bench.ProgressSink):
+class RichProgress(loadgen.ProgressSink):
     """A progress bar per level on stderr, and a line for each failed request (up to MAX_ERROR_LINES)."""
 
     def __init__(self, console: Console, enabled: bool = True) -> None:
@@ -198,7 +198,7 @@ class RichProgress(bench.ProgressSink):
         self._failed = 0
         self._task = self.progress.add_task(f"{workload} C{concurrency}", total=total, info="")
 
-    def request_done(self, workload: str, concurrency: int, result: bench.RequestResult) -> None:
+    def request_done(self, workload: str, concurrency: int, result: loadgen.RequestResult) -> None:
         with self._lock:
             if not result.ok and not result.cancelled:
                 self._failed += 1
@@ -215,7 +215,7 @@ class RichProgress(bench.ProgressSink):
         if self._task is not None:
             self.progress.update(self._task, advance=1, info=info)
 
-    def level_done(self, level: bench.LevelResult) -> None:
+    def level_done(self, level: loadgen.LevelResult) -> None:
         if self._task is None:
             return
         d = level.to_dict()

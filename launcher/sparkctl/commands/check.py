@@ -14,11 +14,12 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ..check import CHECKS, CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, CheckReport, Finding, run_check
+from ..check import CHECKS, CheckReport, run_check
 from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed, UsageError
 from ..fabric import FabricReport
+from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
 from ..output import console, emit_json, warn
 from ..render import render_all, resolve_pins, write_private
 

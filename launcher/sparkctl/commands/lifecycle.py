@@ -1,18 +1,17 @@
-"""`up`, `wait`, `status`, `logs`, `down`, `lock`, `audit`: the service lifecycle.
+"""`up`, `wait`, `status`, `logs`, `down`, `lock`, `audit`: the service lifecycle's command line.
 
-Each command opens one Cluster (one SSH connection per node) for its whole run. Mutating commands
-(`up`, `down`) hold the cluster lock on the head and write one audit line per action on every node.
+These parse flags and print; each command's flow is in `sparkctl.orchestrate` (`up`, `down`,
+`status`) or `readiness.wait_ready` (`wait`). Each command opens one Cluster (one SSH connection per
+node) for its whole run. Mutating commands (`up`, `down`) hold the cluster lock on the head and
+write one audit line per action on every node.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import sys
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
@@ -23,129 +22,29 @@ from rich.text import Text
 from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
-from ..cluster import Cluster, Node, NodeError
-from ..errors import CheckFailed, UsageError
+from ..cluster import Cluster, NodeError
+from ..errors import UsageError
 from ..lock import (
     FORCE_UNLOCK,
     LockState,
     audit_append_argv,
     audit_line,
     audit_tail_argv,
-    cluster_lock,
     lock_state,
 )
 from ..lock import force_unlock as break_lock
+from ..orchestrate import require_all
+from ..orchestrate.down import down
+from ..orchestrate.status import collect_status
+from ..orchestrate.up import up
 from ..output import console, emit_json, warn, warn_console
-from ..pins import pins_from_facts, probe_node
-from ..plan import (
-    CheckpointInfo,
-    Plan,
-    drafter_dir,
-    make_plan,
-    nodes_compute_capability,
-    read_checkpoint_on,
-    require_fit,
-)
-from ..render import Rendered, render_all, write_private
 from ..settings import Settings
+from .common import globals_of, open_cluster, settings_of
 
 DEFAULT_WAIT_TIMEOUT = 3600  # a 308 GB checkpoint over NFS plus graph capture fits well inside an hour
-ENV_TP4 = Path("env/env.tp4")
-
-
-def _globals(ctx: click.Context) -> Globals:
-    g = ctx.find_object(Globals)
-    assert g is not None
-    return g
-
-
-def _settings(g: Globals) -> Settings:
-    s = g.settings()
-    warn(s.warnings)
-    return s
-
-
-def _cluster(g: Globals, s: Settings) -> Cluster:
-    return Cluster(s.nodes, g.ssh_config_path())
-
-
-def _require_all(cluster: Cluster, what: str) -> None:
-    if cluster.errors:
-        lines = [f"{n}: {e.reason}" + (f"\n    fix: {e.fix}" if e.fix else "") for n, e in cluster.errors.items()]
-        raise CheckFailed(f"{what}: {len(cluster.errors)} node(s) unreachable, nothing was changed:\n  "
-                          + "\n  ".join(lines))
-
-
-def _plan(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None,
-          facts: dict[str, Any] | None = None) -> Plan:
-    """The memory plan from the checkpoint as the head sees it (the nodes' view is the one that runs),
-    for the GPU generation the nodes report (it decides vLLM's KV-cache backend and bytes)."""
-    caps = {n: (f.gpus[0].compute_cap if getattr(f, "gpus", None) else None) for n, f in (facts or {}).items()}
-    cc, problem = nodes_compute_capability(caps)
-    if problem:
-        raise CheckFailed(f"up refused, nothing was changed: {problem}")
-    plan = make_plan(s, ckpt or read_checkpoint_on(cluster.node(s.head), s.model, drafter_dir(s)),
-                     compute_capability=cc)
-    require_fit(plan)
-    return plan
-
-
-def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
-    """What `up` would render now: the same probe per node (pins, GPU generation) and the same plan."""
-    facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
-    pins = pins_from_facts(s, facts)
-    plan = _plan(cluster, s, facts={n: f for n, f in facts.items() if not isinstance(f, NodeError)})
-    return render_all(s, plan, pins, source=source)
 
 
 # ------------------------------------------------------------------------------------------- up
-
-
-def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
-                  source: str = "sparkctl up",
-                  before_start: Callable[[list[Any], dict[str, Any]], None] | None = None) -> service.UpOutcome:
-    """The body of `up` under the cluster lock (the caller holds it): preflight every node, plan,
-    render, start; a started service is recorded in the head's history. `watch` and `rollback`
-    come through here too, so they start exactly what `up` would. before_start(pins, containers per
-    node) runs after rendering and before anything starts (`up --fabric-test`); it raises to refuse."""
-    # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
-    # GID index drifts), its containers and its image; the head also reads the checkpoint.
-    image = s.image
-
-    def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
-        # Channels on the node's one connection run side by side: probe, docker, checkpoint.
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            state = pool.submit(service.node_state, node, s.cluster_name, image)
-            reader = pool.submit(read_checkpoint_on, node, s.model, drafter_dir(s)) \
-                if node.name == s.head else None
-            facts = probe_node(node, s)
-            return facts, state.result(), reader.result() if reader else None
-
-    rounds = cluster.run_all(preflight, nodes=s.nodes)
-    failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
-    if failed:
-        raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
-            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
-    ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
-    plan = _plan(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
-    pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
-    rendered = render_all(s, plan, pins, source=source)
-    if before_start is not None:
-        before_start(pins, {n: r[1][0] for n, r in ok.items()})
-    try:
-        write_private(ENV_TP4, rendered.env_tp4)
-    except OSError as exc:
-        warn([f"could not write {ENV_TP4}: {exc}"])
-    outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
-                         gathered={n: r[1] for n, r in ok.items()})
-    if outcome.changed:
-        from ..history import record_release  # only a started service is recorded
-
-        try:
-            record_release(cluster, s, rendered, source=source)
-        except (NodeError, CheckFailed) as exc:  # the service runs: a lost record is a warning, not a failure
-            warn([f"the service runs, but its history entry was not recorded: {exc}"])
-    return outcome
 
 
 @click.command("up")
@@ -157,22 +56,18 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
 @click.pass_context
 def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_test: bool) -> None:
     """Start the service: workers, then the head. Changes nothing if an identical service runs."""
-    g = _globals(ctx)
+    g = globals_of(ctx)
     if image_ref:
         from ..history import image_override
 
         g.extra_overrides = {**g.extra_overrides, "IMAGE": image_override(g.settings(), image_ref)}
-    s = _settings(g)
+    s = settings_of(g)
     warn([w for w in [open_api_warning(s)] if w])
     out = console(g.json)
     t0 = time.monotonic()
-    with _cluster(g, s) as cluster:
-        _require_all(cluster, "up refused")
-        head = cluster.node(s.head)
-        with cluster_lock(head, s.head, s.cluster_name, "up"):
-            gate = (lambda pins, states: _fabric_gate(cluster, s, pins, states, out)) if fabric_test else None
-            outcome = start_service(cluster, s, recreate=recreate, say=lambda m: out.print(m, markup=False, soft_wrap=True),
-                                    before_start=gate)
+    outcome = up(s, g.ssh_config_path(), recreate=recreate,
+                 say=lambda m: out.print(m, markup=False, soft_wrap=True),
+                 fabric_say=(lambda m: out.print(m, markup=False)) if fabric_test else None)
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
     if g.json:
@@ -183,23 +78,6 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
     else:
         out.print(f"up: the service is already running with config {outcome.config_hash}; nothing changed",
                   markup=False)
-
-
-def _fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any], out: Any) -> None:
-    """`up --fabric-test`: the collective must pass before any container of the service starts."""
-    from ..fabric import run_fabric_test, size_label
-
-    if any(c.running for cs in states.values() for c in cs):
-        out.print("fabric test skipped: this cluster's service is running (it holds the GPUs and "
-                  "MASTER_PORT); `sparkctl down` first to test the fabric", markup=False)
-        return
-    report = run_fabric_test(cluster, s, pins, say=lambda m: out.print(m, markup=False))
-    bad = [f for f in report.findings if f.status == "fail"]
-    if bad:
-        raise CheckFailed("up refused: the fabric test failed, nothing was started:\n  " + "\n  ".join(
-            f.text + (f"\n    fix: {f.fix}" if f.fix else "") for f in bad))
-    sizes = ", ".join(f"{size_label(k)} {v:g}" for k, v in report.busbw_by_size().items())
-    out.print(f"fabric test passed in {report.seconds:.1f}s (busbw GB/s: {sizes})", markup=False)
 
 
 # ----------------------------------------------------------------------------------------- wait
@@ -214,13 +92,13 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
     """Wait until /health is 200, the model is listed and a real chat completion comes back."""
     from .. import readiness  # the HTTP client is imported only by the commands that talk HTTP
 
-    g = _globals(ctx)
-    s = _settings(g)
+    g = globals_of(ctx)
+    s = settings_of(g)
     if timeout <= 0:
         raise UsageError("--timeout must be positive")
     out = console(g.json)
-    with _cluster(g, s) as cluster:
-        _require_all(cluster, "wait")
+    with open_cluster(g, s) as cluster:
+        require_all(cluster, "wait")
         api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"))
 
         def on_phase(w: readiness.RankWatch) -> None:
@@ -237,81 +115,6 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
 
 
 # --------------------------------------------------------------------------------------- status
-
-
-def _metrics_summary(text: str | None) -> dict[str, float]:
-    from ..engine_lines import GENERATION_TOKENS, KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
-
-    wanted = {NUM_REQUESTS_RUNNING: "requests_running", NUM_REQUESTS_WAITING: "requests_waiting",
-              KV_CACHE_USAGE: "kv_cache_usage", GENERATION_TOKENS: "generation_tokens"}
-    found: dict[str, float] = {}
-    for line in (text or "").splitlines()[:20000]:
-        if line.startswith("#") or not line.strip():
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            try:
-                found[wanted[name]] = found.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[-1])
-            except ValueError:
-                continue
-    return found
-
-
-def _collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
-    """Every rank's container, the head's health/models/metrics and the supervisor's state, as one doc."""
-    problems: list[str] = []
-    states = cluster.run_all(lambda n: service.inspect_cluster(n, s.cluster_name), nodes=s.nodes)
-    current: str | None = None
-    try:
-        current = _render(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
-    except (UsageError, CheckFailed) as exc:
-        problems.append(f"current config unknown: {exc.message}")
-    health = api.health()
-    models: list[str] = []
-    if health == 200:
-        try:
-            models = api.models()
-        except Exception as exc:  # an odd answer is a finding, not a crash
-            problems.append(f"/v1/models failed: {exc}"[:200])
-    metrics = _metrics_summary(api.metrics() if health == 200 else None)
-    supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
-        if s.head in cluster.connected else None
-    ranks: list[dict[str, Any]] = []
-    image_ids = set()
-    for rank, node in enumerate(s.nodes):
-        st = states[node]
-        if isinstance(st, NodeError):
-            ranks.append({"rank": rank, "node": node, "state": "unreachable", "error": st.reason})
-            problems.append(f"rank {rank} ({node}) unreachable: {st.reason}" + (f" (fix: {st.fix})" if st.fix else ""))
-            continue
-        mine = [c for c in st if c.rank == rank]
-        if not mine:
-            ranks.append({"rank": rank, "node": node, "state": "absent"})
-            problems.append(f"rank {rank} ({node}): no container")
-            continue
-        c = mine[0]
-        image_ids.add(c.image_identity)
-        up_s = c.uptime_s()
-        row: dict[str, Any] = {"rank": rank, "node": node, "state": c.status, "uptime_s": None if up_s is None else round(up_s),
-               "restarts": c.restarts, "image_id": c.image_id, "image_content_hash": c.content_hash,
-               "config_hash": c.config_hash,
-               "config_current": None if current is None else c.config_hash == current}
-        ranks.append(row)
-        if not c.running:
-            problems.append(f"rank {rank} ({node}): {c.status} (exit {c.exit_code})")
-        if current is not None and c.config_hash != current:
-            problems.append(f"rank {rank} ({node}): config {c.config_hash} is not the current {current} "
-                            "(run `sparkctl up` to apply)")
-    if len(image_ids) > 1:
-        problems.append("ranks run different images (content hash or ID): "
-                        + ", ".join(sorted(i[:19] for i in image_ids)))
-    if health != 200:
-        problems.append(f"head /health: {health if health is not None else 'no answer'}")
-    elif str(s.get("SERVED_MODEL_NAME")) not in models:
-        problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
-    return {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
-                                                                "models": models, "metrics": metrics},
-            "current_config_hash": current, "supervisor": supervisor, "problems": problems, "ok": not problems}
 
 
 def _status_view(doc: dict[str, Any]) -> Group:
@@ -346,14 +149,14 @@ def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float)
     the supervisor's state. `--watch` keeps refreshing until Ctrl-C."""
     from .. import readiness
 
-    g = _globals(ctx)
-    s = _settings(g)
-    with _cluster(g, s) as cluster:
+    g = globals_of(ctx)
+    s = settings_of(g)
+    with open_cluster(g, s) as cluster:
         api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
         if live:
             _status_live(g, cluster, s, api, interval)
             return
-        doc = _collect_status(cluster, s, api)
+        doc = collect_status(cluster, s, api)
     if g.json:
         emit_json(doc)
     else:
@@ -370,7 +173,7 @@ def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: 
 
     def tick() -> dict[str, Any]:
         nonlocal prev_tokens
-        doc = _collect_status(cluster, s, api)
+        doc = collect_status(cluster, s, api)
         doc["at"] = time.time()
         tokens = doc["head"]["metrics"].get("generation_tokens")
         if tokens is not None and prev_tokens is not None and doc["at"] > prev_tokens[0]:
@@ -403,8 +206,8 @@ def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: 
 @click.pass_context
 def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int) -> None:
     """The ranks' logs, each line prefixed by its rank and node."""
-    g = _globals(ctx)
-    s = _settings(g)
+    g = globals_of(ctx)
+    s = settings_of(g)
     chosen = list(ranks) or list(range(len(s.nodes)))
     bad = [r for r in chosen if not 0 <= r < len(s.nodes)]
     if bad:
@@ -435,18 +238,11 @@ def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int
 @click.pass_context
 def down_cmd(ctx: click.Context) -> None:
     """Stop the service: head first, then workers. Only this cluster's labelled containers."""
-    g = _globals(ctx)
-    s = _settings(g)
+    g = globals_of(ctx)
+    s = settings_of(g)
     out = console(g.json)
     t0 = time.monotonic()
-    with _cluster(g, s) as cluster:
-        if s.head in cluster.connected:
-            with cluster_lock(cluster.node(s.head), s.head, s.cluster_name, "down"):
-                _stop_supervisor_unit(cluster, s)
-                failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False, soft_wrap=True))
-        else:
-            warn([f"the head {s.head} is unreachable: tearing down the other nodes without the cluster lock"])
-            failed = service.down(cluster, s, say=lambda m: out.print(m, markup=False, soft_wrap=True))
+    failed = down(s, g.ssh_config_path(), say=lambda m: out.print(m, markup=False, soft_wrap=True))
     seconds = round(time.monotonic() - t0, 3)
     if g.json:
         emit_json({"ok": not failed, "failed": {n: e.as_dict() for n, e in failed.items()}, "seconds": seconds})
@@ -457,16 +253,6 @@ def down_cmd(ctx: click.Context) -> None:
             out.print(f"✗ {n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else ""), markup=False)
     if failed:
         sys.exit(1)
-
-
-def _stop_supervisor_unit(cluster: Cluster, s: Settings) -> None:
-    """A deliberate `down` stays down: the `export systemd` unit (if any) is stopped and disabled first."""
-    from ..systemd_unit import disable_argv, unit_name
-
-    r = cluster.node(s.head).run(disable_argv(s.cluster_name), timeout=90)
-    if not r.ok:
-        warn([f"could not stop and disable {unit_name(s.cluster_name)} on {s.head}: "
-              f"{(r.stderr.strip() or r.stdout.strip())[:200]}"])
 
 
 # ----------------------------------------------------------------------------------- lock, audit
@@ -480,9 +266,9 @@ def lock_cmd(ctx: click.Context, force_unlock: bool) -> None:
     force = force_unlock
     if ctx.invoked_subcommand is not None and not force:
         return
-    g = _globals(ctx)
-    s = _settings(g)
-    with _cluster(g, s) as cluster:
+    g = globals_of(ctx)
+    s = settings_of(g)
+    with open_cluster(g, s) as cluster:
         head = cluster.node(s.head)
         if force:
             held = break_lock(head, s.cluster_name)
@@ -512,9 +298,9 @@ def _show_lock(g: Globals, s: Settings, held: LockState | None) -> None:
 @click.pass_context
 def lock_status_cmd(ctx: click.Context) -> None:
     """Who holds the cluster lock, since when, running what."""
-    g = _globals(ctx)
-    s = _settings(g)
-    with _cluster(g, s) as cluster:
+    g = globals_of(ctx)
+    s = settings_of(g)
+    with open_cluster(g, s) as cluster:
         _show_lock(g, s, lock_state(cluster.node(s.head), s.cluster_name))
 
 
@@ -523,10 +309,10 @@ def lock_status_cmd(ctx: click.Context) -> None:
 @click.pass_context
 def audit_cmd(ctx: click.Context, tail: int) -> None:
     """The audit lines sparkctl wrote on every node, merged by time."""
-    g = _globals(ctx)
-    s = _settings(g)
+    g = globals_of(ctx)
+    s = settings_of(g)
     entries: list[dict[str, Any]] = []
-    with _cluster(g, s) as cluster:
+    with open_cluster(g, s) as cluster:
         results = cluster.run_all(audit_tail_argv(s.cluster_name, tail), nodes=cluster.connected)
     for node, r in results.items():
         if isinstance(r, NodeError):

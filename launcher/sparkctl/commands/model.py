@@ -202,11 +202,11 @@ def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
 
 
 def _verify_head(g: Any, s: Any, layout_name: str | None) -> Any:
-    from .verify_model import _layout, _verify_cluster
+    from .verify_model import resolve_layout, verify_cluster
 
-    layout, _, settings = _layout(g, layout_name)
+    layout, _, settings = resolve_layout(g, layout_name)
     head_only = _HeadOnly(settings or s)
-    report, _ = _verify_cluster(g, head_only, layout, False, 100 * 1024 * 1024)
+    report, _ = verify_cluster(g, head_only, layout, False, 100 * 1024 * 1024)
     return report
 
 

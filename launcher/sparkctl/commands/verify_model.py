@@ -38,7 +38,7 @@ DEEP_TIMEOUT = 6 * 3600.0  # 308 GB over NFS at a few hundred MB/s, with room to
 SCAN_TIMEOUT = 120.0
 
 
-def _layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str, Any]:
+def resolve_layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str, Any]:
     """(layout, where it came from, settings or None). --layout wins; else the recipe's."""
     if name:
         try:
@@ -95,7 +95,7 @@ def _verify_local(directory: Path, layout: dict[str, Any] | None, deep: bool, wo
     return report, {}
 
 
-def _verify_cluster(g: Any, settings: Any, layout: dict[str, Any] | None, deep: bool,
+def verify_cluster(g: Any, settings: Any, layout: dict[str, Any] | None, deep: bool,
                     max_header: int) -> tuple[Report, dict[str, Any]]:
     try:
         from ..cluster import Cluster
@@ -207,13 +207,13 @@ def command(ctx: click.Context, local_dir: Path | None, deep: bool, as_json: boo
     """Verify the checkpoint's layout and EXL3 ABI from its safetensors headers."""
     g = ctx.obj
     as_json = as_json or bool(getattr(g, "json", False))
-    layout, layout_src, settings = _layout(g, layout_name)
+    layout, layout_src, settings = resolve_layout(g, layout_name)
     max_header = max_header_mb * 1024 * 1024
     if local_dir is not None:
         report, extra = _verify_local(local_dir, layout, deep, workers, max_header, show_progress=True)
         where = str(local_dir.resolve())
     else:
-        report, extra = _verify_cluster(g, settings, layout, deep, max_header)
+        report, extra = verify_cluster(g, settings, layout, deep, max_header)
         where = f"{extra.get('head')}:{settings.model if settings else '?'} (+{len(extra.get('nodes', {})) - 1} nodes)"
     if layout is None:
         report.findings.append(Finding("info", "no-layout", "no recipe layout: only structure and the EXL3 ABI "

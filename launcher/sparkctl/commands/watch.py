@@ -2,7 +2,7 @@
 
 `watch` is the supervisor (policy in sparkctl.supervisor; this module is its hands: one SSH
 connection per node, Docker, the head's HTTP API). `rollback` and the supervisor's restarts go
-through `lifecycle.start_service`, the same path as `up`.
+through `orchestrate.up.start_service`, the same path as `up`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from ..cluster import Cluster, NodeError
 from ..errors import CheckFailed, UsageError
 from ..history import content_hash_on, pick, read_history, rollback_overrides
 from ..lock import audit_line, audit_tail_argv, cluster_lock, lock_status, new_owner, whoami
+from ..orchestrate import require_all
+from ..orchestrate.up import start_service
 from ..output import console, emit_json, warn
 from ..settings import Settings
 from ..supervisor import Observation, Policy, Supervisor
-from .lifecycle import _cluster, _globals, _require_all, _settings, start_service
+from .common import globals_of, open_cluster, settings_of
 
 AUDIT_LOOKBACK = 500  # audit lines on the head the supervisor reads for a person's `down`
 
@@ -160,7 +162,7 @@ class WatchOps:
         from ..supervisor import WatchEnded
 
         c = self._c()
-        _require_all(c, "restart refused")
+        require_all(c, "restart refused")
         t0 = time.monotonic()
         self._audit("watch-restart", f"attempt {attempt}/{self.policy.max_restarts}: {reason}")
         try:
@@ -212,8 +214,8 @@ def watch_cmd(ctx: click.Context) -> None:
     Runs in the foreground until a person runs `sparkctl down` (exit 0) or the restart budget is spent
     (WATCH_MAX_RESTARTS within WATCH_RESTART_WINDOW_S: the cluster is left down, exit 1).
     """
-    g = _globals(ctx)
-    s = _settings(g)
+    g = globals_of(ctx)
+    s = settings_of(g)
     policy = Policy.from_settings(s)
     out = console(True)  # progress lines go to stderr (a log); --json prints the end as one document
     ops = WatchOps(g, s, policy, say=lambda m: out.print(m, markup=False))
@@ -251,9 +253,9 @@ def watch_cmd(ctx: click.Context) -> None:
 @click.pass_context
 def history_cmd(ctx: click.Context, limit: int) -> None:
     """What `up` started on this cluster, newest first: when, by whom, image content hash, config."""
-    g = _globals(ctx)
-    s = _settings(g)
-    with _cluster(g, s) as cluster:
+    g = globals_of(ctx)
+    s = settings_of(g)
+    with open_cluster(g, s) as cluster:
         releases = read_history(cluster.node(s.head), s.cluster_name)[:limit]
     if g.json:
         emit_json({"cluster": s.cluster_name, "history": [r.as_dict() for r in releases]})
@@ -271,15 +273,15 @@ def history_cmd(ctx: click.Context, limit: int) -> None:
 @click.pass_context
 def rollback_cmd(ctx: click.Context, to: str | None) -> None:
     """Bring a previous service back (default: the one before the newest) through `up`'s own path."""
-    g = _globals(ctx)
-    s0 = _settings(g)
-    with _cluster(g, s0) as cluster:
-        _require_all(cluster, "rollback refused")
+    g = globals_of(ctx)
+    s0 = settings_of(g)
+    with open_cluster(g, s0) as cluster:
+        require_all(cluster, "rollback refused")
         head = cluster.node(s0.head)
         target = pick(read_history(head, s0.cluster_name), to)
         now = content_hash_on(head, target.image)
         g.extra_overrides = {**g.extra_overrides, **rollback_overrides(target, now)}
-        s = _settings(g)
+        s = settings_of(g)
         if s.nodes != s0.nodes or s.cluster_name != s0.cluster_name:
             raise UsageError(f"history entry {target.n} ran on other nodes or another cluster name",
                              fix="roll back by hand with `up` and the knobs it shows in `sparkctl history --json`")
@@ -313,8 +315,8 @@ def rollback_cmd(ctx: click.Context, to: str | None) -> None:
 @click.pass_context
 def exec_cmd(ctx: click.Context, rank: int, timeout: float, argv: tuple[str, ...]) -> None:
     """Run a command in a rank's container: `sparkctl exec --rank 2 -- nvidia-smi -L` (argv, no shell)."""
-    g = _globals(ctx)
-    s = _settings(g)
+    g = globals_of(ctx)
+    s = settings_of(g)
     words = list(argv)
     if not words:
         raise UsageError("give the command after `--`: sparkctl exec --rank N -- CMD ARGS...")
@@ -350,8 +352,8 @@ def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, p
     """A systemd unit that runs `sparkctl watch` for this cluster, after docker and the network."""
     from ..systemd_unit import install_argv, pinned_environment, unit_name, unit_text
 
-    g = _globals(ctx)
-    s = _settings(g)
+    g = globals_of(ctx)
+    s = settings_of(g)
     target = node or s.head
     if target not in s.nodes:
         raise UsageError(f"--node {target}: not one of this cluster's nodes ({' '.join(s.nodes)})")

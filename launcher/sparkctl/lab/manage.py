@@ -149,7 +149,7 @@ def print_paths(files: LabFiles) -> None:
 
 # ------------------------------------------------------------------------------------------- checkpoint
 def ensure_checkpoint(files: LabFiles, source: Path | None) -> Path:
-    """The lab's test checkpoint (sparkctl.ckptgen's "tiny" pack), or a given folder copied as is."""
+    """The lab's test checkpoint (sparkctl.lab.ckptgen's "tiny" pack), or a given folder copied as is."""
     if source is not None:
         if not (source / "config.json").exists():
             raise UsageError(f"--checkpoint {source}: no config.json there", fix="point it at a model folder")
@@ -158,9 +158,9 @@ def ensure_checkpoint(files: LabFiles, source: Path | None) -> Path:
     if done.exists():
         return files.checkpoint
     try:
-        from .. import ckptgen
+        from . import ckptgen
     except ImportError as exc:
-        raise CheckFailed(f"lab: sparkctl.ckptgen is not available ({exc})",
+        raise CheckFailed(f"lab: sparkctl.lab.ckptgen is not available ({exc})",
                           fix="pass --checkpoint DIR with a model folder") from None
     if files.checkpoint.exists():
         shutil.rmtree(files.checkpoint)

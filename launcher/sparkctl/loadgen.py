@@ -1,4 +1,4 @@
-"""The measurement core of `sparkctl bench`: the model card's throughput table, measured the card's way.
+"""The load generator and measurement core of `sparkctl bench`: the model card's throughput table, measured the card's way.
 
 Definitions (the seed's, facts.md "Measured on the real cluster"; printed under every table):
 

@@ -1,0 +1,98 @@
+"""The words every rule speaks: a `Finding` and its statuses, and `Needs` (what the settings and
+recipe ask of every node, distilled so the rules need no Settings).
+
+`check` (its rules), `pins` (fabric discovery), `fabric` (check --fabric) and `nccl` (NCCL_DEBUG
+findings) all return Findings; the commands print them. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import asdict, dataclass
+
+from . import facts as F
+from .settings import RankPins, Settings
+
+OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
+SYMBOL = {OK: "✓", FAIL: "✗", WARN: "!", SKIP: "·"}
+CLUSTER_ROW = "(cluster)"
+
+# The container variables that carry a rank's own fabric pins (builders.rank_env): what each must name.
+PIN_ENV = {"NCCL_SOCKET_IFNAME": "netdev", "GLOO_SOCKET_IFNAME": "netdev", "NCCL_IB_HCA": "rdma_dev",
+           "NCCL_IB_GID_INDEX": "gid_index", "VLLM_HOST_IP": "fabric_ip"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    node: str  # a node alias, or CLUSTER_ROW for what concerns the whole cluster
+    check: str
+    status: str  # ok | fail | warn | skip
+    short: str  # the table cell
+    reason: str = ""  # the whole story (defaults to short)
+    fix: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.reason or self.short
+
+    def to_dict(self) -> dict[str, str]:
+        d = asdict(self)
+        d["reason"] = self.text
+        return d
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the settings and recipe ask of every node, distilled so the rules need no Settings."""
+
+    nofile: int
+    memlock_bytes: int  # -1: unlimited
+    gpus_per_node: int
+    port: int
+    master_port: int
+    fabric_subnet: ipaddress.IPv4Network | None
+    image: str
+    cluster: str
+    model: str
+    given_pins: tuple[RankPins, ...] = ()
+    base_image: str = ""  # BASE_IMAGE: every rank must hold the head's (sparkctl.basepin)
+    expect: tuple[tuple[str, str], ...] = ()  # versions the recipe expects of the chain (its layers' expect)
+    prebuilt: str = ""  # the recipe runs a published image: where it comes from (no chain, no base)
+    pin_env: tuple[tuple[str, str], ...] = ()  # pin keys the recipe's [container.env] sets for every rank
+    recipe_path: str = ""
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Needs:
+        subnet = s.get("FABRIC_SUBNET")
+        return cls(
+            nofile=s.getint("ULIMIT_NOFILE"),
+            memlock_bytes=s.getint("ULIMIT_MEMLOCK"),
+            gpus_per_node=int(s.get("GPUS_PER_NODE", 1)),
+            port=s.getint("PORT"),
+            master_port=s.getint("MASTER_PORT"),
+            fabric_subnet=ipaddress.IPv4Network(subnet, strict=False) if subnet else None,
+            image=s.image,
+            cluster=s.cluster_name,
+            model=str(s.model),
+            given_pins=tuple(s.rank_pins(r) for r in range(len(s.nodes))),
+            base_image="" if s.recipe.prebuilt else str(s.get("BASE_IMAGE") or ""),
+            prebuilt=s.recipe.prebuilt.source if s.recipe.prebuilt else "",
+            pin_env=tuple(sorted((k, v) for k, v in s.recipe.container.env.items() if k in PIN_ENV)),
+            recipe_path=str(s.recipe.path),
+            expect=tuple(sorted({k: v for layer in s.recipe.layers for k, v in layer.expect.items()}.items())),
+        )
+
+def finding(node: str, check: str, status: str, short: str, reason: str = "", fix: str = "") -> Finding:
+    return Finding(node, check, status, short, reason, fix)
+
+
+def unknown(node: str, check: str, facts: F.NodeFacts, section: str) -> Finding:
+    why = facts.problems.get(section, "not reported")
+    return finding(
+        node,
+        check,
+        FAIL,
+        "unreadable",
+        f"{node}: could not read {section}: {why}",
+        f"run the probe by hand on {node} to see why: sh -s < probes/node_facts.sh",
+    )

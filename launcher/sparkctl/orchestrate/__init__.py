@@ -1,0 +1,20 @@
+"""Each lifecycle command's flow, top to bottom, in one place (Kamal's shape).
+
+`commands/*` parse flags and print; a module here orchestrates one command (connect, lock, gather,
+plan, render, act); `builders` build the argv; `service`, `cluster` and `lock` run it on the nodes.
+`up.py` is `up` (and `start_service`, its body, which `watch` and `rollback` share), `down.py` is
+`down`, `status.py` is `status`'s document. `wait` is `readiness.wait_ready`.
+"""
+
+from __future__ import annotations
+
+from ..cluster import Cluster
+from ..errors import CheckFailed
+
+
+def require_all(cluster: Cluster, what: str) -> None:
+    """Refuse (nothing changed) unless every node of the cluster is connected."""
+    if cluster.errors:
+        lines = [f"{n}: {e.reason}" + (f"\n    fix: {e.fix}" if e.fix else "") for n, e in cluster.errors.items()]
+        raise CheckFailed(f"{what}: {len(cluster.errors)} node(s) unreachable, nothing was changed:\n  "
+                          + "\n  ".join(lines))

@@ -1,0 +1,87 @@
+"""`sparkctl status`'s document: every rank's container, the head's health, models and metrics, the
+supervisor's state and whether what runs is what `up` would render now."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import service, watchstate
+from ..cluster import Cluster, NodeError
+from ..errors import CheckFailed, UsageError
+from ..settings import Settings
+from .up import render_now
+
+
+def metrics_summary(text: str | None) -> dict[str, float]:
+    from ..engine_lines import GENERATION_TOKENS, KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+
+    wanted = {NUM_REQUESTS_RUNNING: "requests_running", NUM_REQUESTS_WAITING: "requests_waiting",
+              KV_CACHE_USAGE: "kv_cache_usage", GENERATION_TOKENS: "generation_tokens"}
+    found: dict[str, float] = {}
+    for line in (text or "").splitlines()[:20000]:
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            try:
+                found[wanted[name]] = found.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[-1])
+            except ValueError:
+                continue
+    return found
+
+
+def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
+    """Every rank's container, the head's health/models/metrics and the supervisor's state, as one doc."""
+    problems: list[str] = []
+    states = cluster.run_all(lambda n: service.inspect_cluster(n, s.cluster_name), nodes=s.nodes)
+    current: str | None = None
+    try:
+        current = render_now(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
+    except (UsageError, CheckFailed) as exc:
+        problems.append(f"current config unknown: {exc.message}")
+    health = api.health()
+    models: list[str] = []
+    if health == 200:
+        try:
+            models = api.models()
+        except Exception as exc:  # an odd answer is a finding, not a crash
+            problems.append(f"/v1/models failed: {exc}"[:200])
+    metrics = metrics_summary(api.metrics() if health == 200 else None)
+    supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
+        if s.head in cluster.connected else None
+    ranks: list[dict[str, Any]] = []
+    image_ids = set()
+    for rank, node in enumerate(s.nodes):
+        st = states[node]
+        if isinstance(st, NodeError):
+            ranks.append({"rank": rank, "node": node, "state": "unreachable", "error": st.reason})
+            problems.append(f"rank {rank} ({node}) unreachable: {st.reason}" + (f" (fix: {st.fix})" if st.fix else ""))
+            continue
+        mine = [c for c in st if c.rank == rank]
+        if not mine:
+            ranks.append({"rank": rank, "node": node, "state": "absent"})
+            problems.append(f"rank {rank} ({node}): no container")
+            continue
+        c = mine[0]
+        image_ids.add(c.image_identity)
+        up_s = c.uptime_s()
+        row: dict[str, Any] = {"rank": rank, "node": node, "state": c.status, "uptime_s": None if up_s is None else round(up_s),
+               "restarts": c.restarts, "image_id": c.image_id, "image_content_hash": c.content_hash,
+               "config_hash": c.config_hash,
+               "config_current": None if current is None else c.config_hash == current}
+        ranks.append(row)
+        if not c.running:
+            problems.append(f"rank {rank} ({node}): {c.status} (exit {c.exit_code})")
+        if current is not None and c.config_hash != current:
+            problems.append(f"rank {rank} ({node}): config {c.config_hash} is not the current {current} "
+                            "(run `sparkctl up` to apply)")
+    if len(image_ids) > 1:
+        problems.append("ranks run different images (content hash or ID): "
+                        + ", ".join(sorted(i[:19] for i in image_ids)))
+    if health != 200:
+        problems.append(f"head /health: {health if health is not None else 'no answer'}")
+    elif str(s.get("SERVED_MODEL_NAME")) not in models:
+        problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
+    return {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
+                                                                "models": models, "metrics": metrics},
+            "current_config_hash": current, "supervisor": supervisor, "problems": problems, "ok": not problems}

@@ -1,0 +1,152 @@
+"""`sparkctl up`, top to bottom.
+
+  up(settings)                           connect to every node (one SSH connection each); all must answer
+    cluster_lock on the head             held until the service runs or is rolled back
+    start_service(cluster, settings)     the body, shared with `watch` restarts and `rollback`:
+      preflight, on every node at once   pins.probe_node (fabric facts), service.node_state (its
+                                         containers, its image ID); on the head also the checkpoint
+      plan_for                           the memory plan for the nodes' GPU generation; must fit
+      pins.pins_from_facts               the same discovery rule as `check` (pins.discover_fabric)
+      render.render_all                  every rank's argv and env (builders), the config hash
+      before_start                       `up --fabric-test`: fabric_gate, an all-reduce first
+      write env/env.tp4                  the rendered pins and settings, for the record
+      service.up                         diff against what runs; replace, start workers then the
+                                         head (builders.docker_run_argv over Node.run); roll back on
+                                         any failure
+      history.record_release             only a started service is recorded
+
+A failure before service.up changes nothing on any node.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import service
+from ..cluster import Cluster, Node, NodeError
+from ..errors import CheckFailed
+from ..lock import cluster_lock
+from ..output import warn
+from ..pins import pins_from_facts, probe_node
+from ..plan import (
+    CheckpointInfo,
+    Plan,
+    drafter_dir,
+    make_plan,
+    nodes_compute_capability,
+    read_checkpoint_on,
+    require_fit,
+)
+from ..render import Rendered, render_all, write_private
+from ..settings import Settings
+from . import require_all
+
+ENV_TP4 = Path("env/env.tp4")
+
+
+def up(s: Settings, ssh_config: str | Path | None, *, recreate: bool, say: Callable[[str], None],
+       fabric_say: Callable[[str], None] | None = None) -> service.UpOutcome:
+    """Start the service, or leave an identical one alone. fabric_say given: `up --fabric-test`
+    (the all-reduce must pass first; it reports through fabric_say)."""
+    with Cluster(s.nodes, ssh_config) as cluster:
+        require_all(cluster, "up refused")
+        head = cluster.node(s.head)
+        with cluster_lock(head, s.head, s.cluster_name, "up"):
+            gate = None
+            if fabric_say is not None:
+                report = fabric_say
+
+                def gate(pins: list[Any], states: dict[str, Any]) -> None:
+                    fabric_gate(cluster, s, pins, states, report)
+
+            return start_service(cluster, s, recreate=recreate, say=say, before_start=gate)
+
+
+def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
+                  source: str = "sparkctl up",
+                  before_start: Callable[[list[Any], dict[str, Any]], None] | None = None) -> service.UpOutcome:
+    """The body of `up` under the cluster lock (the caller holds it): preflight every node, plan,
+    render, start; a started service is recorded in the head's history. `watch` and `rollback`
+    come through here too, so they start exactly what `up` would. before_start(pins, containers per
+    node) runs after rendering and before anything starts (`up --fabric-test`); it raises to refuse."""
+    # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
+    # GID index drifts), its containers and its image; the head also reads the checkpoint.
+    image = s.image
+
+    def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
+        # Channels on the node's one connection run side by side: probe, docker, checkpoint.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            state = pool.submit(service.node_state, node, s.cluster_name, image)
+            reader = pool.submit(read_checkpoint_on, node, s.model, drafter_dir(s)) \
+                if node.name == s.head else None
+            facts = probe_node(node, s)
+            return facts, state.result(), reader.result() if reader else None
+
+    rounds = cluster.run_all(preflight, nodes=s.nodes)
+    failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
+    if failed:
+        raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
+            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
+    ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
+    plan = plan_for(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
+    pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
+    rendered = render_all(s, plan, pins, source=source)
+    if before_start is not None:
+        before_start(pins, {n: r[1][0] for n, r in ok.items()})
+    try:
+        write_private(ENV_TP4, rendered.env_tp4)
+    except OSError as exc:
+        warn([f"could not write {ENV_TP4}: {exc}"])
+    outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
+                         gathered={n: r[1] for n, r in ok.items()})
+    if outcome.changed:
+        from ..history import record_release  # only a started service is recorded
+
+        try:
+            record_release(cluster, s, rendered, source=source)
+        except (NodeError, CheckFailed) as exc:  # the service runs: a lost record is a warning, not a failure
+            warn([f"the service runs, but its history entry was not recorded: {exc}"])
+    return outcome
+
+
+def plan_for(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None,
+             facts: dict[str, Any] | None = None) -> Plan:
+    """The memory plan from the checkpoint as the head sees it (the nodes' view is the one that runs),
+    for the GPU generation the nodes report (it decides vLLM's KV-cache backend and bytes)."""
+    caps = {n: (f.gpus[0].compute_cap if getattr(f, "gpus", None) else None) for n, f in (facts or {}).items()}
+    cc, problem = nodes_compute_capability(caps)
+    if problem:
+        raise CheckFailed(f"up refused, nothing was changed: {problem}")
+    plan = make_plan(s, ckpt or read_checkpoint_on(cluster.node(s.head), s.model, drafter_dir(s)),
+                     compute_capability=cc)
+    require_fit(plan)
+    return plan
+
+
+def render_now(cluster: Cluster, s: Settings, source: str) -> Rendered:
+    """What `up` would render now: the same probe per node (pins, GPU generation) and the same plan."""
+    facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
+    pins = pins_from_facts(s, facts)
+    plan = plan_for(cluster, s, facts={n: f for n, f in facts.items() if not isinstance(f, NodeError)})
+    return render_all(s, plan, pins, source=source)
+
+
+def fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any],
+                say: Callable[[str], None]) -> None:
+    """`up --fabric-test`: the collective must pass before any container of the service starts."""
+    from ..fabric import run_fabric_test, size_label
+
+    if any(c.running for cs in states.values() for c in cs):
+        say("fabric test skipped: this cluster's service is running (it holds the GPUs and "
+            "MASTER_PORT); `sparkctl down` first to test the fabric")
+        return
+    report = run_fabric_test(cluster, s, pins, say=say)
+    bad = [f for f in report.findings if f.status == "fail"]
+    if bad:
+        raise CheckFailed("up refused: the fabric test failed, nothing was started:\n  " + "\n  ".join(
+            f.text + (f"\n    fix: {f.fix}" if f.fix else "") for f in bad))
+    sizes = ", ".join(f"{size_label(k)} {v:g}" for k, v in report.busbw_by_size().items())
+    say(f"fabric test passed in {report.seconds:.1f}s (busbw GB/s: {sizes})")
