@@ -6,7 +6,6 @@ Each command opens one Cluster (one SSH connection per node) for its whole run. 
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import sys
 import threading
@@ -23,7 +22,7 @@ from rich.text import Text
 from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
-from ..cluster import Cluster, Node, NodeError
+from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
@@ -94,7 +93,7 @@ def _render(cluster: Cluster, s: Settings, source: str) -> Rendered:
     """What `up` would render now: the same probe per node (pins, GPU generation) and the same plan."""
     facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
     pins = pins_from_facts(s, facts)
-    plan = _plan(cluster, s, facts={n: f for n, f in facts.items() if not isinstance(f, NodeError)})
+    plan = _plan(cluster, s, facts=facts.ok)
     return render_all(s, plan, pins, source=source)
 
 
@@ -114,19 +113,19 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
 
     def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
         # Channels on the node's one connection run side by side: probe, docker, checkpoint.
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            state = pool.submit(service.node_state, node, s.cluster_name, image)
-            reader = pool.submit(read_checkpoint_on, node, s.model, drafter_dir(s)) \
-                if node.name == s.head else None
-            facts = probe_node(node, s)
-            return facts, state.result(), reader.result() if reader else None
+        jobs: list[Callable[[], Any]] = [lambda: probe_node(node, s),
+                                         lambda: service.node_state(node, s.cluster_name, image)]
+        if node.name == s.head:
+            jobs.append(lambda: read_checkpoint_on(node, s.model, drafter_dir(s)))
+        facts, state, *ckpt = parallel(jobs)
+        return facts, state, ckpt[0] if ckpt else None
 
     rounds = cluster.run_all(preflight, nodes=s.nodes)
-    failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
+    failed = rounds.failed
     if failed:
         raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
             f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
-    ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
+    ok = rounds.ok
     plan = _plan(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
     pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
     rendered = render_all(s, plan, pins, source=source)
@@ -528,9 +527,7 @@ def audit_cmd(ctx: click.Context, tail: int) -> None:
     entries: list[dict[str, Any]] = []
     with _cluster(g, s) as cluster:
         results = cluster.run_all(audit_tail_argv(s.cluster_name, tail), nodes=cluster.connected)
-    for node, r in results.items():
-        if isinstance(r, NodeError):
-            continue
+    for node, r in results.ok.items():
         for line in r.stdout.splitlines():
             try:
                 doc = json.loads(line)
