@@ -13,8 +13,8 @@ Both rounds start as few processes per node as they can: on the lab all nodes sh
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import secrets
 import threading
@@ -28,7 +28,7 @@ from typing import Any
 from . import docker_parse as D
 from . import facts as F
 from .builders import open_api_warning
-from .cluster import Cluster, Node, NodeError, Session
+from .cluster import Cluster, Node, NodeError, Session, parallel
 from .errors import SparkctlError
 from .findings import CLUSTER_ROW, FAIL, OK, PIN_ENV, SKIP, WARN, Finding, Needs
 from .findings import finding as _f
@@ -753,17 +753,14 @@ def gather(
             return NodeError(name, "error", f"{type(exc).__name__}: {exc}", "run with -vv and report this bug")
 
     names = cluster.names
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(128, len(names) + 1)) as pool:
-        facts_jobs = {n: pool.submit(guarded, n, node_facts) for n in names}
-        head_scan = pool.submit(guarded, head, scan) if layout and head in names else None
-    out: dict[str, tuple[F.NodeFacts | NodeError, Any]] = {}
-    for n in names:
-        facts: F.NodeFacts | NodeError = facts_jobs[n].result()
-        scan_result = head_scan.result() if head_scan is not None and n == head else None
-        if isinstance(scan_result, NodeError):
-            scan_result = scan_result.message
-        out[n] = (facts, scan_result)
-    return out
+    jobs = [functools.partial(guarded, n, node_facts) for n in names]
+    if layout and head in names:  # the head's checkpoint scan, beside its probe
+        jobs.append(functools.partial(guarded, head, scan))
+    done = parallel(jobs, limit=min(128, len(names) + 1))
+    scanned = done[len(names)] if len(done) > len(names) else None
+    if isinstance(scanned, NodeError):
+        scanned = scanned.message
+    return {n: (facts, scanned if n == head else None) for n, facts in zip(names, done[: len(names)], strict=True)}
 
 
 def reach(

@@ -99,9 +99,9 @@ def sweep(cluster: Cluster, cluster_name: str, groups: Sequence[Sequence[str]], 
     try:
         with signals.shielded(deliver=deliver):
             for group in groups:
-                for name, res in cluster.run_all(one, nodes=list(group)).items():
-                    if isinstance(res, NodeError) and name not in report:  # unreachable: never ran
-                        report[name] = NodeSweep(error=res.reason, left=list(expected.get(name, [])))
+                for name, err in cluster.run_all(one, nodes=list(group)).failed.items():
+                    if name not in report:  # unreachable: never ran
+                        report[name] = NodeSweep(error=err.reason, left=list(expected.get(name, [])))
     except signals.CleanupAborted:
         for group in groups:
             for name in group:

@@ -286,9 +286,8 @@ def _setup_auth(cluster: Cluster, settings: Any, src: str, targets: Sequence[str
             raise NodeError(node.name, "sync-key", f"could not add the sync key to ~/.ssh/authorized_keys: "
                             f"{res.stderr.strip()[-300:]}", f"check {node.name}'s home and ~/.ssh permissions")
 
-    for res in cluster.run_all(install, nodes=list(targets)).values():
-        if isinstance(res, NodeError):
-            raise res
+    for err in cluster.run_all(install, nodes=list(targets)).failed.values():
+        raise err  # the first node that refused the key
     # rsync and the ssh it starts get absolute paths: neither promises which folder it runs in.
     return f"{home}/{key}", f"{home}/{known}"
 
@@ -349,9 +348,10 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             return scan_node(node, model), describe_node(node, model)
 
         seen = cluster.run_all(look, nodes=[src, *targets])
-        if isinstance(seen[src], NodeError):
-            raise seen[src]  # type: ignore[misc]
-        src_scan, src_desc = seen[src]  # type: ignore[misc]
+        answered, lost = seen.ok, seen.failed
+        if src in lost:
+            raise lost[src]
+        src_scan, src_desc = answered[src]
         if src_scan.get("error") or not src_scan.get("shards"):
             raise UsageError(f"{src}:{model} holds no checkpoint to sync "
                              f"({(src_scan.get('error') or {}).get('message', 'no shards')})",
@@ -360,11 +360,10 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
         refused: list[str] = []
         for t in targets:
             r = report.ranks[t]
-            got = seen[t]
-            if isinstance(got, NodeError):
-                r.status, r.message = "unreachable", f"{got.reason}"
+            if t in lost:
+                r.status, r.message = "unreachable", f"{lost[t].reason}"
                 continue
-            scan, desc = got
+            scan, desc = answered[t]
             scans[t] = scan
             r.free_bytes = int(desc.get("free_bytes") or 0)
             r.partial_bytes = int((desc.get("partial") or {}).get("bytes") or 0)
@@ -436,11 +435,9 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             report.findings = compare_nodes(scans, src)
         elif not report.interrupted:
             again = cluster.run_all(lambda n: scan_node(n, model), nodes=[src, *targets])
-            final = {n: s for n, s in again.items() if not isinstance(s, NodeError)}
-            report.findings = compare_nodes(final, src)
-            for n, s in again.items():
-                if isinstance(s, NodeError):
-                    report.findings.append(Finding("error", "node-unreachable", f"{n}: {s.reason}", s.fix or "", n))
+            report.findings = compare_nodes(again.ok, src)
+            for n, e in again.failed.items():
+                report.findings.append(Finding("error", "node-unreachable", f"{n}: {e.reason}", e.fix or "", n))
     report.seconds = time.monotonic() - started
     return report
 

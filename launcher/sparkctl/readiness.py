@@ -19,10 +19,10 @@ import requests
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
 from .builders import container_name
-from .cluster import Cluster, Node, NodeError
+from .cluster import Cluster, Node
 from .engine_lines import FAILURE_MARKERS, failure_in, phase_patterns
 from .errors import CheckFailed
-from .service import ContainerState, inspect_cluster, log_tail, node_failures, raise_node_failures
+from .service import ContainerState, inspect_cluster, log_tail
 from .settings import Settings
 
 # The lines of vLLM 0.33 that mark each phase (engine_lines.PHASE_MARKERS says where vLLM writes each).
@@ -190,13 +190,10 @@ def wait_ready(
 
     def once() -> dict[str, Any] | None:
         results = cluster.run_all(poll_rank, nodes=settings.nodes)
-        failed = node_failures(results)
-        if failed:
-            raise_node_failures("lost contact while waiting", failed)
+        results.raise_if_failed("lost contact while waiting")
+        answered = results.ok
         for rank, w in watches.items():
-            res = results[w.node]
-            assert not isinstance(res, NodeError)
-            states, lines = res
+            states, lines = answered[w.node]
             mine = [c for c in states if c.rank == rank]
             if not mine or not mine[0].running:
                 raise rank_died(rank, w.node, mine[0] if mine else None, lines, time.monotonic() - start)

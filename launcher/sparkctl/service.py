@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,7 +25,7 @@ from .builders import (
     env_file_text,
     remote_env_file,
 )
-from .cluster import Cluster, Node, NodeError
+from .cluster import Cluster, Node, NodeError, Results, raise_failed
 from .docker_parse import ContainerState, parse_container_inspect, parse_format_value
 from .engine_lines import failure_in
 from .errors import CheckFailed
@@ -83,15 +83,6 @@ class UpOutcome:
     config_hash: str = ""
 
 
-def node_failures(results: dict[str, Any]) -> dict[str, NodeError]:
-    return {n: r for n, r in results.items() if isinstance(r, NodeError)}
-
-
-def raise_node_failures(what: str, failed: dict[str, NodeError]) -> None:
-    lines = [f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()]
-    raise CheckFailed(f"{what} on {len(failed)} node(s):\n  " + "\n  ".join(lines))
-
-
 def diff_running(
     specs: Sequence[RankSpec], cfg_hash: str, states: dict[str, list[ContainerState]], images: dict[str, str | None]
 ) -> list[str]:
@@ -127,29 +118,25 @@ def up(
     recreate: bool = False,
     say: Callable[[str], None] = lambda s: None,
     settle_s: float = 0.25,
-    gathered: dict[str, tuple[list[ContainerState], str | None] | NodeError],
+    gathered: Mapping[str, tuple[list[ContainerState], str | None] | NodeError],
 ) -> UpOutcome:
     """Start the service (workers, then the head) or leave an identical one alone. gathered: each
     node's node_state, read by the caller's preflight (orchestrate.up.start_service)."""
     name = settings.cluster_name
     nodes = settings.nodes
     image = settings.image
-    states = {n: g if isinstance(g, NodeError) else g[0] for n, g in gathered.items()}
-    images = {n: g if isinstance(g, NodeError) else g[1] for n, g in gathered.items()}
-    failed = node_failures(states) | node_failures(images)
-    if failed:
-        raise_node_failures("cannot start: nodes not ready", failed)
-    missing = [n for n in nodes if images[n] is None]
+    got = Results(gathered)
+    got.raise_if_failed("cannot start: nodes not ready")
+    ok_states = {n: g[0] for n, g in got.ok.items()}
+    ok_images = {n: g[1] for n, g in got.ok.items()}
+    missing = [n for n in nodes if ok_images[n] is None]
     if missing:
         raise CheckFailed(f"image {image} is not on {', '.join(missing)}",
                           fix="run `sparkctl build` (or `sparkctl check` to see every node's images)")
-    ok_states = {n: s for n, s in states.items() if not isinstance(s, NodeError)}
-    ok_images = {n: i for n, i in images.items() if not isinstance(i, NodeError)}
     reasons = diff_running(specs, cfg_hash, ok_states, ok_images)
     records = cluster.run_all(lambda n: cleanup.up_records(n, name), nodes=nodes)
-    lost = [n for n in nodes if isinstance(records[n], NodeError)]
-    orphaned = {n: cleanup.orphans(ok_states[n], r) for n, r in records.items() if not isinstance(r, NodeError)}
-    for n in lost:  # an audit log that cannot be read: nothing there is known to be ours
+    orphaned = {n: cleanup.orphans(ok_states[n], r) for n, r in records.ok.items()}
+    for n in records.failed:  # an audit log that cannot be read: nothing there is known to be ours
         orphaned[n] = list(ok_states[n])
     for n, cs in orphaned.items():
         reasons += [f"{n}: orphan container {c.name} (rank {c.rank}): no successful `up` recorded it "
@@ -171,8 +158,7 @@ def up(
                             for n, cs in orphaned.items()}
             failed_down = _down_all(cluster, settings, say)
             audit(cluster, [n for n in nodes if n not in failed_down], name, orphan_lines)
-            if failed_down:
-                raise_node_failures("cannot remove the old containers", failed_down)
+            raise_failed("cannot remove the old containers", failed_down)
         by_rank = {s.rank: s for s in specs}
         workers = [s for s in specs if s.rank > 0]
         for s in specs:
@@ -269,14 +255,11 @@ def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash
         return r.stdout.strip()
 
     results = _settled(lambda: cluster.run_all(one, nodes=list(argv)))
-    for node, res in results.items():
-        if not isinstance(res, NodeError):
-            ids[node] = res.splitlines()[-1].strip()[:128] if res else ""  # docker run --detach prints the ID
-            started.append(f"rank {rank[node]} on {node}")
-            say(f"started rank {rank[node]} on {node}")
-    failed = node_failures(results)
-    if failed:
-        raise_node_failures("start failed", failed)
+    for node, res in results.ok.items():
+        ids[node] = res.splitlines()[-1].strip()[:128] if res else ""  # docker run --detach prints the ID
+        started.append(f"rank {rank[node]} on {node}")
+        say(f"started rank {rank[node]} on {node}")
+    results.raise_if_failed("start failed")
 
 
 def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec], settle_s: float) -> None:
@@ -284,14 +267,11 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
     if settle_s > 0:
         time.sleep(settle_s)
     states = cluster.run_all(lambda n: inspect_cluster(n, settings.cluster_name), nodes=settings.nodes)
-    failed = node_failures(states)
-    if failed:
-        raise_node_failures("lost nodes while starting", failed)
+    states.raise_if_failed("lost nodes while starting")
     dead = []
+    running = states.ok
     for spec in specs:
-        node_states = states[spec.node]
-        assert not isinstance(node_states, NodeError)
-        mine = [c for c in node_states if c.rank == spec.rank]
+        mine = [c for c in running[spec.node] if c.rank == spec.rank]
         if not mine or not mine[0].running:
             tail = log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 50)
             status = f"{mine[0].status}, exit {mine[0].exit_code}" if mine else "gone"
@@ -330,19 +310,19 @@ def down(cluster: Cluster, settings: Settings, say: Callable[[str], None] = lamb
     reachable = [n for n in settings.nodes if n in cluster.connected]
     before = cluster.run_all(lambda n: inspect_cluster(n, name), nodes=reachable)
     records = cluster.run_all(lambda n: cleanup.up_records(n, name), nodes=reachable)
-    expected = {n: [c.name for c in st] for n, st in before.items() if not isinstance(st, NodeError)}
+    seen, recorded = before.ok, records.ok
+    expected = {n: [c.name for c in st] for n, st in seen.items()}
     orphan_ids: set[str] = set()
-    for n, st in before.items():
-        rec = records[n]
-        if not isinstance(st, NodeError) and not isinstance(rec, NodeError):
-            for c in cleanup.orphans(st, rec):
+    for n, st in seen.items():
+        if n in recorded:
+            for c in cleanup.orphans(st, recorded[n]):
                 orphan_ids.add(c.id)
                 say(f"{n}: removing orphan {c.name} (rank {c.rank}): no successful `up` recorded it")
     signals.commit()
     failed |= _down_all(cluster, settings, say, expected)
     lines = {}
-    for n, states in before.items():
-        if isinstance(states, NodeError) or n in failed:
+    for n, states in seen.items():
+        if n in failed:
             continue
         lines[n] = [audit_line(action="down", rank=c.rank, config_hash=c.config_hash, container=c.id,
                                detail=f"removed {c.name}" + (" (orphan: no successful up recorded it)"

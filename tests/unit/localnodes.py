@@ -1,10 +1,10 @@
 """Nodes without SSH, for offline tests of whole commands: every remote command really runs.
 
-`local_nodes(...)` replaces the SSH transport under `sparkctl.cluster` (its `connect`) with one that
-runs each channel's command the way sshd would -- `sh -c COMMAND` in the node's home -- but on this
+`local_nodes(...)` replaces the SSH transport under `sparkctl.cluster` (the `connect` Cluster calls) with one
+that runs each channel's command the way sshd would -- `sh -c COMMAND` in the node's home -- but on this
 machine, in a per-node folder, with a PATH whose `docker` is a small stateful stand-in (stub_docker.py)
 that records every call. Everything above the transport is sparkctl's real code: Cluster, Node,
-Session, streams, build's raw channels, SFTP writes (to the node's folder), the probes and scripts.
+Session, streams (build's too), SFTP writes (to the node's folder), the probes and scripts.
 
 So a value that a command interpolates into a shell script runs as code here exactly as it would on a
 node: a `$(touch CANARY)` in it creates the canary. The harness also records every command string and
@@ -315,7 +315,7 @@ def _hardware(where: Path, index: int) -> None:
 @contextmanager
 def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -> Iterator[LocalNodes]:
     """Patch sparkctl.cluster so that nodes `names` are local folders under root/nodes/."""
-    import sparkctl.cluster as cluster
+    from sparkctl.cluster import fanout  # Cluster.connect calls fanout.connect: patched where it is used
 
     nodes = LocalNodes(root, list(names))
     bin_dir = root / "bin"
@@ -328,7 +328,7 @@ def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -
     for i, n in enumerate(names, start=1):
         nodes.home(n).mkdir(parents=True, exist_ok=True)
         _hardware(root / "hw" / n, i)
-    monkeypatch.setattr(cluster, "connect", lambda target, **kw: _Transport(nodes, target.alias))
+    monkeypatch.setattr(fanout, "connect", lambda target, **kw: _Transport(nodes, target.alias))
     monkeypatch.setenv("SPARKCTL_SSH_CONFIG", str(ssh_config))
     # Every node holds the lab recipe's base (the same image everywhere, as `lab up` leaves it), so
     # `build` pins it without pulling or shipping; the calls that set this scene are not recorded.

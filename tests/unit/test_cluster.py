@@ -444,3 +444,67 @@ def test_proxycommand_is_refused_not_ignored(sshlab: SshLab, tmp_path: Path) -> 
         err = cluster.run_all(["true"])["viacmd"]
     assert isinstance(err, NodeError) and err.kind == "config" and "ProxyCommand is not supported" in err.reason
     assert "ProxyJump" in (err.fix or "") and not canary.exists()
+
+
+def test_run_all_answers_with_results_split_into_ok_and_failed(sshlab: SshLab) -> None:
+    from sparkctl.errors import CheckFailed
+
+    with Cluster(["n1", "down", "n3"], sshlab.ssh_config, connect_timeout=3) as cluster:
+        results = cluster.run_all(["sh", "-c", "echo $SPARKCTL_TEST_NODE"])
+        fine = cluster.run_all(["true"], nodes=["n1", "n3"])
+    assert isinstance(results, cl.Results) and list(results) == ["n1", "down", "n3"]  # still a dict, in order
+    assert list(results.ok) == ["n1", "n3"] and all(r.stdout.strip() == n for n, r in results.ok.items())
+    assert list(results.failed) == ["down"] and results.failed["down"] is results["down"]
+    with pytest.raises(CheckFailed) as exc:
+        results.raise_if_failed("cannot start")
+    err = results.failed["down"]
+    assert exc.value.message == f"cannot start on 1 node(s):\n  down: {err.reason} (fix: {err.fix})"
+    fine.raise_if_failed("never")  # nothing failed: nothing raised
+    assert fine.failed == {} and list(fine.ok) == ["n1", "n3"]
+
+
+def test_a_stream_carries_bytes_both_ways_as_they_go(sshlab: SshLab) -> None:
+    data = bytes(range(256)) * 4096  # 1 MiB: more than one window, fed while the echo is read back
+    with Cluster(["n1"], sshlab.ssh_config) as cluster, \
+            cluster.node("n1").open_stream(["sh", "-c", "cat; echo bye >&2; exit 3"]) as s:
+        out, err = bytearray(), bytearray()
+        for i in range(0, len(data), 65536):
+            s.write(data[i:i + 65536])
+            got = s.read()
+            out += got[0]
+            err += got[1]
+        s.close_input()
+        while not s.exited:
+            got = s.read(0.5)
+            out += got[0]
+            err += got[1]
+        assert s.ended and s.exit_status() == 3
+    assert bytes(out) == data and bytes(err) == b"bye\n"
+
+
+def test_a_merged_stream_reads_stderr_with_stdout(sshlab: SshLab) -> None:
+    """build's run_lines over a real channel: stdin in, every line of both streams out (sshd reads two
+    pipes, so their interleaving is not promised; each stream's own order is)."""
+    from sparkctl.commands.build import run_lines
+
+    seen: list[str] = []
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        node = cluster.node("n1")
+        code, tail = run_lines(node, ["sh", "-c", "while read l; do echo \"out $l\"; echo \"err $l\" >&2; done; exit 5"],
+                               stdin=b"a\nb\n", timeout=30, on_line=seen.append)
+    assert code == 5 and seen == tail and sorted(seen) == ["err a", "err b", "out a", "out b"]
+    assert [ln for ln in seen if ln.startswith("out")] == ["out a", "out b"]
+
+
+def test_a_stream_whose_connection_breaks_is_lost_not_hung(sshlab: SshLab) -> None:
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        node = cluster.node("n1")
+        s = node.open_stream(["cat"])
+        s.write(b"x")
+        node.close()  # the node's one connection goes away under the stream
+        with pytest.raises(cl.StreamLost) as exc:
+            for _ in range(50):  # a write may land in a buffer once; the next one fails
+                s.write(b"y" * 65536)
+        assert exc.value.kind == "lost" and exc.value.node == "n1" and exc.value.cause
+        assert exc.value.reason.startswith("SSH connection lost: ")
+        s.close()

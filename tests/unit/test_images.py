@@ -672,45 +672,39 @@ def test_fan_out_ends_every_ranks_stream_before_waiting_for_any_load(monkeypatch
 
     events: list[tuple[str, str]] = []
 
-    class Chan:
+    class FakeStream:  # the part of cluster.Stream fan_out uses
         def __init__(self, name: str, data: list[bytes]) -> None:
-            self.name, self.data = name, data
-            self.eof_received = self.closed = False
+            self.name, self.data, self.input_open = name, data, True
 
-        def set_combine_stderr(self, on: bool) -> None: ...
-        def sendall(self, data: bytes) -> None: ...
-        def recv_stderr_ready(self) -> bool:
-            return False
+        def write(self, data: bytes) -> None: ...
+        def read(self, wait: float = 0.0, *, limit: int = 0) -> tuple[bytes, bytes]:
+            return (self.data.pop(0) if self.data else b""), b""
 
-        def recv_ready(self) -> bool:
-            return bool(self.data)
+        @property
+        def ended(self) -> bool:
+            return not self.input_open and not self.data
 
-        def recv(self, n: int) -> bytes:
-            return self.data.pop(0)
-
-        def shutdown_write(self) -> None:
+        def close_input(self) -> None:
             events.append(("eof", self.name))
-            self.eof_received = not self.data
+            self.input_open = False
 
-        def recv_exit_status(self) -> int:
+        def exit_status(self) -> int:
             return 0
 
         def close(self) -> None: ...
 
-    chans = {"head": Chan("head", [b"stream", b""]), "spark2": Chan("spark2", []), "spark3": Chan("spark3", []),
-             "spark4": Chan("spark4", [])}  # fmt: skip
+    streams = {"head": FakeStream("head", [b"stream"]), "spark2": FakeStream("spark2", []),
+               "spark3": FakeStream("spark3", []), "spark4": FakeStream("spark4", [])}  # fmt: skip
 
     class Cluster:
         def node(self, name: str) -> Any:
-            return type("N", (), {"name": name})()
+            return type("N", (), {"name": name, "open_stream": lambda self, argv, **kw: streams[name]})()
 
-    def wait(chan: Any, sink: bytearray, timeout: float) -> int:
-        events.append(("wait", chan.name))
+    def wait(stream: Any, sink: bytearray, timeout: float) -> int:
+        events.append(("wait", stream.name))
         return 0
 
-    monkeypatch.setattr(B, "_exec", lambda node, argv, timeout: chans[node.name])
     monkeypatch.setattr(B, "_wait_exit", wait)
-    monkeypatch.setattr(B.select, "select", lambda *a: ([], [], []))
     ranks = ["spark2", "spark3", "spark4"]
     results = {n: B.RankResult(n, i + 1) for i, n in enumerate(ranks)}
     board = B.Board(["head", *ranks], ["keys3"], quiet=True)

@@ -112,17 +112,17 @@ def test_status_exits_1_when_a_rank_is_gone(nodes: LocalNodes, capsys: Any) -> N
 
 def test_logs_rank_shows_only_that_rank_and_follow_follows(nodes: LocalNodes, capsys: Any,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from sparkctl import cluster
+    from sparkctl.cluster import fanout
 
     assert run(["up"], capsys)[0] == 0
     connected: list[str] = []
-    transport = cluster.connect  # the harness's
+    transport = fanout.connect  # the harness's
 
     def counting(target: Any, **kw: Any) -> Any:
         connected.append(target.alias)
         return transport(target, **kw)
 
-    monkeypatch.setattr(cluster, "connect", counting)
+    monkeypatch.setattr(fanout, "connect", counting)
     code, out, err = run(["logs", "--rank", "2", "--tail", "5"], capsys)
     assert code == 0, err
     assert connected == ["spark3"]  # the other nodes are not even connected to

@@ -19,24 +19,22 @@ Every rank ends with a result or a named failure; the others finish. Exit 1 if a
 from __future__ import annotations
 
 import collections
-import select
+import functools
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import click
-import paramiko
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from .. import basepin
 from .. import images as im
-from ..cluster import Cluster, Node, NodeError, remote_command, wait_channel
+from ..cluster import Cluster, Node, NodeError, Results, Stream, StreamLost, parallel
 from ..docker_parse import Image, normalize_image_ref, parse_image_inspect
 from ..errors import CheckFailed, UsageError
 from ..output import emit_json
@@ -160,48 +158,34 @@ class Board:
 # ------------------------------------------------------------------------------------ remote helpers
 
 
-def _exec(node: Node, argv: Sequence[str], timeout: float) -> paramiko.Channel:
-    # A channel on the node's one SSH connection, for streams Node.run cannot carry (bytes both ways).
-    chan = node._channel(timeout)  # noqa: SLF001 - cluster.Node has no public raw-channel API yet
-    chan.settimeout(None)
-    chan.exec_command(remote_command(argv))
-    return chan
-
-
 def run_lines(node: Node, argv: Sequence[str], *, stdin: bytes, timeout: float,
               on_line: Callable[[str], None]) -> tuple[int, list[str]]:
     """Run argv with stdin, calling on_line for each output line (stdout+stderr); (exit code, last lines)."""
     tail: collections.deque[str] = collections.deque(maxlen=30)
     deadline = time.monotonic() + timeout
-    chan = _exec(node, argv, timeout)
     try:
-        chan.set_combine_stderr(True)
-        chan.sendall(stdin)
-        chan.shutdown_write()
-        buf = b""
-        while True:
-            if time.monotonic() > deadline:
-                raise NodeError(node.name, "command-timeout", f"no result within {timeout:g}s",
-                                f"check what hangs on {node.name}")
-            wait_channel(chan, 0.5)
-            got = False
-            while chan.recv_ready():
-                buf += chan.recv(CHUNK)
-                got = True
-            *lines, buf = buf.split(b"\n")
-            for raw in lines:
-                line = raw.decode("utf-8", errors="replace").rstrip("\r")
-                tail.append(line)
-                on_line(line)
-            if not got and chan.exit_status_ready() and not chan.recv_ready():
-                break
-        if buf:
-            tail.append(buf.decode("utf-8", errors="replace"))
-        return chan.recv_exit_status(), list(tail)
-    except (paramiko.SSHException, EOFError, OSError) as exc:
-        raise NodeError(node.name, "lost", f"SSH connection lost: {exc}", "check the node and run the command again") from None
-    finally:
-        chan.close()
+        with node.open_stream(argv, merge_stderr=True, timeout=timeout) as s:
+            s.write(stdin)
+            s.close_input()
+            buf = b""
+            while True:
+                if time.monotonic() > deadline:
+                    raise NodeError(node.name, "command-timeout", f"no result within {timeout:g}s",
+                                    f"check what hangs on {node.name}")
+                got, _ = s.read(0.5)
+                buf += got
+                *lines, buf = buf.split(b"\n")
+                for raw in lines:
+                    line = raw.decode("utf-8", errors="replace").rstrip("\r")
+                    tail.append(line)
+                    on_line(line)
+                if not got and s.exited:
+                    break
+            if buf:
+                tail.append(buf.decode("utf-8", errors="replace"))
+            return s.exit_status(), list(tail)
+    except StreamLost as exc:
+        raise NodeError(node.name, "lost", f"SSH connection lost: {exc.cause}", "check the node and run the command again") from None
 
 
 def inspect_images(node: Node, refs: Sequence[str]) -> list[Image]:
@@ -337,7 +321,7 @@ def compare_versions(results: dict[str, RankResult], head: str) -> None:
             results[n].fix = f"the ranks build different things: compare $MODEL/serving/ on {n} with the head's"
 
 
-def probe(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, base_ref: str) -> dict[str, im.RankFacts | NodeError]:
+def probe(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, base_ref: str) -> Results[im.RankFacts]:
     argv = im.probe_argv(model, chain, [base_ref, *(layer.tag for layer in chain)])
 
     def one(node: Node) -> im.RankFacts:
@@ -432,10 +416,11 @@ def probe_facts(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, ref:
                 results: dict[str, RankResult]) -> dict[str, im.RankFacts]:
     """Every rank's build facts; a rank that cannot answer, or whose engine is down, fails in `results`."""
     facts: dict[str, im.RankFacts] = {}
-    for node, f in probe(cluster, chain, model, ref).items():
-        if isinstance(f, NodeError):
-            results[node].fail(f)
-        elif not f.engine_ok:
+    got = probe(cluster, chain, model, ref)
+    for node, err in got.failed.items():
+        results[node].fail(err)
+    for node, f in got.ok.items():
+        if not f.engine_ok:
             results[node].error = f"Docker engine not reachable: {f.engine}"
             results[node].fix = f"start the Docker engine on {node} (or fix DOCKER_HOST for its SSH sessions)"
         else:
@@ -528,11 +513,11 @@ def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerRef], results: 
     tags = [layer.tag for layer in chain]
     done = cluster.run_all(lambda node: retain(node, keep, settings.recipe.name, tags),
                            nodes=[n for n in cluster.names if results[n].ok])
-    for n, res in done.items():
-        if isinstance(res, NodeError):
-            results[n].fail(res)
-        elif res:
-            out.setdefault("removed", {})[n] = res
+    for n, err in done.failed.items():
+        results[n].fail(err)
+    for n, removed in done.ok.items():
+        if removed:
+            out.setdefault("removed", {})[n] = removed
 
 
 
@@ -656,12 +641,8 @@ def ship_images(cluster: Cluster, tags: list[str], facts: dict[str, im.RankFacts
         report["codec"] = codec
         report["streams"] = len(groups)
 
-        def stream(group: tuple[im.Selection, list[str]]) -> None:
-            sel, ranks = group
-            fan_out(cluster, head, sel, ranks, saved, codec, results, board)
-
-        with ThreadPoolExecutor(max_workers=max(1, len(groups))) as pool:
-            list(pool.map(stream, groups.values()))
+        parallel([functools.partial(fan_out, cluster, head, sel, ranks, saved, codec, results, board)
+                  for sel, ranks in groups.values()])
     finally:
         head.run(im.cleanup_argv(saved), timeout=120)
     report["bytes_sent"] = sum(results[n].shipped_bytes for n in need)
@@ -684,52 +665,46 @@ def fan_out(cluster: Cluster, head: Node, sel: im.Selection, ranks: list[str], s
     manifest = json.dumps(sel.entries).encode()
     for n in ranks:
         board.note(n, f"shipping {len(sel.layers)} layer(s) ({codec})")
-    sinks: dict[str, paramiko.Channel] = {}
+    sinks: dict[str, Stream] = {}
     outputs: dict[str, bytearray] = {n: bytearray() for n in ranks}
     for n in ranks:
         try:
-            sinks[n] = _exec(cluster.node(n), im.load_argv(codec), 60)
-            sinks[n].set_combine_stderr(True)
+            sinks[n] = cluster.node(n).open_stream(im.load_argv(codec), merge_stderr=True, timeout=60)
         except Exception as exc:
             results[n].fail(exc)
-    src = _exec(head, im.pack_argv(saved, codec, sel.members), 60)
+    src = head.open_stream(im.pack_argv(saved, codec, sel.members), timeout=60)
     err = bytearray()
     start = time.monotonic()
     try:
-        src.sendall(manifest)
-        src.shutdown_write()
+        src.write(manifest)
+        src.close_input()
         last = time.monotonic()
         while sinks:
-            select.select([src], [], [], 1.0)
-            while src.recv_stderr_ready():
-                err += src.recv_stderr(CHUNK)
-            if src.recv_ready():
-                data = src.recv(CHUNK)
-                if not data:
-                    break
+            data, more_err = src.read(1.0, limit=CHUNK)
+            err += more_err
+            if data:
                 last = time.monotonic()
-                for n, chan in list(sinks.items()):
+                for n, sink in list(sinks.items()):
                     try:
-                        chan.sendall(data)
+                        sink.write(data)
                         results[n].shipped_bytes += len(data)
-                        while chan.recv_ready():
-                            outputs[n] += chan.recv(CHUNK)
-                    except (paramiko.SSHException, EOFError, OSError) as exc:
-                        results[n].error = f"ship stream broke: {exc}: {outputs[n].decode(errors='replace')[-300:]}"
+                        outputs[n] += sink.read()[0]
+                    except StreamLost as exc:
+                        results[n].error = f"ship stream broke: {exc.cause}: {outputs[n].decode(errors='replace')[-300:]}"
                         del sinks[n]
-            elif src.eof_received or src.closed:
+            elif src.ended:
                 break
             elif time.monotonic() - last > STALL_TIMEOUT:
                 raise NodeError(head.name, "command-timeout", f"the ship stream stalled for {STALL_TIMEOUT:g}s")
-        code = src.recv_exit_status()
+        code = src.exit_status()
         if code != 0:
             raise NodeError(head.name, "docker", f"packing the layers failed (exit {code}): {err.decode(errors='replace')[-400:]}")
         # EOF to every rank first: each `docker load` finishes only after its end of the stream, so
         # closing one rank's input after the previous rank's load ended made the loads run in turn.
-        for chan in sinks.values():
-            chan.shutdown_write()
-        for n, chan in sinks.items():
-            status = _wait_exit(chan, outputs[n], 600.0)
+        for sink in sinks.values():
+            sink.close_input()
+        for n, sink in sinks.items():
+            status = _wait_exit(sink, outputs[n], 600.0)
             text = outputs[n].decode("utf-8", errors="replace").strip()
             if status != 0:
                 results[n].error = f"docker load failed (exit {status}): {text[-400:]}"
@@ -745,21 +720,17 @@ def fan_out(cluster: Cluster, head: Node, sel: im.Selection, ranks: list[str], s
                 results[n].fail(exc)
     finally:
         src.close()
-        for chan in sinks.values():
-            chan.close()
+        for sink in sinks.values():
+            sink.close()
 
 
-def _wait_exit(chan: paramiko.Channel, sink: bytearray, timeout: float) -> int:
+def _wait_exit(stream: Stream, sink: bytearray, timeout: float) -> int:
     deadline = time.monotonic() + timeout
-    while not chan.exit_status_ready():
+    while not stream.exited:
         if time.monotonic() > deadline:
             return -1
-        wait_channel(chan, 0.5)
-        while chan.recv_ready():
-            sink += chan.recv(CHUNK)
-    while chan.recv_ready():
-        sink += chan.recv(CHUNK)
-    return chan.recv_exit_status()
+        sink += stream.read(0.5)[0]
+    return stream.exit_status()
 
 
 # ------------------------------------------------------------------------------------ verify + report
@@ -770,10 +741,10 @@ def verify(cluster: Cluster, chain: Sequence[im.LayerRef], results: dict[str, Ra
     top = chain[-1].tag
     live = [n for n in cluster.names if results[n].ok]
     found = cluster.run_all(lambda node: inspect_images(node, [top]), nodes=live)
-    for n, imgs in found.items():
-        if isinstance(imgs, NodeError):
-            results[n].fail(imgs)
-        elif not imgs:
+    for n, err in found.failed.items():
+        results[n].fail(err)
+    for n, imgs in found.ok.items():
+        if not imgs:
             if results[n].layers and all(r.action in ("keep", "stale") for r in results[n].layers.values()):
                 continue
             results[n].error = f"{top} is not on the node after the build"

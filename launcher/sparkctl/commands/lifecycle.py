@@ -22,7 +22,7 @@ from rich.text import Text
 from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
-from ..cluster import Cluster, NodeError
+from ..cluster import Cluster
 from ..errors import UsageError
 from ..lock import (
     FORCE_UNLOCK,
@@ -314,9 +314,7 @@ def audit_cmd(ctx: click.Context, tail: int) -> None:
     entries: list[dict[str, Any]] = []
     with open_cluster(g, s) as cluster:
         results = cluster.run_all(audit_tail_argv(s.cluster_name, tail), nodes=cluster.connected)
-    for node, r in results.items():
-        if isinstance(r, NodeError):
-            continue
+    for node, r in results.ok.items():
         for line in r.stdout.splitlines():
             try:
                 doc = json.loads(line)

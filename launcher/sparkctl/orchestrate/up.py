@@ -20,13 +20,12 @@ A failure before service.up changes nothing on any node.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import service
-from ..cluster import Cluster, Node, NodeError
+from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed
 from ..lock import cluster_lock
 from ..output import warn
@@ -78,19 +77,19 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
 
     def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
         # Channels on the node's one connection run side by side: probe, docker, checkpoint.
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            state = pool.submit(service.node_state, node, s.cluster_name, image)
-            reader = pool.submit(read_checkpoint_on, node, s.model, drafter_dir(s)) \
-                if node.name == s.head else None
-            facts = probe_node(node, s)
-            return facts, state.result(), reader.result() if reader else None
+        jobs: list[Callable[[], Any]] = [lambda: probe_node(node, s),
+                                         lambda: service.node_state(node, s.cluster_name, image)]
+        if node.name == s.head:
+            jobs.append(lambda: read_checkpoint_on(node, s.model, drafter_dir(s)))
+        facts, state, *ckpt = parallel(jobs)
+        return facts, state, ckpt[0] if ckpt else None
 
     rounds = cluster.run_all(preflight, nodes=s.nodes)
-    failed = {n: r for n, r in rounds.items() if isinstance(r, NodeError)}
+    failed = rounds.failed
     if failed:
         raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
             f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
-    ok = {n: r for n, r in rounds.items() if not isinstance(r, NodeError)}
+    ok = rounds.ok
     plan = plan_for(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
     pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
     rendered = render_all(s, plan, pins, source=source)
@@ -130,7 +129,7 @@ def render_now(cluster: Cluster, s: Settings, source: str) -> Rendered:
     """What `up` would render now: the same probe per node (pins, GPU generation) and the same plan."""
     facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
     pins = pins_from_facts(s, facts)
-    plan = plan_for(cluster, s, facts={n: f for n, f in facts.items() if not isinstance(f, NodeError)})
+    plan = plan_for(cluster, s, facts=facts.ok)
     return render_all(s, plan, pins, source=source)
 
 

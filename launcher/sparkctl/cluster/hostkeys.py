@@ -1,0 +1,195 @@
+"""known_hosts: the host-key policy. A key is trusted only when known_hosts says so; an unknown, changed
+or revoked key is that node's NodeError naming the key type, its SHA256 fingerprint and the command that
+trusts it. `sparkctl trust` records keys here (record_host_key)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from .node_error import NodeError
+from .sshconfig import SshTarget
+
+
+def fingerprint(key_blob: bytes) -> str:
+    """OpenSSH's SHA256 fingerprint of a public key blob (what `ssh-keygen -lf` prints)."""
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key_blob).digest()).decode().rstrip("=")
+
+
+@dataclass(frozen=True)
+class KnownHost:
+    patterns: tuple[str, ...]
+    key_type: str
+    key_blob: bytes
+    path: str
+    line: int
+    marker: str | None = None  # "revoked" or "cert-authority" (the latter is not used for plain keys)
+
+    def matches(self, name: str) -> bool:
+        return host_matches(self.patterns, name)
+
+
+def read_known_hosts(paths: Sequence[str]) -> list[KnownHost]:
+    """Every parseable entry of the given known_hosts files (missing files are simply empty)."""
+    entries = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UsageError(
+                f"cannot read known_hosts file {path}: {exc.strerror}", fix=f"check {path}"
+            ) from None
+        for n, line in enumerate(lines, 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            marker = None
+            if fields[0].startswith("@"):
+                marker, fields = fields[0][1:], fields[1:]
+            if len(fields) < 3:
+                continue
+            try:
+                blob = base64.b64decode(fields[2], validate=True)
+            except ValueError:
+                continue
+            entries.append(KnownHost(tuple(fields[0].split(",")), fields[1], blob, path, n, marker))
+    return entries
+
+
+def host_matches(patterns: Sequence[str], name: str) -> bool:
+    """ssh's host-pattern matching: hashed |1|salt|hash entries, * and ? wildcards, !negation."""
+    matched = False
+    for pat in patterns:
+        negate = pat.startswith("!")
+        pat = pat[1:] if negate else pat
+        if pat.startswith("|1|"):
+            hit = _hashed_match(pat, name)
+        else:
+            regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pat.lower())
+            hit = re.fullmatch(regex, name.lower()) is not None
+        if hit and negate:
+            return False
+        matched = matched or hit
+    return matched
+
+
+def _hashed_match(entry: str, name: str) -> bool:
+    try:
+        _, _, salt_b64, hash_b64 = entry.split("|", 3)
+        salt, want = base64.b64decode(salt_b64), base64.b64decode(hash_b64)
+    except ValueError:
+        return False
+    return hmac.compare_digest(hmac.new(salt, name.encode(), hashlib.sha1).digest(), want)
+
+
+def hash_hostname(name: str) -> str:
+    """A `|1|salt|hash` known_hosts name, as `ssh-keygen -H` / HashKnownHosts=yes writes it."""
+    salt = os.urandom(20)
+    digest = hmac.new(salt, name.encode(), hashlib.sha1).digest()
+    return f"|1|{base64.b64encode(salt).decode()}|{base64.b64encode(digest).decode()}"
+
+
+@dataclass(frozen=True)
+class HostKeyVerdict:
+    status: str  # "trusted" | "unknown" | "changed" | "revoked"
+    key_type: str
+    fingerprint: str
+    known: tuple[KnownHost, ...] = ()  # for "changed": the entries that disagree
+
+
+def judge_host_key(target: SshTarget, key_type: str, key_blob: bytes) -> HostKeyVerdict:
+    """Compare the key a host offered with what known_hosts says about target.known_hosts_name."""
+    name = target.known_hosts_name
+    entries = [e for e in read_known_hosts([*target.known_hosts_files, *target.global_known_hosts_files])]
+    fp = fingerprint(key_blob)
+    if any(e.marker == "revoked" and e.key_blob == key_blob for e in entries):
+        return HostKeyVerdict("revoked", key_type, fp)
+    mine = [e for e in entries if e.marker is None and e.matches(name)]
+    if any(e.key_blob == key_blob and e.key_type == key_type for e in mine):
+        return HostKeyVerdict("trusted", key_type, fp)
+    same_type = tuple(e for e in mine if e.key_type == key_type)
+    if same_type:
+        return HostKeyVerdict("changed", key_type, fp, same_type)
+    return HostKeyVerdict("unknown", key_type, fp, tuple(mine))
+
+
+def host_key_error(target: SshTarget, verdict: HostKeyVerdict) -> NodeError:
+    where = f"{target.known_hosts_name} ({target.hostname} port {target.port})"
+    files = ", ".join(target.known_hosts_files) or "(none)"
+    trust = target.trust_command()
+    if verdict.status == "changed":
+        old = "; ".join(f"{fingerprint(e.key_blob)} at {e.path}:{e.line}" for e in verdict.known)
+        return NodeError(
+            target.alias,
+            "hostkey-changed",
+            f"HOST KEY CHANGED for {where}: POSSIBLE MAN-IN-THE-MIDDLE ATTACK (or the host was reinstalled). "
+            f"It offered {verdict.key_type} {verdict.fingerprint}; known_hosts has {old}",
+            f"verify the new fingerprint out of band; if the change is expected, run `{trust}` to replace it",
+            key_type=verdict.key_type,
+            fingerprint=verdict.fingerprint,
+        )
+    if verdict.status == "revoked":
+        return NodeError(
+            target.alias,
+            "hostkey-revoked",
+            f"host key {verdict.key_type} {verdict.fingerprint} of {where} is marked @revoked in known_hosts",
+            "do not connect; find out why this host offers a revoked key",
+            key_type=verdict.key_type,
+            fingerprint=verdict.fingerprint,
+        )
+    other = (
+        f" (known_hosts has only {', '.join(sorted({e.key_type for e in verdict.known}))} for it)"
+        if verdict.known
+        else ""
+    )
+    return NodeError(
+        target.alias,
+        "hostkey-unknown",
+        f"host key of {where} is not in known_hosts ({files}){other}: it offered {verdict.key_type} {verdict.fingerprint}",
+        f"check that fingerprint out of band, then run `{trust}`",
+        key_type=verdict.key_type,
+        fingerprint=verdict.fingerprint,
+    )
+
+
+def record_host_key(target: SshTarget, key_type: str, key_blob: bytes) -> str:
+    """Append the key to the first UserKnownHostsFile (hashed when HashKnownHosts=yes), first
+    removing this host's entries of the same type (the `trust` of a changed key). Returns the file."""
+    if not target.known_hosts_files:
+        raise UsageError(f"{target.alias}: UserKnownHostsFile is /dev/null; nowhere to record the key")
+    path = Path(target.known_hosts_files[0])
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    name = target.known_hosts_name
+    kept = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            fields = line.split()
+            drop = (
+                len(fields) >= 3
+                and not fields[0].startswith(("#", "@"))
+                and fields[1] == key_type
+                and host_matches(fields[0].split(","), name)
+            )
+            if not drop:
+                kept.append(line)
+    entry_name = hash_hostname(name) if target.hash_known_hosts else name
+    kept.append(f"{entry_name} {key_type} {base64.b64encode(key_blob).decode()}")
+    tmp = path.with_name(f".{path.name}.sparkctl-{secrets.token_hex(4)}")
+    fd = os.open(
+        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if not path.exists() else path.stat().st_mode & 0o777
+    )
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(kept) + "\n")
+    os.replace(tmp, path)
+    return str(path)

@@ -1,0 +1,190 @@
+"""ssh_config: what an alias resolves to, exactly as OpenSSH resolves it (`ssh -G`)."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..errors import UsageError
+from .node_error import NodeError
+
+DEFAULT_SSH_CONFIG = "~/.ssh/config"
+_GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """What an alias resolves to, the way ssh(1) would resolve it."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[str, ...]
+    identities_only: bool
+    known_hosts_files: tuple[str, ...]  # UserKnownHostsFile; `trust` writes to the first
+    global_known_hosts_files: tuple[str, ...]
+    host_key_alias: str | None = None
+    hash_known_hosts: bool = False
+    ssh_config: str | None = None  # the file it came from, for fix hints
+    jumps: tuple[SshTarget, ...] = ()  # ProxyJump hops, in order (each resolved as its own alias)
+
+    @property
+    def known_hosts_name(self) -> str:
+        """The name ssh looks the host key up under: HostKeyAlias, else host or [host]:port."""
+        if self.host_key_alias:
+            return self.host_key_alias
+        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+    def trust_command(self) -> str:
+        parts = ["sparkctl"]
+        if self.ssh_config and self.ssh_config != os.path.expanduser(DEFAULT_SSH_CONFIG):
+            parts += ["--ssh-config", self.ssh_config]
+        return shlex.join([*parts, "trust", self.alias])
+
+
+@dataclass(frozen=True)
+class SshConfig:
+    """Which ssh_config OpenSSH reads: `ssh -F path` for a file the user named; for the default
+    (~/.ssh/config) no -F, so ssh reads it and /etc/ssh/ssh_config as it always does."""
+
+    path: str | None  # the file, for messages (None: there is no ~/.ssh/config)
+    explicit: bool = False
+
+    def ssh_argv(self) -> list[str]:
+        return ["-F", self.path] if self.explicit and self.path else []
+
+
+def load_ssh_config(path: str | Path | None) -> tuple[SshConfig, str | None]:
+    """Which ssh_config to resolve aliases with. A missing default (~/.ssh/config) is fine (ssh has its
+    defaults); a missing file the user named is a usage error."""
+    explicit = path is not None and os.path.expanduser(str(path)) != os.path.expanduser(DEFAULT_SSH_CONFIG)
+    resolved = os.path.expanduser(str(path if path is not None else DEFAULT_SSH_CONFIG))
+    if not os.path.exists(resolved):
+        if explicit:
+            raise UsageError(
+                f"ssh config {resolved} does not exist",
+                fix="pass --ssh-config PATH (or set SPARKCTL_SSH_CONFIG) to the file that names your nodes",
+            )
+        return SshConfig(None), None
+    return SshConfig(resolved, explicit), resolved
+
+
+# `ssh -G` prints one `key value` line per option, every key lower-case; these may repeat.
+_MULTI = {"identityfile", "certificatefile"}
+SSH_G_TIMEOUT = 10.0
+
+
+def ssh_g(alias: str, config: SshConfig) -> dict[str, list[str]]:
+    """OpenSSH's own resolution of `alias` (`ssh -G`): Include, Match, Host patterns, canonicalisation,
+    defaults — exactly what `ssh alias` would use. Raises NodeError when ssh cannot resolve it."""
+    import subprocess
+
+    argv = ["ssh", "-G", *config.ssh_argv(), "--", alias]  # `--`: an alias is never an option
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=SSH_G_TIMEOUT, stdin=subprocess.DEVNULL,
+                           check=False)
+    except FileNotFoundError:
+        raise NodeError(alias, "config", "the OpenSSH client (`ssh`) is not installed: sparkctl resolves node "
+                        "aliases with `ssh -G`, as ssh itself does", "install openssh-client") from None
+    except subprocess.TimeoutExpired:
+        raise NodeError(alias, "config", f"`ssh -G {alias}` did not answer in {SSH_G_TIMEOUT:g}s (a `Match exec` "
+                        "that hangs?)", "fix the ssh config entry") from None
+    if r.returncode != 0:
+        why = " | ".join(ln for ln in r.stderr.strip().splitlines() if "Pseudo-terminal" not in ln)[-400:]
+        raise NodeError(alias, "config", f"ssh cannot resolve {alias!r}: {why or f'exit {r.returncode}'}",
+                        f"fix the ssh config ({config.path or '~/.ssh/config'}), e.g. `ssh -G {alias}` shows the problem")
+    opts: dict[str, list[str]] = {}
+    for line in r.stdout.splitlines():
+        key, _, value = line.strip().partition(" ")
+        key = key.lower()
+        if key in _MULTI:
+            opts.setdefault(key, []).append(value.strip())
+        elif key and key not in opts:
+            opts[key] = [value.strip()]
+    return opts
+
+
+def _one(opts: Mapping[str, list[str]], key: str, default: str = "") -> str:
+    values = opts.get(key)
+    return values[0] if values else default
+
+
+def _jump_specs(value: str) -> list[tuple[str | None, str, int | None]]:
+    """ProxyJump's `[user@]host[:port]` (or `ssh://[user@]host[:port]`) list, comma-separated."""
+    out: list[tuple[str | None, str, int | None]] = []
+    for raw in value.split(","):
+        spec = raw.strip().removeprefix("ssh://")
+        user, _, hostport = spec.rpartition("@")
+        host, port = hostport, None
+        m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:]+)(?::(\d+))?", hostport)
+        if m:
+            host = m.group(1) or m.group(3)
+            p = m.group(2) or m.group(4)
+            port = int(p) if p else None
+        out.append((user or None, host, port))
+    return out
+
+
+def resolve_target(alias: str, config: SshConfig, config_path: str | None = None, *,
+                   _depth: int = 0) -> SshTarget:
+    """Resolve one alias exactly as ssh(1) does (`ssh -G`), ProxyJump hops included. What sparkctl
+    cannot honour is refused, never ignored: ProxyCommand (each hop's host key is verified here)."""
+    opts = ssh_g(alias, config)
+    try:
+        port = int(_one(opts, "port", "22"))
+    except ValueError:
+        raise NodeError(alias, "config", f"bad Port {_one(opts, 'port')!r} in the ssh config",
+                        "fix its Port line") from None
+    user = _one(opts, "user") or getpass.getuser()
+    hostname = _one(opts, "hostname", alias)
+    tokens = {"%d": os.path.expanduser("~"), "%u": getpass.getuser(), "%h": hostname, "%n": alias,
+              "%p": str(port), "%r": user, "%k": _one(opts, "hostkeyalias", hostname)}
+    proxy_command = _one(opts, "proxycommand", "none")
+    proxy_jump = _one(opts, "proxyjump", "none")
+    if proxy_command.lower() != "none" and proxy_jump.lower() == "none":
+        raise NodeError(alias, "config", f"ProxyCommand is not supported ({proxy_command!r}): sparkctl opens and "
+                        "verifies every hop itself", f"use ProxyJump for {alias!r} in the ssh config")
+    jumps: list[SshTarget] = []
+    if proxy_jump.lower() != "none":
+        if _depth > 8:
+            raise NodeError(alias, "config", "ProxyJump chain too deep (a loop?)", "fix the ssh config")
+        for juser, jhost, jport in _jump_specs(proxy_jump):
+            hop = resolve_target(jhost, config, config_path, _depth=_depth + 1)
+            jumps += [*hop.jumps, replace(hop, user=juser or hop.user, port=jport or hop.port, jumps=())]
+    # ssh -G lists the default identity files when none is set: only those that exist are candidates
+    # (ssh itself skips the missing ones).
+    identities = tuple(p for p in _split_paths(" ".join(opts.get("identityfile", [])), tokens) if os.path.exists(p))
+    known = _split_paths(_one(opts, "userknownhostsfile"), tokens) or (os.path.expanduser("~/.ssh/known_hosts"),)
+    global_known = _split_paths(_one(opts, "globalknownhostsfile"), tokens) or _GLOBAL_KNOWN_HOSTS
+    host_key_alias = _one(opts, "hostkeyalias")
+    return SshTarget(
+        alias=alias,
+        hostname=hostname,
+        port=port,
+        user=user,
+        identity_files=identities,
+        identities_only=_one(opts, "identitiesonly", "no").lower() == "yes",
+        known_hosts_files=tuple(p for p in known if p != "/dev/null"),
+        global_known_hosts_files=tuple(p for p in global_known if p != "/dev/null"),
+        host_key_alias=host_key_alias if host_key_alias and host_key_alias.lower() != "none" else None,
+        hash_known_hosts=_one(opts, "hashknownhosts", "no").lower() == "yes",
+        ssh_config=config_path,
+        jumps=tuple(jumps),
+    )
+
+
+def _split_paths(value: str | None, tokens: Mapping[str, str]) -> tuple[str, ...]:
+    if not value:
+        return ()
+    out = []
+    for raw in value.split():
+        for tok, rep in tokens.items():
+            raw = raw.replace(tok, rep)
+        out.append(os.path.expanduser(raw.replace("%%", "%")))
+    return tuple(out)

@@ -1,0 +1,281 @@
+"""Connecting: TCP (or a channel through the ProxyJump hops), the SSH handshake, the host key judged
+against known_hosts (hostkeys.py), public-key authentication. One verified transport per node, one
+per distinct hop chain (Jumps)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+
+import paramiko
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from .hostkeys import host_key_error, judge_host_key, read_known_hosts
+from .node_error import NodeError
+from .sshconfig import SshTarget
+
+# paramiko logs transport failures at ERROR; with no handler Python would print them (and
+# tracebacks) on stderr. sparkctl reports failures itself, per node.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+_DEFAULT_IDENTITIES = ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
+
+
+class _Retryable(Exception):
+    """A connection attempt that may succeed if tried again (sshd dropped us during the banner)."""
+
+
+def _classify_socket_error(target: SshTarget, exc: OSError | UnicodeError) -> NodeError:
+    addr = f"{target.hostname}:{target.port}"
+    if isinstance(exc, socket.gaierror | UnicodeError):
+        return NodeError(
+            target.alias,
+            "dns",
+            f"cannot resolve host name {target.hostname!r}",
+            f"check the HostName of {target.alias!r} in the ssh config (or the node name)",
+        )
+    if isinstance(exc, ConnectionRefusedError):
+        return NodeError(
+            target.alias,
+            "refused",
+            f"connection refused by {addr}: sshd is not running there",
+            f"start sshd on {target.alias} (e.g. `systemctl start ssh`), or fix its Port in the ssh config",
+        )
+    if isinstance(exc, TimeoutError):
+        return NodeError(
+            target.alias,
+            "timeout",
+            f"no answer from {addr} within the connect timeout",
+            f"check that {target.alias} is up and reachable from here",
+        )
+    return NodeError(
+        target.alias,
+        "unreachable",
+        f"cannot reach {addr}: {exc}",
+        f"check the network path to {target.alias}",
+    )
+
+
+def _host_key_algorithms(current: Sequence[str], known_types: set[str]) -> list[str]:
+    """Put the algorithms of keys we already know for this host first, as ssh(1) does, so the
+    host shows us the key we can verify rather than another it also has."""
+
+    def key_type(alg: str) -> str:
+        return "ssh-rsa" if alg.startswith("rsa-sha2-") else alg
+
+    known = [a for a in current if key_type(a) in known_types]
+    return known + [a for a in current if a not in known]
+
+
+def _through(jump: paramiko.Transport, target: SshTarget, timeout: float) -> paramiko.Channel:
+    """A `direct-tcpip` channel on the jump host's connection to target's host:port: the socket of
+    the next hop, as `ssh -J` opens it (the jump host makes the TCP connection)."""
+    try:
+        return jump.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=timeout)
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        raise NodeError(target.alias, "unreachable",
+                        f"the jump host could not reach {target.hostname}:{target.port}: {exc or type(exc).__name__}",
+                        f"check that {target.alias}'s address is reachable from its ProxyJump host "
+                        "(and that its sshd allows TCP forwarding)") from None
+
+
+def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | None = None) -> paramiko.Transport:
+    """TCP connect (or a channel through `via`, the last ProxyJump hop) + SSH key exchange, with the
+    host key offered in the order ssh would ask. Does NOT verify the host key and does not
+    authenticate: see connect()."""
+    sock: socket.socket | paramiko.Channel
+    if via is not None:
+        sock = _through(via, target, timeout)
+    else:
+        try:
+            sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
+        except (OSError, UnicodeError) as exc:  # UnicodeError: not even a valid host name
+            raise _classify_socket_error(target, exc) from None
+        # Many small packets (a channel request, then the script on stdin) answered by one reply: with
+        # Nagle on, the second waits for the peer's delayed ACK -- 40 ms per command on Linux. OpenSSH's
+        # own client turns Nagle off for interactive sessions for the same reason.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    transport = paramiko.Transport(sock)
+    transport.banner_timeout = transport.handshake_timeout = transport.auth_timeout = timeout
+    known = read_known_hosts([*target.known_hosts_files, *target.global_known_hosts_files])
+    opts = transport.get_security_options()
+    opts.key_types = _host_key_algorithms(
+        opts.key_types, {e.key_type for e in known if e.marker is None and e.matches(target.known_hosts_name)}
+    )
+    try:
+        transport.start_client(timeout=timeout)
+    except (paramiko.SSHException, EOFError, ConnectionResetError) as exc:
+        transport.close()
+        # sshd drops connections over MaxStartups during its banner: worth one more try.
+        raise _Retryable(
+            f"SSH handshake with {target.hostname}:{target.port} failed: {exc or type(exc).__name__}"
+        ) from None
+    except OSError as exc:
+        transport.close()
+        raise _classify_socket_error(target, exc) from None
+    return transport
+
+
+class _KeyCache:
+    """Private keys loaded once per Cluster (the same key usually opens every node)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[str, paramiko.PKey | str] = {}
+
+    def get(self, path: str) -> paramiko.PKey | str:
+        """The key, or a one-line reason it could not be used."""
+        with self._lock:
+            if path not in self._keys:
+                try:
+                    self._keys[path] = paramiko.PKey.from_path(path)
+                except FileNotFoundError:
+                    self._keys[path] = f"{path}: no such file"
+                except paramiko.PasswordRequiredException:
+                    self._keys[path] = f"{path}: encrypted (load it into ssh-agent)"
+                except Exception as exc:  # unknown key type, corrupt file, permissions
+                    self._keys[path] = f"{path}: {exc}"
+            return self._keys[path]
+
+
+def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCache) -> None:
+    tried: list[str] = []
+    paths = target.identity_files or tuple(
+        p for p in (os.path.expanduser(d) for d in _DEFAULT_IDENTITIES) if os.path.exists(p)
+    )
+    candidates: list[tuple[str, paramiko.PKey]] = []
+    for path in paths:
+        key = keys.get(path)
+        if isinstance(key, str):
+            tried.append(key)
+        else:
+            candidates.append((path, key))
+    if not target.identities_only and os.environ.get("SSH_AUTH_SOCK"):
+        try:
+            candidates += [(f"agent key {k.fingerprint}", k) for k in paramiko.Agent().get_keys()]
+        except paramiko.SSHException:
+            tried.append("ssh-agent: not reachable")
+    for label, key in candidates:
+        try:
+            transport.auth_publickey(target.user, key)
+        except paramiko.AuthenticationException:
+            tried.append(f"{label}: refused")
+            continue
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise NodeError(
+                target.alias,
+                "auth",
+                f"authentication as {target.user} failed: {exc}",
+                f"check sshd's log on {target.alias}",
+            ) from None
+        if transport.is_authenticated():
+            return
+    raise NodeError(
+        target.alias,
+        "auth",
+        f"no key was accepted for {target.user}@{target.hostname} ({'; '.join(tried) or 'no keys found'})",
+        f"add your public key to ~{target.user}/.ssh/authorized_keys on {target.alias}, "
+        f"or set IdentityFile for {target.alias!r} in the ssh config",
+    )
+
+
+def _handshake(target: SshTarget, timeout: float, attempts: int,
+               via: paramiko.Transport | None = None) -> paramiko.Transport:
+    """The SSH transport (host key not yet judged). Retried, bounded, only when sshd dropped us
+    mid-handshake; what still fails is the node's NodeError."""
+
+    @retry(
+        retry=retry_if_exception_type(_Retryable),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.2, max=1.0),
+        reraise=True,
+    )
+    def attempt() -> paramiko.Transport:
+        return open_transport(target, timeout, via)
+
+    try:
+        return attempt()
+    except _Retryable as exc:
+        raise NodeError(
+            target.alias, "protocol", str(exc), f"check that sshd on {target.alias} is healthy"
+        ) from None
+
+
+class Jumps:
+    """ProxyJump hops, each connected (host key verified, authenticated) once per Cluster however many
+    nodes sit behind it: one connection per distinct hop chain."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[tuple[str, int, str], ...], paramiko.Transport | NodeError] = {}
+
+    def via(self, hops: Sequence[SshTarget], *, timeout: float, keys: _KeyCache) -> paramiko.Transport | None:
+        """The transport of the last hop (None without hops); a hop that fails fails every node behind it."""
+        via: paramiko.Transport | None = None
+        for i, hop in enumerate(hops):
+            key = tuple((h.hostname, h.port, h.user) for h in hops[: i + 1])
+            with self._lock:  # one connect per chain, even when many nodes ask at once
+                got = self._open.get(key)
+                if got is None or (isinstance(got, paramiko.Transport) and not got.is_active()):
+                    try:
+                        got = connect(hop, timeout=timeout, keys=keys, via=via)
+                    except NodeError as exc:
+                        got = exc
+                    self._open[key] = got
+            if isinstance(got, NodeError):
+                raise got
+            via = got
+        return via
+
+    def close(self) -> None:
+        with self._lock:
+            for t in reversed(list(self._open.values())):
+                if isinstance(t, paramiko.Transport):
+                    t.close()
+            self._open.clear()
+
+
+def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None,
+            via: paramiko.Transport | None = None, jumps: Jumps | None = None) -> paramiko.Transport:
+    """One verified, authenticated SSH transport to `target` (through its ProxyJump hops, each
+    verified too), or a NodeError saying why not."""
+    keys = keys or _KeyCache()
+    if via is None and target.jumps:
+        if jumps is None:
+            raise NodeError(target.alias, "config", "ProxyJump needs the cluster's hop pool", "")
+        try:
+            via = jumps.via(target.jumps, timeout=timeout, keys=keys)
+        except NodeError as exc:  # said for the node, naming the hop that failed
+            raise NodeError(target.alias, exc.kind, f"through its ProxyJump host {exc.node}: {exc.reason}", exc.fix,
+                            key_type=exc.key_type, fingerprint=exc.fingerprint) from None
+    transport = _handshake(target, timeout, attempts=3, via=via)
+    try:
+        server_key = transport.get_remote_server_key()
+        verdict = judge_host_key(target, server_key.get_name(), server_key.asbytes())
+        if verdict.status != "trusted":
+            raise host_key_error(target, verdict)
+        _authenticate(transport, target, keys)
+        transport.set_keepalive(15)
+        return transport
+    except BaseException:
+        transport.close()
+        raise
+
+
+def fetch_host_key(target: SshTarget, *, timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                   jumps: Jumps | None = None) -> tuple[str, bytes]:
+    """The (key type, key blob) a host offers, without trusting it and without logging in (its
+    ProxyJump hops are connected as usual: verified and authenticated)."""
+    via = jumps.via(target.jumps, timeout=timeout, keys=_KeyCache()) if target.jumps and jumps else None
+    if target.jumps and via is None:
+        raise NodeError(target.alias, "config", "ProxyJump needs the cluster's hop pool", "")
+    transport = _handshake(target, timeout, attempts=1, via=via)
+    try:
+        key = transport.get_remote_server_key()
+        return key.get_name(), key.asbytes()
+    finally:
+        transport.close()
