@@ -40,7 +40,7 @@ from sparkctl.resources import probe_script  # noqa: E402
 
 SUB = "bench-full300"
 TENSORS = 232_670
-CACHE = "~/.cache/sparkctl/ckpt-summaries.json"
+CACHE = "$HOME/.cache/sparkctl/ckpt-summaries.json"  # the head's summary cache (expanded by its shell)
 TARGETS = {"check (cold cache)": 1.5, "check (warm cache)": 0.8, "verify-model --local": 1.0}
 
 
@@ -48,6 +48,13 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.Compl
     t0 = time.perf_counter()
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     return time.perf_counter() - t0, r
+
+
+def forget(lab: Lab, head: str) -> None:
+    """Empty the head's summary cache, and prove it is gone (a quoted ~ would remove nothing)."""
+    r = lab.ssh(head, "sh", "-c", f'rm -f "{CACHE}"; test ! -e "{CACHE}"')
+    if r.returncode != 0:
+        raise SystemExit(f"could not empty the head's summary cache: {r.stderr.strip()}")
 
 
 def verified(doc: dict[str, object]) -> str | None:
@@ -83,7 +90,7 @@ def main() -> int:
         probe = probe_script("ckpt_scan.py").decode()
         for label in ("cold", "warm"):
             if label == "cold":
-                lab.ssh(head, "rm", "-f", CACHE)
+                forget(lab, head)
             r = subprocess.run(["ssh", "-F", str(lab.ssh_config), head, "--", "sh", "-c",
                                 f"'t0=$(date +%s%N); python3 - {lab.model_path}/{SUB} --headers summary >/dev/null; "
                                 "echo $(( ($(date +%s%N) - t0) / 1000000 ))'"],
@@ -92,7 +99,7 @@ def main() -> int:
 
         best: dict[str, list[float]] = {k: [] for k in TARGETS}
         for _ in range(args.repeat):
-            lab.ssh(head, "rm", "-f", CACHE)
+            forget(lab, head)
             for label in ("check (cold cache)", "check (warm cache)"):
                 took, r = timed([*sparkctl, "--json", "check"], env)
                 try:
@@ -128,7 +135,7 @@ def main() -> int:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-        lab.ssh(head, "rm", "-f", CACHE)
+        forget(lab, head)
     if misses:
         print("MISSED: " + "; ".join(misses))
         return 1

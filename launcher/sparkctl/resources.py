@@ -64,8 +64,8 @@ def _bundle(path: Path) -> str:
         if _sparkctl_imports(src, f"{mod}.py"):
             raise RuntimeError(f"sparkctl/{mod}.py imports other sparkctl modules: it cannot go to a node")
         lines.append(f"_define({'sparkctl.' + mod!r}, {src!r})")
-    lines.append(f"exec(compile({text!r}, {'<probe ' + path.name + '>'!r}, 'exec'), "
-                 "{'__name__': '__main__', '__builtins__': __builtins__})")
+    # in __main__'s own namespace: a worker process (fork) unpickles the probe's functions from there
+    lines.append(f"exec(compile({text!r}, {'<probe ' + path.name + '>'!r}, 'exec'), _sys.modules['__main__'].__dict__)")
     return "\n".join(lines) + "\n"
 
 

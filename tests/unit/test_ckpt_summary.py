@@ -205,3 +205,34 @@ def test_a_probe_may_not_take_other_sparkctl_modules(tmp_path: Path, monkeypatch
     monkeypatch.setattr(resources, "_PKG", tmp_path)
     with pytest.raises(RuntimeError, match="not a probe module"):
         resources.probe_script("bad.py")
+
+
+_REAL_SUMMARIZE = ckpt_scan._summarize_uncached
+
+
+def _recording_summarize(*args: Any) -> Any:
+    """The workers' job, noting which process ran it (in a file: a worker's memory is its own)."""
+    with open(os.environ["SPARKCTL_TEST_PIDS"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return _REAL_SUMMARIZE(*args)
+
+
+def test_worker_processes_give_the_same_scan_and_fill_the_cache(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold scan summarises its shards in worker processes (fork): the same document as one process,
+    and the parent's cache holds what the workers read (the next scan reads nothing)."""
+    d = ckptgen.make_checkpoint(tmp_path / "tiny")
+    serial = ckpt_scan.scan(str(d), headers="summary", fingerprints=True, summary_cache="")
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("SPARKCTL_TEST_PIDS", str(pids))
+    monkeypatch.setattr(ckpt_scan, "_summarize_uncached", _recording_summarize)  # fork: the workers see it
+    monkeypatch.setattr(ckpt_scan._Summarizers, "MIN_SHARDS", 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cache = str(tmp_path / "cache.json")
+    pooled = ckpt_scan.scan(str(d), headers="summary", fingerprints=True, summary_cache=cache)
+    assert pooled["shards"] == serial["shards"] and pooled["json"] == serial["json"]
+    assert pooled["cache_hits"] == 0
+    workers = set(pids.read_text().split())
+    assert len(pids.read_text().split()) == 3 and str(os.getpid()) not in workers  # 3 shards, not here
+    again = ckpt_scan.scan(str(d), headers="summary", fingerprints=True, summary_cache=cache)
+    assert again["cache_hits"] == 3 * 2 + 1 and again["shards"] == serial["shards"]  # header + fingerprints

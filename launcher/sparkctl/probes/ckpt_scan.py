@@ -508,10 +508,13 @@ def scan(directory: str, *, headers: str = "raw", fingerprints: bool = False, de
     files, truncated = _list_files(root)
     doc["files"] = files
     doc["files_truncated"] = truncated
-    doc["json"] = {name: _read_json_file(os.path.join(root, name), headers, cache) for name in JSON_FILES}
     names = [n for n in files if n.endswith(".safetensors")] if shards else []
-    doc["shards"] = {n: scan_shard(os.path.join(root, n), headers=headers, fingerprints=fingerprints,
-                                   max_header_bytes=max_header_bytes, cache=cache) for n in names}
+    with _Summarizers(root, names, headers, fingerprints, max_header_bytes, cache) as early:
+        # the shards the cache lacks are read by worker processes meanwhile
+        doc["json"] = {name: _read_json_file(os.path.join(root, name), headers, cache) for name in JSON_FILES}
+        doc["shards"] = {n: early.get(n) or scan_shard(os.path.join(root, n), headers=headers,
+                                                       fingerprints=fingerprints, max_header_bytes=max_header_bytes,
+                                                       cache=cache) for n in names}
     if cache is not None:
         doc["cache_hits"] = cache.hits
         cache.save()
@@ -520,6 +523,79 @@ def scan(directory: str, *, headers: str = "raw", fingerprints: bool = False, de
                           progress=progress)
         doc["deep"] = {n: got[os.path.join(root, n)] for n in names}
     return doc
+
+
+def _summarize_uncached(path: str, fingerprints: bool, max_header_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """scan_shard in a worker process: the result and the cache entries it made (the parent keeps them)."""
+    local = SummaryCache(None)
+    out = scan_shard(path, headers="summary", fingerprints=fingerprints, max_header_bytes=max_header_bytes,
+                     cache=local)
+    return out, local.files
+
+
+class _Summarizers:
+    """Summaries of the shards the cache lacks, made by worker processes (fork) while the caller reads
+    the index: on a cold cache that is most of a scan, and one shard's header parses in one core.
+    Only with several cold shards, more than one CPU and no other thread (fork copies only the
+    caller's); anything else, and any failure of the pool, leaves the shards to the caller."""
+
+    MIN_SHARDS = 4
+
+    def __init__(self, root: str, names: list[str], headers: str, fingerprints: bool, max_header_bytes: int,
+                 cache: SummaryCache | None) -> None:
+        self.results: dict[str, Any] = {}
+        self.pending: dict[str, Any] = {}
+        self.pool: Any = None
+        self.cache = cache
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if headers != "summary" or cpus < 2 or threading.active_count() > 1:
+            return
+        cold = []
+        for n in names:
+            path = os.path.join(root, n)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            known = cache.get(os.path.realpath(path), st, "header") if cache else None
+            if not (isinstance(known, dict) and isinstance(known.get("summary"), dict)
+                    and known.get("max") == max_header_bytes
+                    and (not fingerprints or cache and cache.get(os.path.realpath(path), st, "fingerprints"))):
+                cold.append(n)
+        if cache:
+            cache.hits = 0  # the looks above are not hits
+        if len(cold) < self.MIN_SHARDS:
+            return
+        try:
+            import multiprocessing
+
+            self.pool = multiprocessing.get_context("fork").Pool(min(cpus, 8, len(cold)))
+            for n in cold:
+                self.pending[n] = self.pool.apply_async(
+                    _summarize_uncached, (os.path.join(root, n), fingerprints, max_header_bytes))
+        except (OSError, ValueError, ImportError):
+            self.pending = {}
+
+    def __enter__(self) -> _Summarizers:
+        return self
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        job = self.pending.pop(name, None)
+        if job is None:
+            return None
+        try:
+            out, entries = job.get(timeout=600)
+        except Exception:  # noqa: BLE001 - a worker's failure: the caller reads this shard itself
+            return None
+        if self.cache is not None:
+            self.cache.files.update(entries)
+            self.cache.dirty = True
+        return dict(out)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
 
 
 def _stderr_progress(total: int) -> Progress:
