@@ -26,6 +26,17 @@ if settings is not None:
                               max_examples=500)
     settings.load_profile(os.environ.get("SPARKCTL_HYPOTHESIS", "sparkctl"))
 
+# This machine's caches (the checkpoint summaries and deep hashes under ~/.cache/sparkctl) are the
+# user's: the suite's hundreds of throwaway checkpoints go to a cache of its own, removed with it.
+if "SPARKCTL_TEST_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="sparkctl-test-cache-")
+    os.environ["SPARKCTL_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = _cache
+    atexit.register(shutil.rmtree, _cache, True)
+
 GLM53_CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",

@@ -236,3 +236,24 @@ def test_worker_processes_give_the_same_scan_and_fill_the_cache(tmp_path: Path,
     assert len(pids.read_text().split()) == 3 and str(os.getpid()) not in workers  # 3 shards, not here
     again = ckpt_scan.scan(str(d), headers="summary", fingerprints=True, summary_cache=cache)
     assert again["cache_hits"] == 3 * 2 + 1 and again["shards"] == serial["shards"]  # header + fingerprints
+
+
+def test_the_cache_forgets_files_that_are_gone_and_stays_bounded(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = str(tmp_path / "cache.json")
+    a = ckptgen.make_checkpoint(tmp_path / "a")
+    b = ckptgen.make_checkpoint(tmp_path / "b")
+    ckpt_scan.scan(str(a), headers="summary", summary_cache=cache)
+    ckpt_scan.scan(str(b), headers="summary", summary_cache=cache)
+    assert len(json.loads(Path(cache).read_text())["files"]) == 8  # 3 shards + the index, twice
+    import shutil
+
+    shutil.rmtree(a)
+    ckpt_scan.scan(str(b), headers="summary", summary_cache=cache)  # nothing new: nothing to save
+    ckptgen.set_expert_bits(b, 4, layer=4)
+    ckpt_scan.scan(str(b), headers="summary", summary_cache=cache)
+    kept = json.loads(Path(cache).read_text())["files"]
+    assert kept and all(str(b) in p for p in kept)  # a's entries went with a
+    monkeypatch.setattr(ckpt_scan.SummaryCache, "LIMIT", 2)
+    ckpt_scan.scan(str(ckptgen.make_checkpoint(tmp_path / "c")), headers="summary", summary_cache=cache)
+    assert len(json.loads(Path(cache).read_text())["files"]) == 2

@@ -237,7 +237,7 @@ class SummaryCache:
     checkpoint is not read again. One JSON file, replaced atomically; a cache that cannot be read or
     written only costs the time of reading the headers."""
 
-    LIMIT = 20000
+    LIMIT = 4096  # files; about 40 checkpoints of 100 shards
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -270,7 +270,9 @@ class SummaryCache:
     def save(self) -> None:
         if not (self.path and self.dirty):
             return
-        while len(self.files) > self.LIMIT:  # oldest first (dicts keep insertion order)
+        for path in [p for p in self.files if not os.path.exists(p)]:  # files that are gone
+            del self.files[path]
+        while len(self.files) > self.LIMIT:  # then the oldest first (dicts keep insertion order)
             del self.files[next(iter(self.files))]
         _save_cache(self.path, self.data)
 
