@@ -535,6 +535,15 @@ def _summarize_uncached(path: str, fingerprints: bool, max_header_bytes: int) ->
     return out, local.files
 
 
+def _worker_signals() -> None:
+    """A worker only reads: Ctrl-C is the parent's to handle, and SIGTERM (the pool's end) just ends it,
+    whatever handlers the parent had installed (the sparkctl CLI has its own) when it forked."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class _Summarizers:
     """Summaries of the shards the cache lacks, made by worker processes (fork) while the caller reads
     the index: on a cold cache that is most of a scan, and one shard's header parses in one core.
@@ -571,7 +580,7 @@ class _Summarizers:
         try:
             import multiprocessing
 
-            self.pool = multiprocessing.get_context("fork").Pool(min(cpus, 8, len(cold)))
+            self.pool = multiprocessing.get_context("fork").Pool(min(cpus, 8, len(cold)), initializer=_worker_signals)
             for n in cold:
                 self.pending[n] = self.pool.apply_async(
                     _summarize_uncached, (os.path.join(root, n), fingerprints, max_header_bytes))
