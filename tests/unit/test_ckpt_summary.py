@@ -257,3 +257,22 @@ def test_the_cache_forgets_files_that_are_gone_and_stays_bounded(tmp_path: Path,
     monkeypatch.setattr(ckpt_scan.SummaryCache, "LIMIT", 2)
     ckpt_scan.scan(str(ckptgen.make_checkpoint(tmp_path / "c")), headers="summary", summary_cache=cache)
     assert len(json.loads(Path(cache).read_text())["files"]) == 2
+
+
+def test_workers_end_by_themselves_never_by_a_signal(tmp_path: Path) -> None:
+    """Pool.terminate() kills workers wherever they are, one of them perhaps holding the task queue's
+    lock, and join() then waits for ever (the unit suite once hung so): the scan never calls it, and
+    its workers end even when the parent ignores SIGTERM (the CLI has its own handlers)."""
+    d = ckptgen.make_checkpoint(tmp_path / "tiny")
+    code = (
+        "import os, signal, multiprocessing.pool\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "multiprocessing.pool.Pool.terminate = lambda self: os._exit(3)\n"
+        "from sparkctl.probes import ckpt_scan\n"
+        "ckpt_scan._Summarizers.MIN_SHARDS = 1\n"
+        "os.sched_getaffinity = lambda pid: {0, 1}\n"
+        f"doc = ckpt_scan.scan({str(d)!r}, headers='summary', summary_cache='')\n"
+        "print(len(doc['shards']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "3", (r.returncode, r.stderr)

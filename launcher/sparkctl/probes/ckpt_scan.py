@@ -604,8 +604,11 @@ class _Summarizers:
         return dict(out)
 
     def __exit__(self, *exc: object) -> None:
+        # Never Pool.terminate(): a worker killed while it holds the task queue's lock leaves the others
+        # blocked on it, and join() then waits for ever (the unit suite once hung so). Each job is one
+        # header, so the workers finish theirs, take their end-of-work sentinel and exit by themselves.
         if self.pool is not None:
-            self.pool.terminate()
+            self.pool.close()
             self.pool.join()
 
 
