@@ -430,8 +430,9 @@ class Stream:
 
     @property
     def exited(self) -> bool:
-        """The command's exit status is in and all of its output has been read."""
-        return bool(self._chan.exit_status_ready()) and not self._unread()
+        """The command's exit status is in, its output is over and all of it has been read. (sshd may
+        send the exit status before the last output and the EOF: the status alone is not the end.)"""
+        return bool(self._chan.exit_status_ready()) and self.ended
 
     def exit_status(self) -> int:
         """The command's exit status (waits for it)."""
