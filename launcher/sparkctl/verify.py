@@ -573,7 +573,11 @@ def verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None = None
     gc.disable()
     try:
         if scan.get("headers") == "summary" and not scan.get("error"):
-            return _verify_summary(scan, layout or {})
+            try:
+                return _verify_summary(scan, layout or {})
+            except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
+                # what a node printed is malformed: the full headers (and their findings) decide
+                raise NeedHeaders(f"the summary is malformed ({type(exc).__name__})") from None
         return _verify_scan(scan, layout)
     finally:
         if enabled:

@@ -276,3 +276,39 @@ def test_workers_end_by_themselves_never_by_a_signal(tmp_path: Path) -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "3", (r.returncode, r.stderr)
+
+
+_JUNK = st.none() | st.booleans() | st.integers(-3, 10**12) | st.text(max_size=6) | st.lists(st.integers(), max_size=3)
+
+
+@pytest.fixture(scope="module")
+def sound(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = ckptgen.make_checkpoint(tmp_path_factory.mktemp("sound") / "tiny")
+    return json.loads(json.dumps(ckpt_scan.scan(str(d), headers="summary", summary_cache="")))
+
+
+@given(data=st.data())
+def test_a_malformed_summary_only_ever_asks_for_the_headers(sound: dict[str, Any], data: st.DataObject) -> None:
+    """What a node prints is untrusted: any damage to a summary scan ends in NeedHeaders (the full
+    headers then decide) or a verdict, never another exception."""
+    doc = json.loads(json.dumps(sound))
+    for _ in range(data.draw(st.integers(1, 4))):
+        where = data.draw(st.sampled_from(["index", "shard", "group", "config"]))
+        if where == "index":
+            doc["json"][ckptgen.INDEX]["summary"][data.draw(st.sampled_from(
+                ["shards", "tensors", "weight_map", "total_size"]))] = data.draw(_JUNK)
+        elif where == "shard":
+            name = data.draw(st.sampled_from(sorted(doc["shards"])))
+            doc["shards"][name][data.draw(st.sampled_from(["summary", "size", "header_len"]))] = data.draw(_JUNK)
+        elif where == "group":
+            name = data.draw(st.sampled_from(sorted(doc["shards"])))
+            summ = doc["shards"][name].get("summary")
+            if isinstance(summ, dict) and isinstance(summ.get("groups"), list) and summ["groups"]:
+                g = summ["groups"][data.draw(st.integers(0, len(summ["groups"]) - 1))]
+                g[data.draw(st.integers(0, 4))] = data.draw(_JUNK)
+        else:
+            doc["json"]["config.json"] = data.draw(_JUNK | st.just({"data": "!!"}))
+    try:
+        verify_scan(doc, TINY)
+    except NeedHeaders:
+        pass
