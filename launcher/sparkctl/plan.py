@@ -183,13 +183,14 @@ def checkpoint_from_scan(scan: Any, model: Path, where: str, *, config_only: boo
         if summ.get("error") or not summ.get("weight_map") or not isinstance(shards, dict):
             raise UsageError(f"{model / INDEX_NAME}{at}: has no weight_map object of tensor → shard names")
         names = sorted(map(str, shards))
-        total = _total_size({"metadata": {"total_size": summ.get("total_size")}})
+        total = _byte_count(summ.get("total_size"))
     elif (index := load(INDEX_NAME)) is not None:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise UsageError(f"{model / INDEX_NAME}{at}: has no weight_map object")
         names = sorted({str(v) for v in weight_map.values()})
-        total = _total_size(index)
+        meta = index.get("metadata") if isinstance(index, dict) else None
+        total = _byte_count(meta.get("total_size") if isinstance(meta, dict) else None)
     else:
         names = sorted(n for n in files if isinstance(n, str) and "/" not in n and n.endswith(".safetensors"))
         if not names:
@@ -200,9 +201,8 @@ def checkpoint_from_scan(scan: Any, model: Path, where: str, *, config_only: boo
     return CheckpointInfo(model, config, tuple(Shard(n, size_of(n)) for n in names), total)
 
 
-def _total_size(index: dict[str, Any]) -> int | None:
-    meta = index.get("metadata")
-    total = meta.get("total_size") if isinstance(meta, dict) else None
+def _byte_count(total: Any) -> int | None:
+    """The index's metadata.total_size when it is a plausible byte count, else None."""
     if isinstance(total, bool) or not isinstance(total, int) or not 0 <= total <= MAX_CHECKPOINT_BYTES:
         return None
     return total

@@ -252,12 +252,26 @@ class SummaryCache:
     def identity(st: os.stat_result) -> list[int]:
         return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
-    def get(self, path: str, st: os.stat_result, field: str) -> Any:
+    def get(self, path: str, st: os.stat_result, field: str, *, count: bool = True) -> Any:
         entry = self.files.get(path)
         if isinstance(entry, dict) and entry.get("id") == self.identity(st) and field in entry:
-            self.hits += 1
+            self.hits += count
             return entry[field]
         return None
+
+    def header(self, path: str, st: os.stat_result, max_header_bytes: int, *, summary: bool,
+               count: bool = True) -> dict[str, Any] | None:
+        """The cached header facts of this very file, read under the same cap (and with its summary
+        when `summary`), or None: then the header must be read."""
+        known = self.get(path, st, "header", count=count)
+        if isinstance(known, dict) and known.get("max") == max_header_bytes \
+                and (not summary or isinstance(known.get("summary"), dict)):
+            return known
+        return None
+
+    def fingerprints(self, path: str, st: os.stat_result, *, count: bool = True) -> list[str] | None:
+        fp = self.get(path, st, "fingerprints", count=count)
+        return fp if isinstance(fp, list) and len(fp) == 2 else None
 
     def put(self, path: str, st: os.stat_result, **fields: Any) -> None:
         entry = self.files.get(path)
@@ -297,17 +311,17 @@ def scan_shard(path: str, *, headers: str = "raw", fingerprints: bool = False,
             key = os.path.realpath(path)
             if fingerprints:
                 # First and last MiB: cheap evidence that two nodes hold the same bytes.
-                fp = cache.get(key, st, "fingerprints") if cache else None
-                if not (isinstance(fp, list) and len(fp) == 2):
+                fp = cache.fingerprints(key, st) if cache else None
+                if fp is None:
                     fp = [_sha_range(f, 0, MIB), _sha_range(f, max(0, st.st_size - MIB), MIB)]
                     if cache:
                         cache.put(key, st, fingerprints=fp)
                 out["head_sha256"], out["tail_sha256"] = fp
                 f.seek(0)
             want_summary = headers == "summary"
-            known = cache.get(key, st, "header") if cache and headers in ("none", "summary") else None
-            if isinstance(known, dict) and (not want_summary or isinstance(known.get("summary"), dict)) \
-                    and known.get("max") == max_header_bytes:
+            known = cache.header(key, st, max_header_bytes, summary=want_summary) \
+                if cache and headers in ("none", "summary") else None
+            if known is not None:
                 out.update({k: v for k, v in known.items() if k != "max"})
                 if not want_summary:
                     out.pop("summary", None)
@@ -554,7 +568,6 @@ class _Summarizers:
 
     def __init__(self, root: str, names: list[str], headers: str, fingerprints: bool, max_header_bytes: int,
                  cache: SummaryCache | None) -> None:
-        self.results: dict[str, Any] = {}
         self.pending: dict[str, Any] = {}
         self.pool: Any = None
         self.cache = cache
@@ -568,13 +581,10 @@ class _Summarizers:
                 st = os.stat(path)
             except OSError:
                 continue
-            known = cache.get(os.path.realpath(path), st, "header") if cache else None
-            if not (isinstance(known, dict) and isinstance(known.get("summary"), dict)
-                    and known.get("max") == max_header_bytes
-                    and (not fingerprints or cache and cache.get(os.path.realpath(path), st, "fingerprints"))):
+            key = os.path.realpath(path)
+            if not (cache and cache.header(key, st, max_header_bytes, summary=True, count=False)
+                    and (not fingerprints or cache.fingerprints(key, st, count=False))):
                 cold.append(n)
-        if cache:
-            cache.hits = 0  # the looks above are not hits
         if len(cold) < self.MIN_SHARDS:
             return
         try:
