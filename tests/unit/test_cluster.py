@@ -537,3 +537,50 @@ def test_a_stream_has_not_exited_while_output_may_still_come() -> None:
     assert not s.exited  # all read so far, but no EOF yet: more may come
     s._chan.eof_received = True  # type: ignore[attr-defined]
     assert s.exited and s.ended
+
+
+def _drop_connections(sshd: Sshd) -> None:
+    """Kill sshd's per-connection processes (its children): every client connection ends, the
+    listener stays (as when a NAT forgets a flow or an sshd child dies)."""
+    assert sshd.proc is not None
+    kids = subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True, timeout=10)
+    for pid in kids.stdout.split():
+        os.kill(int(pid), 9)
+
+
+def _wait_inactive(node: cl.Node) -> None:
+    for _ in range(200):  # paramiko's reader thread sees the EOF asynchronously
+        if not node._transport.is_active():
+            return
+        time.sleep(0.025)
+    raise AssertionError("the connection did not end")
+
+
+def test_a_dropped_connection_is_opened_once_more_then_the_node_is_lost(sshlab: SshLab) -> None:
+    """CI saw `up` refused with "spark3: SSH connection lost: SSH session not active": the node's
+    connection had ended between connecting and its first command. The Node connects once more
+    (verified as before) and goes on; a second drop is a lost node, saying what ended it."""
+    n1 = sshlab.nodes["n1"]
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        node = cluster.node("n1")
+        before = n1.accepted()
+        _drop_connections(n1)
+        _wait_inactive(node)
+        r = node.run(["sh", "-c", "echo $SPARKCTL_TEST_NODE"])
+        assert r.ok and r.stdout.strip() == "n1" and node.reconnects == 1
+        time.sleep(0.2)  # sshd writes the log line asynchronously to our read
+        assert n1.accepted() == before + 1
+        _drop_connections(n1)
+        _wait_inactive(node)
+        with pytest.raises(cl.NodeError) as exc:
+            node.run(["true"])
+        assert exc.value.kind == "lost" and "the connection had ended" in exc.value.reason, exc.value.reason
+
+
+def test_a_closed_node_is_not_reconnected(sshlab: SshLab) -> None:
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        node = cluster.node("n1")
+        node.close()
+        with pytest.raises(cl.NodeError):
+            node.run(["true"])
+        assert node.reconnects == 0

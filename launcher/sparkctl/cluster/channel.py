@@ -9,7 +9,7 @@ import select
 import shlex
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,13 +58,20 @@ def remote_command(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
 class Node:
     """A connected node. Every method runs over the node's one SSH transport."""
 
-    def __init__(self, target: SshTarget, transport: paramiko.Transport, *, command_timeout: float) -> None:
+    def __init__(self, target: SshTarget, transport: paramiko.Transport, *, command_timeout: float,
+                 reconnect: Callable[[], paramiko.Transport] | None = None) -> None:
         self.name = target.alias
         self.target = target
         self._transport = transport
         self._command_timeout = command_timeout
         self._sftp: paramiko.SFTPClient | None = None
         self._sftp_lock = threading.Lock()
+        # A connection that drops between commands (sshd, a NAT, a flaky link) is opened once more,
+        # verified as the first was, and only once per Node: a node that keeps dropping is lost.
+        self._reconnect = reconnect
+        self._reconnect_lock = threading.Lock()
+        self.reconnects = 0
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"<Node {self.name} {self.target.user}@{self.target.hostname}:{self.target.port}>"
@@ -77,19 +84,48 @@ class Node:
             key = None
         return NodeIdentity(self.name, self.target.hostname, self.target.port, key, machine_id)
 
-    def _lost(self, exc: BaseException) -> NodeError:
-        return NodeError(
-            self.name,
-            "lost",
-            f"SSH connection lost: {exc or type(exc).__name__}",
-            f"check {self.name} and its sshd, then run the command again",
-        )
+    def _lost(self, exc: BaseException, transport: paramiko.Transport | None = None) -> NodeError:
+        why = f"{exc or type(exc).__name__}"
+        # paramiko keeps what ended its connection (the peer's EOF, a socket error): say it too.
+        cause = getattr(transport or self._transport, "saved_exception", None)
+        if cause is not None and cause is not exc:
+            why += f" (the connection had ended: {cause or type(cause).__name__})"
+        return NodeError(self.name, "lost", f"SSH connection lost: {why}",
+                         f"check {self.name} and its sshd, then run the command again")
 
     def _channel(self, timeout: float) -> paramiko.Channel:
+        transport = self._transport
         try:
-            return self._transport.open_session(timeout=timeout)
+            return transport.open_session(timeout=timeout)
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            raise self._lost(exc) from None
+            fresh = self._fresh_transport(transport)
+            if fresh is None:
+                raise self._lost(exc, transport) from None
+        try:
+            return fresh.open_session(timeout=timeout)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise self._lost(exc, fresh) from None
+
+    def _fresh_transport(self, dead: paramiko.Transport) -> paramiko.Transport | None:
+        """A new connection in place of `dead` when that one has ended (not merely refused a channel),
+        the Node was not closed, and it has not been replaced before; None otherwise. Threads that
+        find the same dead connection share one reconnect."""
+        if self._reconnect is None or dead.is_active():
+            return None
+        with self._reconnect_lock:
+            if self._transport is not dead:  # another thread reconnected already
+                return self._transport if self._transport.is_active() else None
+            if self._closed or self.reconnects >= 1:
+                return None
+            self.reconnects += 1
+            try:
+                fresh = self._reconnect()
+            except NodeError:
+                return None
+            with self._sftp_lock:
+                self._sftp = None  # it ran on the old connection
+            self._transport = fresh
+            return fresh
 
     def run(
         self,
@@ -224,6 +260,8 @@ class Node:
         return key.get_name(), key.get_base64()
 
     def close(self) -> None:
+        with self._reconnect_lock:
+            self._closed = True
         with self._sftp_lock:
             if self._sftp is not None:
                 self._sftp.close()

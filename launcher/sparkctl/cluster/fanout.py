@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
+import paramiko
+
 from ..errors import CheckFailed, UsageError
 from ..identity import refuse_duplicates
 from .channel import DEFAULT_COMMAND_TIMEOUT, Node, RunResult, remote_command
@@ -107,8 +109,10 @@ class Cluster:
 
         def one(name: str) -> Node:
             target = self.target(name)
-            transport = connect(target, timeout=self.connect_timeout, keys=self._keys, jumps=self._jumps)
-            return Node(target, transport, command_timeout=self.command_timeout)
+            def again() -> paramiko.Transport:
+                return connect(target, timeout=self.connect_timeout, keys=self._keys, jumps=self._jumps)
+
+            return Node(target, again(), command_timeout=self.command_timeout, reconnect=again)
 
         todo = [n for n in self.names if n not in self._nodes and n not in self.errors]
         for name, result in zip(todo, self._pool.map(lambda n: _capture(n, one), todo), strict=True):
