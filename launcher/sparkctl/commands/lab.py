@@ -29,10 +29,13 @@ def command() -> None:
 @click.option("--nodes", type=click.IntRange(1, 64), default=4, show_default=True, help="How many hosts (spark1..N).")
 @click.option("--checkpoint", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Model folder to copy to every host (default: ckptgen's tiny test checkpoint).")
+@click.option("--tp", type=click.IntRange(1, 64), default=None,
+              help="Hosts per service in the lab's env file (default: 4 where the hosts split into groups "
+                   "of 4, as DGX Sparks run TP4, so 8 hosts are 2 replicas; else every host).")
 @click.pass_context
-def up_cmd(ctx: click.Context, nodes: int, checkpoint: Path | None) -> None:
+def up_cmd(ctx: click.Context, nodes: int, checkpoint: Path | None, tp: int | None) -> None:
     """Bring the lab up (or repair / reuse an existing one)."""
-    files = manage.up(nodes=nodes, checkpoint=checkpoint)
+    files = manage.up(nodes=nodes, checkpoint=checkpoint, tp=tp)
     if _json_wanted(ctx):
         _print_json(files, manage.status(deep=False))
     else:

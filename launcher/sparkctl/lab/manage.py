@@ -102,7 +102,7 @@ def ensure_client_key(files: LabFiles) -> str:
     return Path(f"{files.client_key}.pub").read_text()
 
 
-def write_client_files(files: LabFiles, specs: list[HostSpec]) -> None:
+def write_client_files(files: LabFiles, specs: list[HostSpec], tp: int | None = None) -> None:
     cfg = ["# The lab's hosts (written by `sparkctl lab up`). Host keys are checked against known_hosts."]
     known = []
     for spec in specs:
@@ -125,9 +125,13 @@ def write_client_files(files: LabFiles, specs: list[HostSpec]) -> None:
     files.ssh_config.write_text("\n".join(cfg))
     files.known_hosts.write_text("\n".join(known) + "\n")
     names = " ".join(s.name for s in specs)
-    # TP spans every host (one GPU each); DCP is the recipe's 4 where it divides TP, else the largest
-    # of 2 and 1 that does, so the file is a valid cluster input for any number of hosts.
-    tp = len(specs)
+    # TP: the DGX Spark shape, 4 hosts per service, where the hosts split into groups of 4 (8 hosts are
+    # 2 replicas, 16 are 4); else one service over every host. DCP is the recipe's 4 where it divides
+    # TP, else the largest of 2 and 1 that does, so the file is a valid cluster input for any count.
+    tp = tp or lab_tp(len(specs))
+    if len(specs) % tp:
+        raise UsageError(f"--tp {tp}: {len(specs)} hosts do not split into groups of {tp}",
+                         fix=f"choose a --tp that divides {len(specs)}")
     dcp = next(d for d in (4, 2, 1) if tp % d == 0)
     files.env_file.write_text(
         "# The lab cluster (written by `sparkctl lab up`). Use: sparkctl --env-file THIS --ssh-config "
@@ -139,6 +143,11 @@ def write_client_files(files: LabFiles, specs: list[HostSpec]) -> None:
         f"DCP={dcp}\n"
         f"FABRIC_SUBNET={FABRIC_NET}\n"
     )
+
+
+def lab_tp(nodes: int) -> int:
+    """The lab's default TP for `nodes` hosts (see write_client_files)."""
+    return 4 if nodes % 4 == 0 else nodes
 
 
 def print_paths(files: LabFiles) -> None:
@@ -230,15 +239,18 @@ def _bring_up_host(files: LabFiles, spec: HostSpec, checkpoint: Path, base: Futu
     return time.monotonic() - t0
 
 
-def up(nodes: int = 4, checkpoint: Path | None = None) -> LabFiles:
+def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None) -> LabFiles:
     _require_root()
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"--nodes {nodes}: the lab builds 1 to {MAX_NODES} hosts")
+    if tp is not None and (tp < 1 or nodes % tp):
+        raise UsageError(f"--tp {tp}: {nodes} hosts do not split into groups of {tp}",
+                         fix=f"choose a --tp that divides {nodes} (the lab has one GPU per host)")
     with exclusive("up"):
-        return _up(nodes, checkpoint)
+        return _up(nodes, checkpoint, tp)
 
 
-def _up(nodes: int, checkpoint: Path | None) -> LabFiles:
+def _up(nodes: int, checkpoint: Path | None, tp: int | None = None) -> LabFiles:
     files = LabFiles.of()
     t0 = time.monotonic()
     files.root.mkdir(parents=True, exist_ok=True)
@@ -271,7 +283,7 @@ def _up(nodes: int, checkpoint: Path | None) -> LabFiles:
                 net.create_host_net(spec)
             _prepare_host_files(files, spec, client_pub)
         checkpoint = ensure_checkpoint(files, checkpoint)
-        write_client_files(files, specs)
+        write_client_files(files, specs, tp)
         errors: dict[str, BaseException] = {}
         with ThreadPoolExecutor(max_workers=min(nodes, 8)) as pool:
             futures = {spec.name: pool.submit(_bring_up_host, files, spec, checkpoint, base) for spec in specs}
