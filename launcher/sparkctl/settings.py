@@ -168,6 +168,18 @@ def _cidr(value: Any) -> str | None:
     return None
 
 
+_CLAIM_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _model_volume(value: Any) -> str | None:
+    if value in (None, "", "hostpath"):
+        return None
+    text = str(value)
+    if text.startswith("pvc:") and _CLAIM_RE.match(text[4:]):
+        return None
+    return "must be hostpath or pvc:<claim> (a PersistentVolumeClaim name: lower-case letters, digits, '-', '.')"
+
+
 def _ipv4(value: Any) -> str | None:
     if not value:
         return None
@@ -254,6 +266,9 @@ KNOBS: dict[str, Knob] = {
              check=_regex(_URL_RE, "an http(s) URL")),
         Knob("HF_PYTHON", "str", "Python on the head that has huggingface_hub (`model pull` runs there).",
              check=_regex(_COMMAND_RE, "a command name or absolute path")),
+        Knob("LWS_MODEL_VOLUME", "str", "render --target lws: how pods get MODEL (read-only, at the same path): "
+             "hostpath (default: the folder on every node) or pvc:<claim> (a PersistentVolumeClaim).",
+             check=_model_volume),
         Knob("HF_TOKEN", "str", "Hugging Face token (secret; never shown, passed by file)."),
         Knob("VLLM_API_KEY", "str", "API key the service requires (secret; passed by file, not argv)."),
     ]

@@ -1,4 +1,5 @@
-"""`sparkctl render`: env.tp4 (mode 0600) and the exact per-rank command lines, offline."""
+"""`sparkctl render`: env.tp4 (mode 0600) and the exact per-rank command lines, offline; or, with
+`--target lws`, the same service as Kubernetes manifests (a LeaderWorkerSet and its Service: lws.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,28 @@ from typing import Any
 
 import click
 
+from .. import lws
 from ..output import console, emit_json, warn
 from ..plan import make_plan, require_fit
-from ..render import render_all, resolve_pins, write_private
-from ..settings import REDACTED, is_secret
+from ..render import Rendered, render_all, resolve_pins, write_private
+from ..settings import REDACTED, Settings, is_secret
 from ._checkpoint import checkpoint_for
 
 DEFAULT_OUT = Path("env/env.tp4")
+DEFAULT_LWS_OUT = Path("env/lws.yaml")
 
 
 @click.command("render")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True,
-              help="Where to write env.tp4.")
-@click.option("--print-env", is_flag=True, help="Also print env.tp4 itself.")
+@click.option("--target", type=click.Choice(["docker", "lws"]), default="docker", show_default=True,
+              help="docker: env.tp4 and each rank's `docker run`; lws: Kubernetes manifests (LeaderWorkerSet).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=f"Where to write env.tp4 (default {DEFAULT_OUT}) or the manifests (default {DEFAULT_LWS_OUT}).")
+@click.option("--print-env", is_flag=True, help="Also print env.tp4 itself (docker target).")
 @click.option("--local", "local_only", is_flag=True, help="Read MODEL on this machine only (never over SSH).")
 @click.pass_obj
-def command(g: object, out: Path, print_env: bool, local_only: bool) -> None:
-    """Render env.tp4 and print each rank's `docker run ... vllm serve ...` (pins from the env file)."""
+def command(g: object, target: str, out: Path | None, print_env: bool, local_only: bool) -> None:
+    """Render env.tp4 and print each rank's `docker run ... vllm serve ...` (pins from the env file);
+    with --target lws, write the LeaderWorkerSet and Service manifests instead."""
     from ..cli import Globals
 
     assert isinstance(g, Globals)
@@ -33,6 +39,10 @@ def command(g: object, out: Path, print_env: bool, local_only: bool) -> None:
     plan = make_plan(s, checkpoint_for(g, s, local_only=local_only))
     require_fit(plan)
     rendered = render_all(s, plan, resolve_pins(s))
+    if target == "lws":
+        _write_lws(g.json, s, rendered, out or DEFAULT_LWS_OUT)
+        return
+    out = out or DEFAULT_OUT
     write_private(out, rendered.env_tp4)
     ranks: list[dict[str, Any]] = [
         {
@@ -54,3 +64,24 @@ def command(g: object, out: Path, print_env: bool, local_only: bool) -> None:
         c.print(shlex.join(r["docker_argv"]), markup=False, soft_wrap=True)
     if print_env:
         c.print("\n" + rendered.env_tp4, markup=False)
+
+
+def _write_lws(as_json: bool, s: Settings, rendered: Rendered, out: Path) -> None:
+    # One group per TP set of ranks; a replica count in the settings would be passed here.
+    docs = lws.render_lws(s, rendered.specs, rendered.config_hash, replicas=1)
+    write_private(out, lws.manifests_yaml(s, docs, rendered.config_hash))
+    objects = [{"kind": d["kind"], "name": d["metadata"]["name"]} for d in docs]
+    secret = {"name": lws.secret_name(s), "keys": lws.secret_keys(s)}
+    if as_json:
+        emit_json({"manifests": str(out), "config_hash": rendered.config_hash, "objects": objects,
+                   "secret": secret})
+        return
+    c = console(False)
+    group = docs[0]["spec"]["leaderWorkerTemplate"]["size"]
+    c.print(f"wrote {out} (config hash {rendered.config_hash}): LeaderWorkerSet {objects[0]['name']} "
+            f"({docs[0]['spec']['replicas']} × {group} pods), Service {objects[1]['name']} "
+            f"(port {s.getint('PORT')})", markup=False)
+    if secret["keys"]:
+        c.print(f"create Secret {secret['name']} with keys {', '.join(secret['keys'])} before applying "
+                "(their values are not in the file)", markup=False)
+    c.print(f"kubectl apply -f {out}   (needs the LeaderWorkerSet controller)", markup=False)
