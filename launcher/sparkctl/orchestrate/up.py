@@ -39,7 +39,7 @@ from ..plan import (
     read_checkpoint_on,
     require_fit,
 )
-from ..render import Rendered, render_all, write_private
+from ..render import Rendered, env_tp4_path, render_all, write_private
 from ..settings import Settings
 from . import require_all
 
@@ -95,10 +95,11 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     rendered = render_all(s, plan, pins, source=source)
     if before_start is not None:
         before_start(pins, {n: r[1][0] for n, r in ok.items()})
+    env_tp4 = env_tp4_path(ENV_TP4, s.replica_index)  # one file per replica (one replica: env/env.tp4)
     try:
-        write_private(ENV_TP4, rendered.env_tp4)
+        write_private(env_tp4, rendered.env_tp4)
     except OSError as exc:
-        warn([f"could not write {ENV_TP4}: {exc}"])
+        warn([f"could not write {env_tp4}: {exc}"])
     outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
                          gathered={n: r[1] for n, r in ok.items()})
     if outcome.changed:
