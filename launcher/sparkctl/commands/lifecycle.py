@@ -23,7 +23,7 @@ from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
 from ..cluster import Cluster
-from ..errors import UsageError
+from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
     LockState,
@@ -36,7 +36,7 @@ from ..lock import force_unlock as break_lock
 from ..orchestrate import require_all
 from ..orchestrate.down import down
 from ..orchestrate.status import collect_status
-from ..orchestrate.up import up
+from ..orchestrate.up import up, up_replicas
 from ..output import console, emit_json, warn, warn_console
 from ..settings import Settings
 from .common import globals_of, open_cluster, settings_of
@@ -65,6 +65,9 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
     warn([w for w in [open_api_warning(s)] if w])
     out = console(g.json)
     t0 = time.monotonic()
+    if len(s.topology.replicas) > 1:
+        _up_replicas(g, s, recreate=recreate, fabric_test=fabric_test)
+        return
     outcome = up(s, g.ssh_config_path(), recreate=recreate,
                  say=lambda m: out.print(m, markup=False, soft_wrap=True),
                  fabric_say=(lambda m: out.print(m, markup=False)) if fabric_test else None)
@@ -78,6 +81,53 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
     else:
         out.print(f"up: the service is already running with config {outcome.config_hash}; nothing changed",
                   markup=False)
+
+
+def _up_replicas(g: Globals, s: Settings, *, recreate: bool, fabric_test: bool) -> None:
+    """`up` of several replicas: per replica what it did; exit 1 when any failed (it was rolled back alone)."""
+    out = console(g.json)
+    lock = threading.Lock()
+
+    def say(m: str) -> None:
+        with lock:
+            out.print(m, markup=False, soft_wrap=True)
+
+    t0 = time.monotonic()
+    results = up_replicas(s, g.ssh_config_path(), recreate=recreate, say=say,
+                          fabric_say=say if fabric_test else None)
+    seconds = round(time.monotonic() - t0, 3)
+    failed = [r for r in results if r.error is not None]
+    runs = [r for r in results if r.error is None]
+    rows: list[dict[str, Any]] = []
+    for r in results:
+        row: dict[str, Any] = {"replica": r.replica, "head": r.head, "ok": r.error is None}
+        if r.outcome is not None:
+            row.update(changed=r.outcome.changed, reasons=r.outcome.reasons, started=r.outcome.started,
+                       config_hash=r.outcome.config_hash)
+        if r.error is not None:
+            row.update(error=r.error.message, fix=r.error.fix, rolled_back=True)
+        rows.append(row)
+    if g.json:
+        emit_json({"ok": not failed, "changed": any(r.get("changed") for r in rows), "replicas": rows,
+                   "seconds": seconds})
+    else:
+        for r in results:
+            if r.outcome is None:
+                continue
+            o = r.outcome
+            out.print(f"up: replica {r.replica} (head {r.head}): " + (
+                f"{len(o.started)} ranks started (config {o.config_hash})" if o.changed
+                else f"already running with config {o.config_hash}; nothing changed"), markup=False)
+    if failed:
+        running = (f"replica {runs[0].replica} runs" if len(runs) == 1 else
+                   f"replicas {', '.join(str(r.replica) for r in runs)} run" if runs else "no replica runs")
+        verdict = "; ".join(f"replica {r.replica} failed and was rolled back" for r in failed)
+        detail = "\n".join(f"replica {r.replica} (head {r.head}): {r.error.message}"
+                           for r in failed if r.error is not None)
+        raise CheckFailed(f"{verdict}; {running}\n{detail}",
+                          fix=next((r.error.fix for r in failed if r.error is not None and r.error.fix), None))
+    if not g.json:
+        out.print(f"up: {len(results)} replicas in {seconds}s; next: `sparkctl wait`", markup=False)
 
 
 # ----------------------------------------------------------------------------------------- wait
