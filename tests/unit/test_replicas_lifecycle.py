@@ -80,3 +80,37 @@ def test_up_json_reports_the_failed_replica(nodes: LocalNodes, capsys: Any) -> N
     assert doc["replicas"][0]["rolled_back"] and "spark2" in doc["replicas"][0]["error"]
     assert "replica 0 failed and was rolled back; replica 1 runs" in err
     assert all(labels(nodes, n) == [] for n in NODES[:4]) and all(len(labels(nodes, n)) == 1 for n in NODES[4:])
+
+
+def calls(ln: LocalNodes, verb: str) -> list[tuple[str, int]]:
+    return [(c["node"], c["seq"]) for c in ln.docker_calls() if c["argv"][:1] == [verb]]
+
+
+def test_down_removes_every_replica_heads_first(nodes: LocalNodes, capsys: Any) -> None:
+    assert run(["up"], capsys)[0] == 0
+    code, out, err = run(["down"], capsys)
+    assert code == 0, err
+    removed = calls(nodes, "rm")
+    last_head = max(seq for n, seq in removed if n in ("spark1", "spark5"))
+    assert all(last_head < seq for n, seq in removed if n not in ("spark1", "spark5")), removed
+    assert all(labels(nodes, n) == [] for n in NODES)
+
+
+def test_logs_and_status_per_replica(nodes: LocalNodes, capsys: Any) -> None:
+    assert run(["up"], capsys)[0] == 0
+    code, out, err = run(["logs", "--replica", "1", "--rank", "2", "--tail", "3"], capsys)
+    assert code == 0, err
+    assert out and all(ln.startswith("[2 spark7] ") for ln in out.splitlines()), out
+    logs = [c for c in nodes.docker_calls() if c["argv"][:1] == ["logs"]]
+    assert [c["node"] for c in logs] == ["spark7"]
+    code, _, err = run(["logs", "--replica", "2"], capsys)
+    assert code == 2 and "replica 2 does not exist: there are 2" in err
+    code, out, err = run(["--json", "status"], capsys)  # no API answers here: not serving, exit 1
+    assert code == 1
+    doc = json.loads(out)
+    assert (doc["total"], doc["serving"], doc["ok"]) == (2, 0, False)
+    for rep in doc["replicas"]:
+        assert [(r["rank"], r["node"], r["state"]) for r in rep["ranks"]] == [
+            (k, NODES[rep["replica"] * 4 + k], "running") for k in range(4)]
+        assert all(r["config_current"] for r in rep["ranks"]), rep["problems"]
+    assert any(p.startswith("replica 1: head /health") for p in doc["problems"])

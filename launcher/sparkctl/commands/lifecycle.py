@@ -8,10 +8,12 @@ write one audit line per action on every node.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -22,7 +24,7 @@ from rich.text import Text
 from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
-from ..cluster import Cluster
+from ..cluster import Cluster, parallel
 from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
@@ -147,6 +149,12 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
     if timeout <= 0:
         raise UsageError("--timeout must be positive")
     out = console(g.json)
+    if len(s.topology.replicas) > 1:
+        if url:
+            raise UsageError("--url names one head, but there are several replicas",
+                             fix="leave --url out: wait asks every replica's head")
+        _wait_replicas(g, s, timeout, prompt)
+        return
     with open_cluster(g, s) as cluster:
         require_all(cluster, "wait")
         api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"))
@@ -162,6 +170,39 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
     out.print(f"ready after {result['elapsed_s']:.1f}s: {api.base_url} serves {', '.join(result['models'])}",
               markup=False)
     out.print(f"completion ({result['latency_s']:.2f}s): {result['completion'].strip()}", markup=False)
+
+
+def _wait_replicas(g: Globals, s: Settings, timeout: float, prompt: str) -> None:
+    """`wait` of several replicas: every replica's head, together, within the one timeout; each must
+    answer a real completion. The first replica that fails (or is not ready in time) fails the wait."""
+    from .. import readiness
+
+    out = console(g.json)
+    lock = threading.Lock()
+    with open_cluster(g, s) as cluster:
+        require_all(cluster, "wait")
+
+        def one(view: Settings) -> dict[str, Any]:
+            api = readiness.HeadApi(service.head_base_url(cluster, view), view.get("VLLM_API_KEY"))
+
+            def on_phase(w: readiness.RankWatch) -> None:
+                took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
+                with lock:
+                    out.print(f"replica {view.replica_index} rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
+
+            result = readiness.wait_ready(cluster, view, api, timeout=timeout, on_phase=on_phase, prompt=prompt)
+            return {"replica": view.replica_index, "head": view.head, "url": api.base_url, **result}
+
+        jobs: list[Callable[[], dict[str, Any]]] = [functools.partial(one, v) for v in s.replicas()]
+        results = parallel(jobs)
+    if g.json:
+        emit_json({"ready": True, **{k: v for k, v in results[0].items() if k not in ("replica", "head", "url")},
+                   "replicas": results})
+        return
+    for r in results:
+        out.print(f"replica {r['replica']} ready after {r['elapsed_s']:.1f}s: {r['url']} serves "
+                  f"{', '.join(r['models'])}; completion ({r['latency_s']:.2f}s): {r['completion'].strip()}",
+                  markup=False)
 
 
 # --------------------------------------------------------------------------------------- status
@@ -201,6 +242,12 @@ def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float)
 
     g = globals_of(ctx)
     s = settings_of(g)
+    if len(s.topology.replicas) > 1:
+        if url or live:
+            raise UsageError("--url and --watch show one service, but there are several replicas",
+                             fix="`sparkctl status` (every replica, once)")
+        _status_replicas(g, s)
+        return
     with open_cluster(g, s) as cluster:
         api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
         if live:
@@ -212,6 +259,34 @@ def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float)
     else:
         console(False).print(_status_view(doc))
     if doc["problems"]:
+        sys.exit(1)
+
+
+def _status_replicas(g: Globals, s: Settings) -> None:
+    """`status` of several replicas: each replica's document (its ranks, its head's health) and the total;
+    exit 1 when any replica has a problem."""
+    from .. import readiness
+
+    with open_cluster(g, s) as cluster:
+        def one(view: Settings) -> dict[str, Any]:
+            api = readiness.HeadApi(service.head_base_url(cluster, view), view.get("VLLM_API_KEY"), timeout=3)
+            return {"replica": view.replica_index, **collect_status(cluster, view, api)}
+
+        jobs: list[Callable[[], dict[str, Any]]] = [functools.partial(one, v) for v in s.replicas()]
+        docs = parallel(jobs)
+    problems = [f"replica {d['replica']}: {p}" for d in docs for p in d["problems"]]
+    serving = sum(1 for d in docs if d["ok"])
+    doc = {"cluster": s.cluster_name, "replicas": docs, "serving": serving, "total": len(docs),
+           "problems": problems, "ok": not problems}
+    if g.json:
+        emit_json(doc)
+    else:
+        c = console(False)
+        for d in docs:
+            c.print(f"replica {d['replica']}", markup=False)
+            c.print(_status_view(d))
+        c.print(f"{serving}/{len(docs)} replicas serving", markup=False)
+    if problems:
         sys.exit(1)
 
 
@@ -251,17 +326,19 @@ def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: 
 
 @click.command("logs")
 @click.option("--rank", "ranks", type=int, multiple=True, help="Only this rank (repeatable).")
+@click.option("--replica", type=int, default=0, show_default=True, help="The replica whose ranks to show.")
 @click.option("-f", "--follow", is_flag=True, help="Follow all selected ranks at once.")
 @click.option("--tail", type=int, default=100, show_default=True, help="Lines per rank to start with.")
 @click.pass_context
-def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int) -> None:
-    """The ranks' logs, each line prefixed by its rank and node."""
+def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], replica: int, follow: bool, tail: int) -> None:
+    """The ranks' logs (of one replica), each line prefixed by its rank and node."""
     g = globals_of(ctx)
-    s = settings_of(g)
-    chosen = list(ranks) or list(range(len(s.nodes)))
-    bad = [r for r in chosen if not 0 <= r < len(s.nodes)]
+    s = settings_of(g).replica(replica)  # one replica: the settings themselves
+    node_of = {r.rank: r.node for r in s.service.ranks}
+    chosen = list(ranks) or list(node_of)
+    bad = [r for r in chosen if r not in node_of]
     if bad:
-        raise UsageError(f"--rank {bad[0]}: ranks are 0..{len(s.nodes) - 1}")
+        raise UsageError(f"--rank {bad[0]}: ranks are 0..{len(node_of) - 1}")
     lock = threading.Lock()
     width = max(len(n) for n in s.nodes)
 
@@ -271,10 +348,10 @@ def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int
             sys.stdout.flush()
 
     # Only the chosen ranks' nodes: `logs --rank 2` needs no connection to the others.
-    with Cluster([s.nodes[r] for r in sorted(set(chosen))], g.ssh_config_path()) as cluster:
+    with Cluster([node_of[r] for r in sorted(set(chosen))], g.ssh_config_path()) as cluster:
         errors = service.stream_logs(cluster, s, chosen, tail=tail, follow=follow, emit=emit,
                                      stop=threading.Event())
-        errors |= {n: e for n, e in cluster.errors.items() if s.nodes.index(n) in chosen}
+        errors |= {n: e for n, e in cluster.errors.items() if n in {node_of[r] for r in chosen}}
     for node, err in errors.items():
         warn_console().print(f"{node}: {err.reason}", markup=False)
     if errors:
