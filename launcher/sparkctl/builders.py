@@ -18,6 +18,7 @@ from .settings import RankPins, Settings
 
 LABEL_CLUSTER = "sparkctl.cluster"
 LABEL_RANK = "sparkctl.rank"
+LABEL_REPLICA = "sparkctl.replica"  # only when REPLICAS > 1: one replica's containers are today's, byte for byte
 LABEL_CONFIG_HASH = "sparkctl.config-hash"
 LABEL_RECIPE = "sparkctl.recipe"
 LABEL_LAYER = "sparkctl.layer"
@@ -49,8 +50,9 @@ def remote_env_file(cluster: str, rank: int) -> str:
 def master_addr(settings: Settings, pins: list[RankPins]) -> str:
     addr = settings.get("MASTER_ADDR") or pins[0].fabric_ip
     if not addr:
-        raise UsageError("the head's fabric IP is not known (RANK0_FABRIC_IP / MASTER_ADDR)",
-                         fix="run `sparkctl check` to discover it, or set RANK0_FABRIC_IP in the env file")
+        key = settings.rank_key(0, "FABRIC_IP")  # replica r's head: RANK<its position in NODES>_FABRIC_IP
+        raise UsageError(f"the head's fabric IP is not known ({key} / MASTER_ADDR)",
+                         fix=f"run `sparkctl check` to discover it, or set {key} in the env file")
     return str(addr)
 
 
@@ -134,7 +136,7 @@ def rank_env(settings: Settings, rank: int, pins: RankPins) -> dict[str, str]:
     """
     missing = pins.missing()
     if missing:
-        keys = ", ".join(f"RANK{rank}_{m}" for m in missing)
+        keys = ", ".join(settings.rank_key(rank, m) for m in missing)
         raise UsageError(f"rank {rank} ({settings.nodes[rank]}): {keys} not known",
                          fix="run `sparkctl check` to discover the fabric pins, or set them in the env file")
     env = {
@@ -162,10 +164,11 @@ def env_file_text(env: dict[str, str]) -> str:
 
 
 def rank_specs(settings: Settings, plan: Plan, pins: list[RankPins]) -> list[RankSpec]:
+    """Every rank of the service `settings` describes (one replica: a replica view, or the one service)."""
     return [
-        RankSpec(rank, node, pins[rank], rank_env(settings, rank, pins[rank]),
-                 vllm_serve_argv(settings, plan, rank, pins))
-        for rank, node in enumerate(settings.nodes)
+        RankSpec(r.rank, r.node, pins[r.rank], rank_env(settings, r.rank, pins[r.rank]),
+                 vllm_serve_argv(settings, plan, r.rank, pins))
+        for r in settings.service.ranks
     ]
 
 
@@ -225,6 +228,7 @@ def docker_run_argv(settings: Settings, spec: RankSpec, cfg_hash: str) -> list[s
         "--name", container_name(cluster, spec.rank),
         "--label", f"{LABEL_CLUSTER}={cluster}",
         "--label", f"{LABEL_RANK}={spec.rank}",
+        *(["--label", f"{LABEL_REPLICA}={settings.replica_index}"] if settings.replica_count > 1 else []),
         "--label", f"{LABEL_CONFIG_HASH}={cfg_hash}",
         "--label", f"{LABEL_RECIPE}={settings.recipe.name}",
         "--restart", "no",

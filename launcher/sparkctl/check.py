@@ -801,9 +801,13 @@ def evaluate(
     connect_errors: Mapping[str, NodeError],
     plan_for_node: Callable[[F.NodeFacts], tuple[Plan | None, str]],
     verify_scan: Callable[[Mapping[str, Any]], Any] | None,
+    heads: Sequence[str] = (),
 ) -> tuple[list[Finding], dict[int, RankPins]]:
-    """Every round-1 rule over every node (pure, given the gathered facts)."""
-    head = nodes[0]
+    """Every round-1 rule over every node (pure, given the gathered facts). heads: every replica's head
+    (each serves PORT), replica 0's first: it reads the checkpoint; default: the first node, one replica.
+    Pins are keyed by position in NODES, the numbering of the RANK<n>_* knobs."""
+    heads = tuple(heads) or (nodes[0],)
+    head = heads[0]
     findings: list[Finding] = []
     pins: dict[int, RankPins] = {}
     good: dict[str, F.NodeFacts] = {}
@@ -833,7 +837,7 @@ def evaluate(
             rule_memory(n, facts),
             rule_limits(n, facts, needs),
             fabric,
-            rule_ports(n, facts, needs, is_head=n == head),
+            rule_ports(n, facts, needs, is_head=n in heads),
             rule_disk(n, facts),
             _f(n, "containers", SKIP, "-", f"{n}: not checked (Docker engine)")
             if n in engine_down
@@ -905,7 +909,8 @@ def run_check(
 ) -> CheckReport:
     """Check every node of `settings` (one SSH connection each) and return the findings. With
     `cluster` (connected, left open) the caller goes on using the same connections afterwards."""
-    nodes = settings.nodes
+    nodes = list(settings.topology.nodes)
+    head = settings.topology.head  # replica 0's: it reads the checkpoint (the model rule compares the rest)
     needs = Needs.from_settings(settings)
     timing: dict[str, float] = {}
     start = time.monotonic()
@@ -916,27 +921,27 @@ def run_check(
                 Cluster(nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout)
             )
         if verify:
-            verifier = _verifier(settings, cluster, nodes[0], needs.model, command_timeout)
+            verifier = _verifier(settings, cluster, head, needs.model, command_timeout)
         timing["connect"] = cluster.connect_seconds
         t = time.monotonic()
         probes = stack.enter_context(Probes(secrets.token_hex(8)))
-        gathered = gather(cluster, needs, head=nodes[0], layout=verifier is not None, timeout=command_timeout,
+        gathered = gather(cluster, needs, head=head, layout=verifier is not None, timeout=command_timeout,
                           probes=probes)  # fmt: skip
         timing["probe"] = time.monotonic() - t
-        head_scan = gathered.get(nodes[0], (None, None))[1]
+        head_scan = gathered.get(head, (None, None))[1]
         ckpt: CheckpointInfo | None = None
         ckpt_why = "the head's checkpoint scan did not run"
         if isinstance(head_scan, dict):
             try:
-                ckpt = checkpoint_from_scan(head_scan, Path(needs.model), nodes[0])
+                ckpt = checkpoint_from_scan(head_scan, Path(needs.model), head)
             except SparkctlError as exc:
                 ckpt_why = exc.message
         elif isinstance(head_scan, str):
             ckpt_why = head_scan
         drafter = drafter_dir(settings)
-        if ckpt is not None and drafter is not None and nodes[0] not in cluster.errors:
+        if ckpt is not None and drafter is not None and head not in cluster.errors:
             try:
-                ckpt = replace(ckpt, drafter_config=read_drafter_config_on(cluster.node(nodes[0]), drafter))
+                ckpt = replace(ckpt, drafter_config=read_drafter_config_on(cluster.node(head), drafter))
             except Exception:  # noqa: BLE001 - the plan row says the drafter's config could not be read
                 pass
 
@@ -950,7 +955,8 @@ def run_check(
             except Exception as exc:  # a config.json the planner cannot use: say so, keep checking
                 return None, str(exc)
 
-        findings, pins = evaluate(nodes, needs, gathered, cluster.errors, plan_for_node, verifier)
+        findings, pins = evaluate(nodes, needs, gathered, cluster.errors, plan_for_node, verifier,
+                                  heads=settings.topology.heads)
         t = time.monotonic()
         reached = reach(cluster, probes, pins, nodes)
         timing["reach"] = time.monotonic() - t
@@ -958,7 +964,7 @@ def run_check(
     for n in nodes:
         if any(f.node == n and f.check == "ssh" and f.status == FAIL for f in findings):
             continue
-        rank = nodes.index(n)
+        rank = settings.topology.locate(n)[1].position  # pins are keyed by position in NODES
         findings.append(
             rule_reach(n, reached.get(n), {ip: pn for ip, pn in peers.items() if pn != n})
             if rank in pins

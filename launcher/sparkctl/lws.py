@@ -118,10 +118,17 @@ def escape(text: str) -> str:
 
 
 def require_uniform_pins(settings: Settings, specs: list[RankSpec]) -> None:
-    head = specs[0].pins
+    """Every rank of every replica (specs of all replicas, `settings` the full settings) pins alike."""
+    topo = settings.topology
+
+    def key(spec: RankSpec, knob: str) -> str:  # the knob's name in the env file: RANK<position in NODES>
+        return f"RANK{topo.locate(spec.node)[1].position}_{knob}"
+
+    head = specs[0]
     diffs = [
-        f"RANK{s.rank}_{knob}={getattr(s.pins, attr)} ({s.node}) differs from RANK0_{knob}={getattr(head, attr)}"
-        for s in specs[1:] for attr, knob in UNIFORM_PINS if getattr(s.pins, attr) != getattr(head, attr)
+        f"{key(s, knob)}={getattr(s.pins, attr)} ({s.node}) differs from "
+        f"{key(head, knob)}={getattr(head.pins, attr)}"
+        for s in specs[1:] for attr, knob in UNIFORM_PINS if getattr(s.pins, attr) != getattr(head.pins, attr)
     ]
     if diffs:
         raise UsageError(

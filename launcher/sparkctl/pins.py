@@ -147,7 +147,8 @@ def pins_from_facts(settings: Settings, facts: dict[str, NodeFacts | NodeError])
     needs = Needs.from_settings(settings)
     pins: list[RankPins] = []
     problems: list[str] = []
-    for rank, node in enumerate(settings.nodes):
+    for r in settings.service.ranks:  # one service: a replica view, or the only replica
+        rank, node = r.rank, r.node
         f = facts[node]
         if isinstance(f, NodeError):
             problems.append(f"rank {rank} ({node}): {f.reason}")

@@ -178,12 +178,14 @@ def wait_ready(
     """
     name = settings.cluster_name
     served = str(settings.get("SERVED_MODEL_NAME"))
-    watches = {r: RankWatch(r, n) for r, n in enumerate(settings.nodes)}
+    ranks = settings.service.ranks  # one service: a replica view, or the only replica
+    watches = {r.rank: RankWatch(r.rank, r.node) for r in ranks}
+    rank_of = {r.node: r.rank for r in ranks}
     start = time.monotonic()
     seen: dict[str, float] = {}  # when /health first answered 200 (wall clock, for benchmarks)
 
     def poll_rank(node: Node) -> tuple[list[ContainerState], list[str]]:
-        rank = settings.nodes.index(node.name)
+        rank = rank_of[node.name]
         states = inspect_cluster(node, name)
         lines = log_tail(node, container_name(name, rank), 200)
         return states, lines

@@ -45,7 +45,7 @@ def _env() -> jinja2.Environment:
 def resolve_pins(settings: Settings, discovered: dict[int, RankPins] | None = None) -> list[RankPins]:
     """Per-rank pins: discovered by `check` where given, else from the RANK<n>_* knobs."""
     out = []
-    for rank in range(len(settings.nodes)):
+    for rank in range(len(settings.service.ranks)):
         given = settings.rank_pins(rank)
         found = (discovered or {}).get(rank)
         if found is None:
@@ -61,7 +61,7 @@ def resolve_pins(settings: Settings, discovered: dict[int, RankPins] | None = No
 
 
 def require_pins(settings: Settings, pins: list[RankPins]) -> None:
-    missing = [f"RANK{r}_{m} ({settings.nodes[r]})" for r, p in enumerate(pins) for m in p.missing()]
+    missing = [f"{settings.rank_key(r, m)} ({settings.nodes[r]})" for r, p in enumerate(pins) for m in p.missing()]
     if missing:
         raise UsageError(
             "fabric pins not known: " + ", ".join(missing),
@@ -129,12 +129,20 @@ def render_env_tp4(settings: Settings, plan: Plan, pins: list[RankPins], *, cfg_
         "ulimit_memlock": settings.getint("ULIMIT_MEMLOCK"),
         "shm_size": settings.get("SHM_SIZE"),
         "fabric_subnet": settings.get("FABRIC_SUBNET"),
-        "ranks": [{"rank": r, "node": n, "pins": pins[r]} for r, n in enumerate(settings.nodes)],
+        "replica": settings.replica_index,
+        "replica_count": settings.replica_count,
+        "rank_offset": settings.rank_offset,
+        "ranks": [{"rank": r.rank, "node": r.node, "pins": pins[r.rank]} for r in settings.service.ranks],
     }
     try:
         return _env().get_template("env.tp4.j2").render(**ctx)
     except jinja2.UndefinedError as exc:  # a template asks for something render does not provide
         raise UsageError(f"templates/env.tp4.j2: {exc.message}") from None
+
+
+def env_tp4_path(base: Path, replica: int) -> Path:
+    """Replica 0's env.tp4 is `base` (env/env.tp4, as with one replica); replica i's is `base`.replica<i>."""
+    return base if replica == 0 else base.with_name(f"{base.name}.replica{replica}")
 
 
 def write_private(path: Path, text: str) -> None:

@@ -290,9 +290,11 @@ def _rollback(cluster: Cluster, settings: Settings, expected: dict[str, list[str
 
 def _down_all(cluster: Cluster, settings: Settings, say: Callable[[str], None],
               expected: dict[str, list[str]] | None = None) -> dict[str, NodeError]:
-    """Head first (it serves the API and holds the rendezvous), then the workers in parallel."""
-    head, workers = settings.nodes[0], settings.nodes[1:]
-    groups = [[n for n in g if n in cluster.connected] for g in ([head], workers)]
+    """Heads first (each serves its replica's API and holds its rendezvous), then the workers in parallel."""
+    topo = settings.topology
+    heads = list(topo.heads)
+    workers = [n for n in topo.nodes if n not in heads]
+    groups = [[n for n in g if n in cluster.connected] for g in (heads, workers)]
     report = cleanup.sweep(cluster, settings.cluster_name, groups, expected=expected, say=say)
     return {n: NodeError(n, "docker", r.line(n)) for n, r in report.items() if not r.clean}
 
@@ -360,7 +362,7 @@ def stream_logs(cluster: Cluster, settings: Settings, ranks: Sequence[int], *, t
     errors: dict[str, NodeError] = {}
 
     def one(rank: int) -> None:
-        node_name = settings.nodes[rank]
+        node_name = settings.service.ranks[rank].node
         try:
             node = cluster.node(node_name)
             for line in node.stream(log_argv(container_name(name, rank), tail=tail, follow=follow), stop=stop):

@@ -16,7 +16,7 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from dotenv import dotenv_values
 
 from .errors import UsageError
 from .recipes import DEFAULT_RECIPE, Recipe, load_recipe
+from .topology import Replica, Topology, TopologyError, build_topology
 from .vllm_flags import check_extra_words
 
 REDACTED = "[REDACTED]"
@@ -193,7 +194,8 @@ def _ipv4(value: Any) -> str | None:
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in [
-        Knob("NODES", "list", "SSH host aliases of the ranks, head (rank 0) first.", required=True, check=_nodes),
+        Knob("NODES", "list", "SSH host aliases of the ranks, head (rank 0) first; with REPLICAS > 1, replica r "
+             "is the r-th group of TP/GPUS_PER_NODE nodes, its first node its head.", required=True, check=_nodes),
         Knob("MODEL", "path", "Checkpoint folder, at the same path on every node.", required=True, check=_abs_path),
         Knob("RECIPE", "str", "Recipe name (glm53-exl3-tp4, glm53-exl3-2.75bpw, lab) or a recipe file."),
         Knob("CLUSTER_NAME", "str", "Name of this cluster: the value of the sparkctl.cluster label.",
@@ -201,6 +203,9 @@ KNOBS: dict[str, Knob] = {
         Knob("TP", "int", "Tensor-parallel size (one GPU per rank on GB10).", minimum=1, maximum=1024),
         Knob("DCP", "int", "Decode-context-parallel size; TP must be divisible by it.", minimum=1, maximum=1024),
         Knob("GPUS_PER_NODE", "int", "GPUs per node (1 on DGX Spark).", minimum=1, maximum=64),
+        Knob("REPLICAS", "int", "Independent copies of the TP service, each on its own TP/GPUS_PER_NODE nodes "
+             "(default: as many whole TP groups as NODES hold; when set it must equal that).",
+             minimum=1, maximum=1024),
         Knob("DCP_COMM_BACKEND", "str", "DCP communication backend.", choices=("ag_rs", "a2a")),
         Knob("MAX_MODEL_LEN", "int", "Context length in tokens.", minimum=1, maximum=100_000_000),
         Knob("KV_CACHE_DTYPE", "str", "KV-cache dtype as asked of vLLM; the planner uses what the GPU's "
@@ -215,9 +220,11 @@ KNOBS: dict[str, Knob] = {
         Knob("NODE_MEMORY_BYTES", "int", "Node memory for offline planning; check uses each node's MemTotal.",
              minimum=1),
         Knob("PORT", "int", "OpenAI API port on the head.", minimum=1, maximum=65535),
-        Knob("MASTER_ADDR", "str", "Rendezvous address; default: the head's fabric IP (RANK0_FABRIC_IP).",
+        Knob("MASTER_ADDR", "str", "Rendezvous address; default: the head's fabric IP (RANK0_FABRIC_IP). "
+             "Only with one replica: each replica meets at its own head's fabric IP.",
              check=_ipv4),
-        Knob("MASTER_PORT", "int", "Rendezvous port on the head's fabric address.", minimum=1, maximum=65535),
+        Knob("MASTER_PORT", "int", "Rendezvous port on the head's fabric address (every replica's head uses it).",
+             minimum=1, maximum=65535),
         Knob("SERVED_MODEL_NAME", "str", "Model name the API serves.", required=True, check=_served_name),
         Knob("SPEC_METHOD", "str", "Speculative decoding: mtp (the checkpoint's MTP block), dspark, or off.",
              choices=("mtp", "dspark", "off")),
@@ -274,11 +281,12 @@ KNOBS: dict[str, Knob] = {
     ]
 }
 
+# n is the node's position in NODES (with REPLICAS > 1: replica r's rank k is n = r*TP/GPUS_PER_NODE + k).
 RANK_KNOB_DOCS = {
-    "FABRIC_IP": "Rank n's fabric IPv4 (discovered by check).",
-    "CX7_IF": "Rank n's fabric netdev, e.g. enp1s0f0np0 or enP2p1s0f1np1 (discovered by check).",
-    "CX7_IB": "Rank n's RDMA device, e.g. rocep1s0f0 (discovered by check).",
-    "GID_INDEX": "Rank n's RoCE v2 GID index (discovered by check; it drifts, never hard-code 3).",
+    "FABRIC_IP": "Fabric IPv4 of the n-th node of NODES (discovered by check).",
+    "CX7_IF": "Fabric netdev of the n-th node of NODES, e.g. enp1s0f0np0 or enP2p1s0f1np1 (discovered by check).",
+    "CX7_IB": "RDMA device of the n-th node of NODES, e.g. rocep1s0f0 (discovered by check).",
+    "GID_INDEX": "RoCE v2 GID index of the n-th node of NODES (discovered by check; it drifts, never hard-code 3).",
 }
 
 
@@ -332,6 +340,11 @@ class Settings:
     recipe: Recipe
     env_file: Path | None
     warnings: list[str] = field(default_factory=list)
+    # A replica view (Settings.replica): its index, how many there are, and the position in the full
+    # NODES of its rank 0 (its RANK<k>_* pins are read as RANK<rank_offset + k>_*).
+    replica_index: int = 0
+    replica_count: int = 1
+    rank_offset: int = 0
 
     # -- access
     def get(self, key: str, default: Any = None) -> Any:
@@ -355,7 +368,59 @@ class Settings:
 
     @property
     def head(self) -> str:
-        return self.nodes[0]
+        """The head: rank 0 of replica 0 (of this replica, in a replica view)."""
+        return self.topology.head
+
+    @property
+    def topology(self) -> Topology:
+        """Replicas → ranks → nodes (topology.py); UsageError, naming the knobs, for a shape that does not fit."""
+        replicas = self.get("REPLICAS")
+        try:
+            return build_topology(self.nodes, self.getint("TP"), int(self.get("GPUS_PER_NODE", 1)),
+                                  None if replicas is None else int(replicas), int(self.get("MASTER_PORT", 0)),
+                                  first_index=self.replica_index, first_position=self.rank_offset)
+        except TopologyError as exc:
+            raise UsageError(f"{exc.problem} ({_src(self, *exc.keys)})") from None
+
+    @property
+    def service(self) -> Replica:
+        """The one service these settings describe: a replica view's replica, or the only replica."""
+        topo = self.topology
+        if len(topo.replicas) != 1:
+            raise UsageError(f"NODES hold {len(topo.replicas)} replicas: this needs one replica's view "
+                             "(Settings.replica(i))")
+        return topo.replicas[0]
+
+    def replica(self, index: int) -> Settings:
+        """Replica `index` as a Settings of its own: NODES are its nodes (rank order), its RANK<k>_* pins are
+        the knobs at its nodes' positions in NODES, and it knows its index and the count. The single-service
+        code (builders, render, service, orchestrate) runs on it unchanged. One replica: the settings themselves."""
+        if self.replica_count > 1:  # already a view: only itself
+            if index != 0:
+                raise UsageError(f"replica {index} of a replica view (it is replica {self.replica_index})")
+            return self
+        topo = self.topology
+        if not 0 <= index < len(topo.replicas):
+            raise UsageError(f"replica {index} does not exist: there are {len(topo.replicas)} "
+                             f"(0..{len(topo.replicas) - 1}; {self.describe('REPLICAS')})")
+        if len(topo.replicas) == 1:
+            return self
+        rep = topo.replicas[index]
+        values = dict(self.values)
+        nodes = values["NODES"]
+        values["NODES"] = Value("NODES", list(rep.nodes), " ".join(rep.nodes), f"{nodes.source}, replica {index}")
+        values.pop("REPLICAS", None)
+        # MASTER_PORT stays as it is: each replica rendezvous on its own head (another host), no clash.
+        return replace(self, values=values, replica_index=index, replica_count=len(topo.replicas),
+                       rank_offset=rep.offset)
+
+    def replicas(self) -> list[Settings]:
+        """Every replica's view, in order (one replica: [self])."""
+        return [self.replica(i) for i in range(len(self.topology.replicas))]
+
+    def rank_key(self, rank: int, what: str) -> str:
+        """The pin knob of this settings' rank `rank`: RANK<position in the full NODES>_<what>."""
+        return f"RANK{self.rank_offset + rank}_{what}"
 
     @property
     def model(self) -> Path:
@@ -395,11 +460,11 @@ class Settings:
         return {k: str(v.value) for k, v in self.values.items() if PASSTHROUGH_RE.match(k) and k.startswith("STANDIN_")}
 
     def rank_pins(self, rank: int) -> RankPins:
-        gid = self.get(f"RANK{rank}_GID_INDEX")
+        gid = self.get(self.rank_key(rank, "GID_INDEX"))
         return RankPins(
-            fabric_ip=self.get(f"RANK{rank}_FABRIC_IP"),
-            netdev=self.get(f"RANK{rank}_CX7_IF"),
-            rdma_dev=self.get(f"RANK{rank}_CX7_IB"),
+            fabric_ip=self.get(self.rank_key(rank, "FABRIC_IP")),
+            netdev=self.get(self.rank_key(rank, "CX7_IF")),
+            rdma_dev=self.get(self.rank_key(rank, "CX7_IB")),
             gid_index=None if gid is None else int(gid),
         )
 
@@ -584,12 +649,15 @@ def validate_settings(s: Settings) -> None:
     if tp % dcp:
         problems.append(f"TP={tp} must be divisible by DCP={dcp} ({_src(s, 'TP', 'DCP')})")
     nodes = s.nodes
-    gpn = int(s.get("GPUS_PER_NODE", 1))
-    if tp != len(nodes) * gpn:
-        problems.append(
-            f"TP={tp} must equal the number of nodes ({len(nodes)}) × GPUS_PER_NODE ({gpn}) "
-            f"({_src(s, 'TP', 'NODES')})"
-        )
+    try:
+        topo = s.topology
+    except UsageError as exc:
+        problems.append(exc.message)
+    else:
+        if len(topo.replicas) > 1 and s.get("MASTER_ADDR"):
+            problems.append(f"{s.describe('MASTER_ADDR')} applies to one service, but NODES hold "
+                            f"{len(topo.replicas)} replicas ({_src(s, 'NODES', 'TP')}): each replica meets at "
+                            "its own head's fabric IP; remove MASTER_ADDR")
     if s.get("PORT") == s.get("MASTER_PORT"):
         problems.append(f"PORT and MASTER_PORT must differ, both are {s.get('PORT')} ({_src(s, 'PORT', 'MASTER_PORT')})")
     method = s.get("SPEC_METHOD")
@@ -606,7 +674,7 @@ def validate_settings(s: Settings) -> None:
             continue
         rank, what = int(m.group(1)), m.group(2)
         value = s.values[key].value
-        if rank >= len(nodes):
+        if rank >= len(nodes):  # numbered by position in NODES, whatever the replicas
             problems.append(f"{s.describe(key)}: there is no rank {rank} with {len(nodes)} nodes")
         elif value in (None, ""):
             continue

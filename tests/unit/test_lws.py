@@ -348,3 +348,26 @@ def test_the_readiness_probe_needs_the_model_listed_and_a_completion(api: str, m
                           timeout=60, env={"VLLM_API_KEY": "k1"})
     assert (done.returncode == 0) is ok, done.stderr
     assert _Api.auth == ["Bearer k1"]
+
+
+def _eight(differ: dict[str, str] | None = None) -> dict[str, str]:
+    pins = {f"RANK{r}_{k}": v for r in range(8) for k, v in (
+        ("FABRIC_IP", f"192.168.100.{r + 1}"), ("CX7_IF", "enp1s0f0np0"), ("CX7_IB", "rocep1s0f0"),
+        ("GID_INDEX", "3"))}
+    return {"NODES": " ".join(f"spark{i}" for i in range(1, 9)), "RECIPE": "lab", **pins, **(differ or {})}
+
+
+def test_replicas_of_the_topology_are_the_leaderworkersets_groups(clean_env: dict[str, str], tmp_path: Path,
+                                                                  capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 nodes at TP4: one LeaderWorkerSet of 2 groups of 4 pods; a rank of the second replica whose NIC
+    differs is refused by its knob's name in the env file (RANK5_..., its position in NODES)."""
+    model = write_model(tmp_path / "model", 1_000_000, 2)
+    for k, v in {"MODEL": str(model), **_eight()}.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = run_cli(["--json", "render", "--target", "lws", "--local"], capsys)
+    assert code == 0, err
+    lws_doc = next(yaml.safe_load_all(Path("env/lws.yaml").read_text()))
+    assert lws_doc["spec"]["replicas"] == 2 and lws_doc["spec"]["leaderWorkerTemplate"]["size"] == 4
+    monkeypatch.setenv("RANK5_CX7_IF", "enP2p1s0f1np1")
+    code, _, err = run_cli(["render", "--target", "lws", "--local", "--out", "other.yaml"], capsys)
+    assert code == 2 and "RANK5_CX7_IF" in err and not Path("other.yaml").exists(), err

@@ -77,7 +77,7 @@ def test_tp_not_divisible_by_dcp_names_values_and_sources(clean_env, tmp_path, m
         ({"RANK1_FABRIC_IP": "10.0.0.300"}, "must be an IPv4 address"),
         ({"RANK1_CX7_IF": "a;b"}, "must be a device name"),
         ({"FABRIC_SUBNET": "10.0.0.0/99"}, "CIDR"),
-        ({"TP": "8"}, "must equal the number of nodes (4)"),
+        ({"TP": "8"}, "leftover nodes: spark1 spark2 spark3 spark4"),
         ({"RECIPE": "nope"}, "RECIPE='nope': no such recipe"),
     ],
 )

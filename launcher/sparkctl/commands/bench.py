@@ -140,6 +140,9 @@ def _target(g: Any, url: str | None, model: str | None,
     from ..service import api_base_url
 
     config, config_path = load_ssh_config(g.ssh_config_path())
+    if len(s.topology.replicas) > 1:  # each replica is its own service: bench measures one endpoint
+        warn([f"bench measures replica 0 (head {s.head}); the other replicas serve apart "
+              "(--url http://<their head>:PORT to measure one of them)"])
     host = resolve_target(s.head, config, config_path).hostname
     if api_key is None:
         api_key = s.get("VLLM_API_KEY")

@@ -8,10 +8,12 @@ write one audit line per action on every node.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -22,8 +24,8 @@ from rich.text import Text
 from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
-from ..cluster import Cluster
-from ..errors import UsageError
+from ..cluster import Cluster, parallel
+from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
     LockState,
@@ -36,7 +38,7 @@ from ..lock import force_unlock as break_lock
 from ..orchestrate import require_all
 from ..orchestrate.down import down
 from ..orchestrate.status import collect_status
-from ..orchestrate.up import up
+from ..orchestrate.up import up, up_replicas
 from ..output import console, emit_json, warn, warn_console
 from ..settings import Settings
 from .common import globals_of, open_cluster, settings_of
@@ -65,6 +67,9 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
     warn([w for w in [open_api_warning(s)] if w])
     out = console(g.json)
     t0 = time.monotonic()
+    if len(s.topology.replicas) > 1:
+        _up_replicas(g, s, recreate=recreate, fabric_test=fabric_test)
+        return
     outcome = up(s, g.ssh_config_path(), recreate=recreate,
                  say=lambda m: out.print(m, markup=False, soft_wrap=True),
                  fabric_say=(lambda m: out.print(m, markup=False)) if fabric_test else None)
@@ -78,6 +83,53 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
     else:
         out.print(f"up: the service is already running with config {outcome.config_hash}; nothing changed",
                   markup=False)
+
+
+def _up_replicas(g: Globals, s: Settings, *, recreate: bool, fabric_test: bool) -> None:
+    """`up` of several replicas: per replica what it did; exit 1 when any failed (it was rolled back alone)."""
+    out = console(g.json)
+    lock = threading.Lock()
+
+    def say(m: str) -> None:
+        with lock:
+            out.print(m, markup=False, soft_wrap=True)
+
+    t0 = time.monotonic()
+    results = up_replicas(s, g.ssh_config_path(), recreate=recreate, say=say,
+                          fabric_say=say if fabric_test else None)
+    seconds = round(time.monotonic() - t0, 3)
+    failed = [r for r in results if r.error is not None]
+    runs = [r for r in results if r.error is None]
+    rows: list[dict[str, Any]] = []
+    for r in results:
+        row: dict[str, Any] = {"replica": r.replica, "head": r.head, "ok": r.error is None}
+        if r.outcome is not None:
+            row.update(changed=r.outcome.changed, reasons=r.outcome.reasons, started=r.outcome.started,
+                       config_hash=r.outcome.config_hash)
+        if r.error is not None:
+            row.update(error=r.error.message, fix=r.error.fix, rolled_back=True)
+        rows.append(row)
+    if g.json:
+        emit_json({"ok": not failed, "changed": any(r.get("changed") for r in rows), "replicas": rows,
+                   "seconds": seconds})
+    else:
+        for r in results:
+            if r.outcome is None:
+                continue
+            o = r.outcome
+            out.print(f"up: replica {r.replica} (head {r.head}): " + (
+                f"{len(o.started)} ranks started (config {o.config_hash})" if o.changed
+                else f"already running with config {o.config_hash}; nothing changed"), markup=False)
+    if failed:
+        running = (f"replica {runs[0].replica} runs" if len(runs) == 1 else
+                   f"replicas {', '.join(str(r.replica) for r in runs)} run" if runs else "no replica runs")
+        verdict = "; ".join(f"replica {r.replica} failed and was rolled back" for r in failed)
+        detail = "\n".join(f"replica {r.replica} (head {r.head}): {r.error.message}"
+                           for r in failed if r.error is not None)
+        raise CheckFailed(f"{verdict}; {running}\n{detail}",
+                          fix=next((r.error.fix for r in failed if r.error is not None and r.error.fix), None))
+    if not g.json:
+        out.print(f"up: {len(results)} replicas in {seconds}s; next: `sparkctl wait`", markup=False)
 
 
 # ----------------------------------------------------------------------------------------- wait
@@ -97,6 +149,12 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
     if timeout <= 0:
         raise UsageError("--timeout must be positive")
     out = console(g.json)
+    if len(s.topology.replicas) > 1:
+        if url:
+            raise UsageError("--url names one head, but there are several replicas",
+                             fix="leave --url out: wait asks every replica's head")
+        _wait_replicas(g, s, timeout, prompt)
+        return
     with open_cluster(g, s) as cluster:
         require_all(cluster, "wait")
         api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"))
@@ -112,6 +170,39 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
     out.print(f"ready after {result['elapsed_s']:.1f}s: {api.base_url} serves {', '.join(result['models'])}",
               markup=False)
     out.print(f"completion ({result['latency_s']:.2f}s): {result['completion'].strip()}", markup=False)
+
+
+def _wait_replicas(g: Globals, s: Settings, timeout: float, prompt: str) -> None:
+    """`wait` of several replicas: every replica's head, together, within the one timeout; each must
+    answer a real completion. The first replica that fails (or is not ready in time) fails the wait."""
+    from .. import readiness
+
+    out = console(g.json)
+    lock = threading.Lock()
+    with open_cluster(g, s) as cluster:
+        require_all(cluster, "wait")
+
+        def one(view: Settings) -> dict[str, Any]:
+            api = readiness.HeadApi(service.head_base_url(cluster, view), view.get("VLLM_API_KEY"))
+
+            def on_phase(w: readiness.RankWatch) -> None:
+                took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
+                with lock:
+                    out.print(f"replica {view.replica_index} rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
+
+            result = readiness.wait_ready(cluster, view, api, timeout=timeout, on_phase=on_phase, prompt=prompt)
+            return {"replica": view.replica_index, "head": view.head, "url": api.base_url, **result}
+
+        jobs: list[Callable[[], dict[str, Any]]] = [functools.partial(one, v) for v in s.replicas()]
+        results = parallel(jobs)
+    if g.json:
+        emit_json({"ready": True, **{k: v for k, v in results[0].items() if k not in ("replica", "head", "url")},
+                   "replicas": results})
+        return
+    for r in results:
+        out.print(f"replica {r['replica']} ready after {r['elapsed_s']:.1f}s: {r['url']} serves "
+                  f"{', '.join(r['models'])}; completion ({r['latency_s']:.2f}s): {r['completion'].strip()}",
+                  markup=False)
 
 
 # --------------------------------------------------------------------------------------- status
@@ -151,6 +242,12 @@ def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float)
 
     g = globals_of(ctx)
     s = settings_of(g)
+    if len(s.topology.replicas) > 1:
+        if url or live:
+            raise UsageError("--url and --watch show one service, but there are several replicas",
+                             fix="`sparkctl status` (every replica, once)")
+        _status_replicas(g, s)
+        return
     with open_cluster(g, s) as cluster:
         api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"), timeout=3)
         if live:
@@ -162,6 +259,34 @@ def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float)
     else:
         console(False).print(_status_view(doc))
     if doc["problems"]:
+        sys.exit(1)
+
+
+def _status_replicas(g: Globals, s: Settings) -> None:
+    """`status` of several replicas: each replica's document (its ranks, its head's health) and the total;
+    exit 1 when any replica has a problem."""
+    from .. import readiness
+
+    with open_cluster(g, s) as cluster:
+        def one(view: Settings) -> dict[str, Any]:
+            api = readiness.HeadApi(service.head_base_url(cluster, view), view.get("VLLM_API_KEY"), timeout=3)
+            return {"replica": view.replica_index, **collect_status(cluster, view, api)}
+
+        jobs: list[Callable[[], dict[str, Any]]] = [functools.partial(one, v) for v in s.replicas()]
+        docs = parallel(jobs)
+    problems = [f"replica {d['replica']}: {p}" for d in docs for p in d["problems"]]
+    serving = sum(1 for d in docs if d["ok"])
+    doc = {"cluster": s.cluster_name, "replicas": docs, "serving": serving, "total": len(docs),
+           "problems": problems, "ok": not problems}
+    if g.json:
+        emit_json(doc)
+    else:
+        c = console(False)
+        for d in docs:
+            c.print(f"replica {d['replica']}", markup=False)
+            c.print(_status_view(d))
+        c.print(f"{serving}/{len(docs)} replicas serving", markup=False)
+    if problems:
         sys.exit(1)
 
 
@@ -201,17 +326,19 @@ def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: 
 
 @click.command("logs")
 @click.option("--rank", "ranks", type=int, multiple=True, help="Only this rank (repeatable).")
+@click.option("--replica", type=int, default=0, show_default=True, help="The replica whose ranks to show.")
 @click.option("-f", "--follow", is_flag=True, help="Follow all selected ranks at once.")
 @click.option("--tail", type=int, default=100, show_default=True, help="Lines per rank to start with.")
 @click.pass_context
-def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int) -> None:
-    """The ranks' logs, each line prefixed by its rank and node."""
+def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], replica: int, follow: bool, tail: int) -> None:
+    """The ranks' logs (of one replica), each line prefixed by its rank and node."""
     g = globals_of(ctx)
-    s = settings_of(g)
-    chosen = list(ranks) or list(range(len(s.nodes)))
-    bad = [r for r in chosen if not 0 <= r < len(s.nodes)]
+    s = settings_of(g).replica(replica)  # one replica: the settings themselves
+    node_of = {r.rank: r.node for r in s.service.ranks}
+    chosen = list(ranks) or list(node_of)
+    bad = [r for r in chosen if r not in node_of]
     if bad:
-        raise UsageError(f"--rank {bad[0]}: ranks are 0..{len(s.nodes) - 1}")
+        raise UsageError(f"--rank {bad[0]}: ranks are 0..{len(node_of) - 1}")
     lock = threading.Lock()
     width = max(len(n) for n in s.nodes)
 
@@ -221,10 +348,10 @@ def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], follow: bool, tail: int
             sys.stdout.flush()
 
     # Only the chosen ranks' nodes: `logs --rank 2` needs no connection to the others.
-    with Cluster([s.nodes[r] for r in sorted(set(chosen))], g.ssh_config_path()) as cluster:
+    with Cluster([node_of[r] for r in sorted(set(chosen))], g.ssh_config_path()) as cluster:
         errors = service.stream_logs(cluster, s, chosen, tail=tail, follow=follow, emit=emit,
                                      stop=threading.Event())
-        errors |= {n: e for n, e in cluster.errors.items() if s.nodes.index(n) in chosen}
+        errors |= {n: e for n, e in cluster.errors.items() if n in {node_of[r] for r in chosen}}
     for node, err in errors.items():
         warn_console().print(f"{node}: {err.reason}", markup=False)
     if errors:

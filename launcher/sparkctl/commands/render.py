@@ -12,7 +12,7 @@ import click
 from .. import lws
 from ..output import console, emit_json, warn
 from ..plan import make_plan, require_fit
-from ..render import Rendered, render_all, resolve_pins, write_private
+from ..render import Rendered, env_tp4_path, render_all, resolve_pins, write_private
 from ..settings import REDACTED, Settings, is_secret
 from ._checkpoint import checkpoint_for
 
@@ -38,37 +38,55 @@ def command(g: object, target: str, out: Path | None, print_env: bool, local_onl
     warn(s.warnings)
     plan = make_plan(s, checkpoint_for(g, s, local_only=local_only))
     require_fit(plan)
-    rendered = render_all(s, plan, resolve_pins(s))
     if target == "lws":
-        _write_lws(g.json, s, rendered, out or DEFAULT_LWS_OUT)
+        views = s.replicas()
+        every = [render_all(v, plan, resolve_pins(v)) for v in views]
+        # One LeaderWorkerSet of len(views) groups: the pins go into one pod template, so they must
+        # agree across every rank of every replica.
+        lws.require_uniform_pins(s, [spec for r in every for spec in r.specs])
+        _write_lws(g.json, views[0], every[0], out or DEFAULT_LWS_OUT, replicas=len(views))
         return
     out = out or DEFAULT_OUT
-    write_private(out, rendered.env_tp4)
-    ranks: list[dict[str, Any]] = [
-        {
-            "rank": spec.rank,
-            "node": spec.node,
-            "docker_argv": argv,
-            "env": {k: (REDACTED if is_secret(k) else v) for k, v in sorted(spec.env.items())},
-        }
-        for spec, argv in zip(rendered.specs, rendered.docker_argv, strict=True)
-    ]
-    if g.json:
-        emit_json({"env_tp4": str(out), "config_hash": rendered.config_hash, "ranks": ranks})
+    replicas: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for view in s.replicas():  # one replica: the settings themselves, rendered as always
+        rendered = render_all(view, plan, resolve_pins(view))
+        path = env_tp4_path(out, view.replica_index)
+        write_private(path, rendered.env_tp4)
+        texts.append(rendered.env_tp4)
+        ranks: list[dict[str, Any]] = [
+            {
+                "rank": spec.rank,
+                "node": spec.node,
+                "docker_argv": argv,
+                "env": {k: (REDACTED if is_secret(k) else v) for k, v in sorted(spec.env.items())},
+            }
+            for spec, argv in zip(rendered.specs, rendered.docker_argv, strict=True)
+        ]
+        replicas.append({"replica": view.replica_index, "head": view.head, "env_tp4": str(path),
+                         "config_hash": rendered.config_hash, "ranks": ranks})
+    first = replicas[0]
+    if g.json:  # the top-level keys are replica 0's, as before replicas existed
+        emit_json({"env_tp4": first["env_tp4"], "config_hash": first["config_hash"], "ranks": first["ranks"],
+                   "replicas": replicas})
         return
     c = console(False)
-    c.print(f"wrote {out} (mode 0600, config hash {rendered.config_hash})", markup=False)
-    for r in ranks:
-        role = "head" if r["rank"] == 0 else "worker"
-        c.print(f"\n# rank {r['rank']} on {r['node']} ({role})", markup=False)
-        c.print(shlex.join(r["docker_argv"]), markup=False, soft_wrap=True)
-    if print_env:
-        c.print("\n" + rendered.env_tp4, markup=False)
+    many = len(replicas) > 1
+    for rep, text in zip(replicas, texts, strict=True):
+        if many:
+            c.print(f"{'' if rep is first else chr(10)}## replica {rep['replica']} (head {rep['head']})", markup=False)
+        c.print(f"wrote {rep['env_tp4']} (mode 0600, config hash {rep['config_hash']})", markup=False)
+        for r in rep["ranks"]:
+            role = "head" if r["rank"] == 0 else "worker"
+            c.print(f"\n# rank {r['rank']} on {r['node']} ({role})", markup=False)
+            c.print(shlex.join(r["docker_argv"]), markup=False, soft_wrap=True)
+        if print_env:
+            c.print("\n" + text, markup=False)
 
 
-def _write_lws(as_json: bool, s: Settings, rendered: Rendered, out: Path) -> None:
-    # One group per TP set of ranks; a replica count in the settings would be passed here.
-    docs = lws.render_lws(s, rendered.specs, rendered.config_hash, replicas=1)
+def _write_lws(as_json: bool, s: Settings, rendered: Rendered, out: Path, *, replicas: int) -> None:
+    # One group per replica (REPLICAS): the groups are alike but for the nodes they land on.
+    docs = lws.render_lws(s, rendered.specs, rendered.config_hash, replicas=replicas)
     write_private(out, lws.manifests_yaml(s, docs, rendered.config_hash))
     objects = [{"kind": d["kind"], "name": d["metadata"]["name"]} for d in docs]
     secret = {"name": lws.secret_name(s), "keys": lws.secret_keys(s)}

@@ -30,7 +30,7 @@ from ..orchestrate.up import start_service
 from ..output import console, emit_json, warn
 from ..settings import Settings
 from ..supervisor import Observation, Policy, Supervisor
-from .common import globals_of, open_cluster, settings_of
+from .common import globals_of, one_replica, open_cluster, settings_of
 
 AUDIT_LOOKBACK = 500  # audit lines on the head the supervisor reads for a person's `down`
 
@@ -215,7 +215,7 @@ def watch_cmd(ctx: click.Context) -> None:
     (WATCH_MAX_RESTARTS within WATCH_RESTART_WINDOW_S: the cluster is left down, exit 1).
     """
     g = globals_of(ctx)
-    s = settings_of(g)
+    s = one_replica(settings_of(g), "watch")
     policy = Policy.from_settings(s)
     out = console(True)  # progress lines go to stderr (a log); --json prints the end as one document
     ops = WatchOps(g, s, policy, say=lambda m: out.print(m, markup=False))
@@ -274,7 +274,7 @@ def history_cmd(ctx: click.Context, limit: int) -> None:
 def rollback_cmd(ctx: click.Context, to: str | None) -> None:
     """Bring a previous service back (default: the one before the newest) through `up`'s own path."""
     g = globals_of(ctx)
-    s0 = settings_of(g)
+    s0 = one_replica(settings_of(g), "rollback")
     with open_cluster(g, s0) as cluster:
         require_all(cluster, "rollback refused")
         head = cluster.node(s0.head)
@@ -310,19 +310,21 @@ def rollback_cmd(ctx: click.Context, to: str | None) -> None:
 
 @click.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--rank", type=int, default=0, show_default=True, help="The rank whose container runs it.")
+@click.option("--replica", type=int, default=0, show_default=True, help="The replica of that rank.")
 @click.option("--timeout", type=float, default=600, show_default=True, help="Seconds before it is stopped.")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
 @click.pass_context
-def exec_cmd(ctx: click.Context, rank: int, timeout: float, argv: tuple[str, ...]) -> None:
+def exec_cmd(ctx: click.Context, rank: int, replica: int, timeout: float, argv: tuple[str, ...]) -> None:
     """Run a command in a rank's container: `sparkctl exec --rank 2 -- nvidia-smi -L` (argv, no shell)."""
     g = globals_of(ctx)
-    s = settings_of(g)
+    s = settings_of(g).replica(replica)  # one replica: the settings themselves
     words = list(argv)
     if not words:
         raise UsageError("give the command after `--`: sparkctl exec --rank N -- CMD ARGS...")
-    if not 0 <= rank < len(s.nodes):
-        raise UsageError(f"--rank {rank}: ranks are 0..{len(s.nodes) - 1}")
-    node_name = s.nodes[rank]
+    ranks = s.service.ranks
+    if not 0 <= rank < len(ranks):
+        raise UsageError(f"--rank {rank}: ranks are 0..{len(ranks) - 1}")
+    node_name = ranks[rank].node
     with Cluster([node_name], g.ssh_config_path()) as cluster:
         node = cluster.node(node_name)
         r = node.run(["docker", "exec", container_name(s.cluster_name, rank), *words], timeout=timeout)
@@ -353,7 +355,7 @@ def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, p
     from ..systemd_unit import install_argv, pinned_environment, unit_name, unit_text
 
     g = globals_of(ctx)
-    s = settings_of(g)
+    s = one_replica(settings_of(g), "export systemd")
     target = node or s.head
     if target not in s.nodes:
         raise UsageError(f"--node {target}: not one of this cluster's nodes ({' '.join(s.nodes)})")

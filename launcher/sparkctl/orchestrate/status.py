@@ -51,7 +51,8 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
         if s.head in cluster.connected else None
     ranks: list[dict[str, Any]] = []
     image_ids = set()
-    for rank, node in enumerate(s.nodes):
+    for r in s.service.ranks:  # one service: a replica view, or the only replica
+        rank, node = r.rank, r.node
         st = states[node]
         if isinstance(st, NodeError):
             ranks.append({"rank": rank, "node": node, "state": "unreachable", "error": st.reason})

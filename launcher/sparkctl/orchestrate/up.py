@@ -1,7 +1,9 @@
 """`sparkctl up`, top to bottom.
 
   up(settings)                           connect to every node (one SSH connection each); all must answer
-    cluster_lock on the head             held until the service runs or is rolled back
+    cluster_lock on the head             (replica 0's) held until the service runs or is rolled back
+    [several replicas]                   preflight_all once, then start_service per replica view, side
+                                         by side; a failed replica is rolled back alone (up_replicas)
     start_service(cluster, settings)     the body, shared with `watch` restarts and `rollback`:
       preflight, on every node at once   pins.probe_node (fabric facts), service.node_state (its
                                          containers, its image ID); on the head also the checkpoint
@@ -20,13 +22,15 @@ A failure before service.up changes nothing on any node.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import service
 from ..cluster import Cluster, Node, NodeError, parallel
-from ..errors import CheckFailed
+from ..errors import CheckFailed, SparkctlError
 from ..lock import cluster_lock
 from ..output import warn
 from ..pins import pins_from_facts, probe_node
@@ -39,66 +43,97 @@ from ..plan import (
     read_checkpoint_on,
     require_fit,
 )
-from ..render import Rendered, render_all, write_private
+from ..render import Rendered, env_tp4_path, render_all, write_private
 from ..settings import Settings
 from . import require_all
 
 ENV_TP4 = Path("env/env.tp4")
 
 
+@dataclass
+class ReplicaUp:
+    """One replica's `up`: its outcome, or why it failed (then service.up rolled back what it started)."""
+
+    replica: int
+    head: str
+    outcome: service.UpOutcome | None = None
+    error: SparkctlError | None = None
+
+
 def up(s: Settings, ssh_config: str | Path | None, *, recreate: bool, say: Callable[[str], None],
        fabric_say: Callable[[str], None] | None = None) -> service.UpOutcome:
     """Start the service, or leave an identical one alone. fabric_say given: `up --fabric-test`
-    (the all-reduce must pass first; it reports through fabric_say)."""
-    with Cluster(s.nodes, ssh_config) as cluster:
+    (the all-reduce must pass first; it reports through fabric_say). One replica only: see up_replicas."""
+    (result,) = up_replicas(s, ssh_config, recreate=recreate, say=say, fabric_say=fabric_say)
+    assert result.outcome is not None  # one replica: its failure is raised as it is
+    return result.outcome
+
+
+def up_replicas(s: Settings, ssh_config: str | Path | None, *, recreate: bool, say: Callable[[str], None],
+                fabric_say: Callable[[str], None] | None = None) -> list[ReplicaUp]:
+    """`up` of every replica: one Cluster (one connection per host) for all of them, the cluster lock on
+    the overall head (replica 0's), one preflight of every host (any failure: nothing changed), then each
+    replica's start_service on its own view, side by side. A replica that fails is rolled back alone (by
+    service.up) and reported in its ReplicaUp; the others keep running. One replica: its error is raised,
+    exactly as before replicas existed."""
+    topo = s.topology
+    with Cluster(list(topo.nodes), ssh_config) as cluster:
         require_all(cluster, "up refused")
-        head = cluster.node(s.head)
-        with cluster_lock(head, s.head, s.cluster_name, "up"):
-            gate = None
-            if fabric_say is not None:
-                report = fabric_say
+        head = cluster.node(topo.head)
+        with cluster_lock(head, topo.head, s.cluster_name, "up"):
+            views = s.replicas()
+            many = len(views) > 1
+            gathered = preflight_all(cluster, s) if many else None
 
-                def gate(pins: list[Any], states: dict[str, Any]) -> None:
-                    fabric_gate(cluster, s, pins, states, report)
+            def one(view: Settings) -> ReplicaUp:
+                tag = f"replica {view.replica_index}: " if many else ""
 
-            return start_service(cluster, s, recreate=recreate, say=say, before_start=gate)
+                def said(m: str) -> None:
+                    say(tag + m)
+
+                gate = None
+                if fabric_say is not None:
+                    report = fabric_say
+
+                    def gate(pins: list[Any], states: dict[str, Any]) -> None:
+                        fabric_gate(cluster, view, pins, states, lambda m: report(tag + m))
+
+                result = ReplicaUp(view.replica_index, view.head)
+                try:
+                    result.outcome = start_service(cluster, view, recreate=recreate, say=said, before_start=gate,
+                                                   gathered=gathered)
+                except SparkctlError as exc:
+                    if not many:
+                        raise
+                    result.error = exc
+                return result
+
+            if not many:
+                return [one(views[0])]
+            jobs: list[Callable[[], ReplicaUp]] = [functools.partial(one, v) for v in views]
+            return parallel(jobs)
 
 
 def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
                   source: str = "sparkctl up",
-                  before_start: Callable[[list[Any], dict[str, Any]], None] | None = None) -> service.UpOutcome:
+                  before_start: Callable[[list[Any], dict[str, Any]], None] | None = None,
+                  gathered: dict[str, Preflight] | None = None) -> service.UpOutcome:
     """The body of `up` under the cluster lock (the caller holds it): preflight every node, plan,
     render, start; a started service is recorded in the head's history. `watch` and `rollback`
     come through here too, so they start exactly what `up` would. before_start(pins, containers per
-    node) runs after rendering and before anything starts (`up --fabric-test`); it raises to refuse."""
-    # One round on every node at once: its fabric facts (pins are resolved at every `up`, the
-    # GID index drifts), its containers and its image; the head also reads the checkpoint.
-    image = s.image
-
-    def preflight(node: Node) -> tuple[Any, Any, CheckpointInfo | None]:
-        # Channels on the node's one connection run side by side: probe, docker, checkpoint.
-        jobs: list[Callable[[], Any]] = [lambda: probe_node(node, s),
-                                         lambda: service.node_state(node, s.cluster_name, image)]
-        if node.name == s.head:
-            jobs.append(lambda: read_checkpoint_on(node, s.model, drafter_dir(s)))
-        facts, state, *ckpt = parallel(jobs)
-        return facts, state, ckpt[0] if ckpt else None
-
-    rounds = cluster.run_all(preflight, nodes=s.nodes)
-    failed = rounds.failed
-    if failed:
-        raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
-            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
-    ok = rounds.ok
+    node) runs after rendering and before anything starts (`up --fabric-test`); it raises to refuse.
+    gathered: every node's preflight_all round, when the caller (`up` of several replicas) read it."""
+    ok = preflight_all(cluster, s) if gathered is None else {n: gathered[n] for n in s.nodes}
     plan = plan_for(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
     pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
     rendered = render_all(s, plan, pins, source=source)
     if before_start is not None:
         before_start(pins, {n: r[1][0] for n, r in ok.items()})
+    env_tp4 = env_tp4_path(ENV_TP4, s.replica_index)  # one file per replica (one replica: env/env.tp4)
     try:
-        write_private(ENV_TP4, rendered.env_tp4)
+        write_private(env_tp4, rendered.env_tp4)
     except OSError as exc:
-        warn([f"could not write {ENV_TP4}: {exc}"])
+        warn([f"could not write {env_tp4}: {exc}"])
     outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
                          gathered={n: r[1] for n, r in ok.items()})
     if outcome.changed:
@@ -109,6 +144,33 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
         except (NodeError, CheckFailed) as exc:  # the service runs: a lost record is a warning, not a failure
             warn([f"the service runs, but its history entry was not recorded: {exc}"])
     return outcome
+
+
+Preflight = tuple[Any, Any, "CheckpointInfo | None"]  # a node's fabric facts, node_state, checkpoint (heads)
+
+
+def preflight_all(cluster: Cluster, s: Settings) -> dict[str, Preflight]:
+    """One round on every node at once: its fabric facts (pins are resolved at every `up`, the GID
+    index drifts), its containers and its image; every replica's head also reads the checkpoint.
+    Any node that fails refuses `up` with nothing changed."""
+    image = s.image
+    heads = set(s.topology.heads)
+
+    def preflight(node: Node) -> Preflight:
+        # Channels on the node's one connection run side by side: probe, docker, checkpoint.
+        jobs: list[Callable[[], Any]] = [lambda: probe_node(node, s),
+                                         lambda: service.node_state(node, s.cluster_name, image)]
+        if node.name in heads:
+            jobs.append(lambda: read_checkpoint_on(node, s.model, drafter_dir(s)))
+        facts, state, *ckpt = parallel(jobs)
+        return facts, state, ckpt[0] if ckpt else None
+
+    rounds = cluster.run_all(preflight, nodes=list(s.topology.nodes))
+    failed = rounds.failed
+    if failed:
+        raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
+            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
+    return dict(rounds.ok)
 
 
 def plan_for(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None,

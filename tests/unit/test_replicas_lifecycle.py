@@ -1,0 +1,116 @@
+"""Two replicas of a TP4 service on eight local nodes (tests/unit/localnodes.py): `up` starts both on one
+Cluster, and a replica whose start fails is rolled back alone while the other keeps running (exit 1)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_cli as run
+from tests.conftest import write_model, write_serving
+from tests.unit.localnodes import LocalNodes, local_nodes
+
+NODES = [f"spark{i}" for i in range(1, 9)]
+
+
+@pytest.fixture
+def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
+    monkeypatch.chdir(tmp_path)
+    model = write_model(tmp_path / "model", 1_000_000, 2)
+    write_serving(model)
+    for k in ("SPARKCTL_ENV_FILE", "TP", "DCP", "VLLM_API_KEY", "REPLICAS"):
+        monkeypatch.delenv(k, raising=False)
+    env = {"NODES": " ".join(NODES), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
+           "FABRIC_SUBNET": "10.232.0.0/24", "SERVED_MODEL_NAME": "lab-model", "VLLM_API_KEY": "k-local"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with local_nodes(monkeypatch, tmp_path / "lab", NODES) as ln:
+        for n in NODES:
+            ln.docker(n, "pull", "sparkctl-lab/chain:keys3")
+        (ln.root / "docker-calls.jsonl").unlink()
+        yield ln
+
+
+def labels(ln: LocalNodes, name: str) -> list[dict[str, str]]:
+    r = ln.docker(name, "ps", "-aq", "--filter", "label=sparkctl.cluster=t")
+    out = []
+    for cid in r.stdout.split():
+        doc = json.loads(ln.docker(name, "inspect", cid).stdout)[0]
+        out.append(doc["Config"]["Labels"])
+    return out
+
+
+def test_up_starts_two_replicas_each_on_its_own_nodes(nodes: LocalNodes, capsys: Any) -> None:
+    code, out, err = run(["--json", "up"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [(r["replica"], r["head"], r["ok"], r["changed"]) for r in doc["replicas"]] == [
+        (0, "spark1", True, True), (1, "spark5", True, True)]
+    for i, n in enumerate(NODES):
+        (lab,) = labels(nodes, n)
+        assert (lab["sparkctl.replica"], lab["sparkctl.rank"]) == (str(i // 4), str(i % 4))
+    assert Path("env/env.tp4").exists() and Path("env/env.tp4.replica1").exists()
+    code, out, err = run(["--json", "up"], capsys)  # the same again: nothing changes on either
+    assert code == 0, err
+    assert [r["changed"] for r in json.loads(out)["replicas"]] == [False, False]
+
+
+def test_a_failed_replica_is_rolled_back_alone_and_up_exits_1(nodes: LocalNodes, capsys: Any) -> None:
+    (nodes.root / "docker-fail-spark7").touch()  # replica 1's rank 2 cannot start
+    code, out, err = run(["up"], capsys)
+    assert code == 1
+    assert "replica 1 failed and was rolled back; replica 0 runs" in err
+    assert "stub refuses to run here" in err
+    assert all(len(labels(nodes, n)) == 1 for n in NODES[:4]), "replica 0 does not run"
+    assert all(labels(nodes, n) == [] for n in NODES[4:]), "a container of replica 1 survived its rollback"
+    assert "up: replica 0 (head spark1): 4 ranks started" in out
+
+
+def test_up_json_reports_the_failed_replica(nodes: LocalNodes, capsys: Any) -> None:
+    (nodes.root / "docker-fail-spark2").touch()  # replica 0 fails this time
+    code, out, err = run(["--json", "up"], capsys)
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False
+    assert [(r["replica"], r["ok"]) for r in doc["replicas"]] == [(0, False), (1, True)]
+    assert doc["replicas"][0]["rolled_back"] and "spark2" in doc["replicas"][0]["error"]
+    assert "replica 0 failed and was rolled back; replica 1 runs" in err
+    assert all(labels(nodes, n) == [] for n in NODES[:4]) and all(len(labels(nodes, n)) == 1 for n in NODES[4:])
+
+
+def calls(ln: LocalNodes, verb: str) -> list[tuple[str, int]]:
+    return [(c["node"], c["seq"]) for c in ln.docker_calls() if c["argv"][:1] == [verb]]
+
+
+def test_down_removes_every_replica_heads_first(nodes: LocalNodes, capsys: Any) -> None:
+    assert run(["up"], capsys)[0] == 0
+    code, out, err = run(["down"], capsys)
+    assert code == 0, err
+    removed = calls(nodes, "rm")
+    last_head = max(seq for n, seq in removed if n in ("spark1", "spark5"))
+    assert all(last_head < seq for n, seq in removed if n not in ("spark1", "spark5")), removed
+    assert all(labels(nodes, n) == [] for n in NODES)
+
+
+def test_logs_and_status_per_replica(nodes: LocalNodes, capsys: Any) -> None:
+    assert run(["up"], capsys)[0] == 0
+    code, out, err = run(["logs", "--replica", "1", "--rank", "2", "--tail", "3"], capsys)
+    assert code == 0, err
+    assert out and all(ln.startswith("[2 spark7] ") for ln in out.splitlines()), out
+    logs = [c for c in nodes.docker_calls() if c["argv"][:1] == ["logs"]]
+    assert [c["node"] for c in logs] == ["spark7"]
+    code, _, err = run(["logs", "--replica", "2"], capsys)
+    assert code == 2 and "replica 2 does not exist: there are 2" in err
+    code, out, err = run(["--json", "status"], capsys)  # no API answers here: not serving, exit 1
+    assert code == 1
+    doc = json.loads(out)
+    assert (doc["total"], doc["serving"], doc["ok"]) == (2, 0, False)
+    for rep in doc["replicas"]:
+        assert [(r["rank"], r["node"], r["state"]) for r in rep["ranks"]] == [
+            (k, NODES[rep["replica"] * 4 + k], "running") for k in range(4)]
+        assert all(r["config_current"] for r in rep["ranks"]), rep["problems"]
+    assert any(p.startswith("replica 1: head /health") for p in doc["problems"])
