@@ -188,6 +188,9 @@ def test_endpoint_json_and_defaults(cli_env: Path, capsys: Any) -> None:
     assert doc == {"nginx_conf": "x/ngx.conf", "heads": [{"node": "spark1", "host": "10.9.8.7", "port": 8888}],
                    "listen": "127.0.0.1:8888", "api_key_set": True, "state_dir": str(Path("run").resolve())}
     assert "sk-endpoint-secret-4711" not in out + err + Path("x/ngx.conf").read_text()
+    assert Path("run").is_dir()
+    code, out, err = run(["--ssh-config", str(cli_env), "endpoint", "--state-dir", "run"], capsys)
+    assert code == 0 and f"-e {Path('run').resolve()}/error.log" in out
 
 
 def test_endpoint_refuses_a_hostile_value_with_exit_2(cli_env: Path, capsys: Any, monkeypatch: Any) -> None:

@@ -79,6 +79,8 @@ def command(g: object, out: Path, listen: int | None, bind: str | None, state_di
     text, summary = render_endpoint(s, g.ssh_config_path(), listen=listen, bind=bind, state_dir=state)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
+    if state is not None:
+        Path(state).mkdir(parents=True, exist_ok=True)  # nginx makes its temp dirs, not this one
     if not summary["api_key_set"] and not _loopback(bind):
         where = f"on {bind}" if bind else "on every address"
         warn([f"no VLLM_API_KEY: the endpoint answers anyone who reaches it {where} "
@@ -89,6 +91,7 @@ def command(g: object, out: Path, listen: int | None, bind: str | None, state_di
     c = console(print_conf)  # with --print, stdout is nginx.conf alone
     heads = ", ".join(f"{h['node']} at {h['host']}:{h['port']}" for h in summary["heads"])
     c.print(f"wrote {out}: listen {summary['listen']} -> {heads}", markup=False)
-    c.print(f"run: nginx -c {out.resolve()} -g 'daemon off;'", markup=False)
+    early_log = f" -e {state}/error.log" if state else ""  # nginx's compiled-in log, before the config is read
+    c.print(f"run: nginx -c {out.resolve()}{early_log} -g 'daemon off;'", markup=False)
     if print_conf:
         click.echo(text, nl=False)
