@@ -110,10 +110,22 @@ def prebuilt_recipe(dest: Path, name: str = "lab-prebuilt") -> Path:
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """sparkctl's CLI in this process, as a user runs it: (exit status, stdout, stderr)."""
+    """sparkctl's CLI in this process, as a user runs it: (exit status, stdout, stderr).
+
+    main() installs sparkctl's signal handlers and ends committed (a SIGINT noted, never raised): both
+    are undone after, so a later test's Ctrl-C (`_thread.interrupt_main`) is a KeyboardInterrupt again."""
+    import signal
+
+    from sparkctl import signals
     from sparkctl.cli import main
 
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
+    saved = {s: signal.getsignal(s) for s in signals.HANDLED}
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+    finally:
+        signals.reset()
+        for s, handler in saved.items():
+            signal.signal(s, handler)
     out, err = capsys.readouterr()
     return int(exc.value.code or 0), out, err

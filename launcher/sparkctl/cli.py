@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify-model": ("verify_model", "Verify the checkpoint's layout and EXL3 ABI from its headers."),
     "model": ("model", "Pull the checkpoint to the head (Hub) and sync it to the ranks, node to node."),
     "build": ("build", "Build the image chain on every rank (or once, shipping missing layers)."),
+    "endpoint": ("endpoint", "Render nginx.conf: one OpenAI endpoint over every replica's head (offline)."),
     "bake": ("bake", "Render docker-bake.hcl for CI builds of the image chain (linux/arm64)."),
     "up": ("lifecycle", "Start the service: workers, then the head."),
     "wait": ("lifecycle", "Wait until the service answers a real completion."),
