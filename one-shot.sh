@@ -2,7 +2,8 @@
 # one-shot.sh — the whole day in one script.
 #
 #   ./one-shot.sh check | build | up | wait | status | logs | down | bench   run sparkctl on your cluster
-#   ./one-shot.sh demo    bring up the built-in lab (root) and walk the user's path on it
+#   ./one-shot.sh demo [--nodes 8]   bring up the built-in lab (root) and walk the user's path on it
+#                         (8 hosts: 2 replicas of TP4 and one nginx endpoint over them)
 #   ./one-shot.sh test    lint, type-check, unit tests, the fidelity suite (real vLLM), then the lab tests (root), as CI does
 #   ./one-shot.sh <any sparkctl command> [args]
 #
@@ -55,7 +56,7 @@ as_root_install() {
 }
 
 lab_packages() {
-  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync
+  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl
 }
 
 sparkctl() { "$venv/bin/sparkctl" "$@"; }
@@ -85,11 +86,22 @@ step() {  # run a step of the demo, or say that it arrives later
 }
 
 demo() {
+  local nodes="${LAB_NODES:-4}"
+  while (($#)); do
+    case "$1" in
+      --nodes) [[ $# -ge 2 ]] || die "demo: --nodes needs a number"; nodes="$2"; shift 2 ;;
+      --nodes=*) nodes="${1#--nodes=}"; shift ;;
+      *) die "demo: unknown argument '$1' (usage: ./one-shot.sh demo [--nodes N], N a multiple of 4 for replicas)" ;;
+    esac
+  done
+  [[ "$nodes" =~ ^[1-9][0-9]*$ ]] || die "demo: --nodes must be a whole number, not '$nodes'"
   [[ $(id -u) -eq 0 ]] || die "demo builds the lab (network namespaces, sshd, dockerd per host): run it as root"
   lab_packages
   bootstrap
-  say "bringing up the lab (4 hosts, each with its own sshd and Docker engine)"
-  export_lab_env < <(sparkctl lab up --nodes "${LAB_NODES:-4}")
+  local replicas=1
+  ((nodes % 4 == 0)) && replicas=$((nodes / 4))
+  say "bringing up the lab ($nodes hosts, each with its own sshd and Docker engine; $replicas replica(s))"
+  export_lab_env < <(sparkctl lab up --nodes "$nodes")
   [[ -n "${SPARKCTL_ENV_FILE:-}" ]] || die "lab up did not say where its env file is"
   say "the lab's cluster input: $SPARKCTL_ENV_FILE (ssh config $SPARKCTL_SSH_CONFIG)"
   step config
@@ -100,9 +112,29 @@ demo() {
   step up
   step wait
   step status
+  if ((replicas > 1)); then
+    command -v nginx >/dev/null || as_root_install nginx
+    endpoint_demo
+  fi
   step logs --tail 5
   step down
   say "demo done: the lab is still up for you to explore (\`./one-shot.sh lab down\` removes it)"
+}
+
+endpoint_demo() {  # one endpoint over the replicas: the rendered nginx.conf, run by the real nginx
+  local state port=18000
+  state="$(mktemp -d /tmp/sparkctl-endpoint.XXXXXX)"
+  step endpoint --out "$state/nginx.conf" --listen "$port" --bind 127.0.0.1 --state-dir "$state"
+  say "nginx -c $state/nginx.conf: one endpoint on 127.0.0.1:$port over every replica's head"
+  nginx -c "$state/nginx.conf" || die "nginx did not start (see $state)"
+  local i ok=0
+  for i in 1 2 3 4; do  # a few requests through it: least_conn spreads them over the heads
+    curl -fsS --max-time 30 "http://127.0.0.1:$port/v1/models" >/dev/null && ok=$((ok + 1))
+  done
+  nginx -c "$state/nginx.conf" -s stop || true
+  say "the endpoint answered $ok of 4 requests"
+  ((ok == 4)) || die "the endpoint over the replicas did not answer every request (logs in $state)"
+  rm -rf "$state"
 }
 
 run_tests() {
@@ -149,7 +181,7 @@ main() {
   shift
   case "$cmd" in
     -h|--help|help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' ;;
-    demo) demo ;;
+    demo) demo "$@" ;;
     test) run_tests "$@" ;;
     *) bootstrap; exec "$venv/bin/sparkctl" "$cmd" "$@" ;;
   esac

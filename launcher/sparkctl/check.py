@@ -700,6 +700,7 @@ def gather(
     needs: Needs,
     *,
     head: str,
+    heads: Sequence[str] = (),
     layout: bool = True,
     timeout: float = 60.0,
     probes: Probes,
@@ -707,8 +708,8 @@ def gather(
     """Round 1, at once on every node's one connection:
       - node_facts.sh: every read-only fact, Docker's too (one curl to the engine's API over its
         local socket: version, this cluster's containers, the image; the docker CLI where that
-        cannot be done). Plain `nvidia-smi`, for the CUDA version that the driver decides, and the
-        listening ports run on the head only. Few processes per node: on the lab, every node shares
+        cannot be done). Plain `nvidia-smi`, for the CUDA version that the driver decides, runs on
+        the head only; the listening ports on every replica's head (`heads`, default the head). Few processes per node: on the lab, every node shares
         one machine's CPUs. Each node's probe stays open (in `probes`) for round 2: reach().
       - on the head, ckpt_scan.py on a second channel (header-level verification from the shards'
         summaries, cached there; the planner's input).
@@ -718,16 +719,17 @@ def gather(
     nonce = probes.nonce
     ready = f"@@sparkctl {nonce} ready\n".encode()
 
-    def args(head: bool) -> list[str]:  # the CUDA banner and the listening ports: the head's only
-        return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image, *([needs.base_image] if needs.base_image else [])], df_paths=(*DF_PATHS, needs.model),
-                            api=True, banner=head, listening=head)  # fmt: skip
+    api_heads = set(heads) or {head}
 
-    head_args, other_args = args(True), args(False)
+    def args(banner: bool, listening: bool) -> list[str]:  # the CUDA banner: the head's; ports: every API head's
+        return F.probe_args(model=needs.model, cluster=needs.cluster, images=[needs.image, *([needs.base_image] if needs.base_image else [])], df_paths=(*DF_PATHS, needs.model),
+                            api=True, banner=banner, listening=listening)  # fmt: skip
+
     reach_arg = [f"reach={needs.master_port}"]
 
     def node_facts(node: Node) -> F.NodeFacts:
-        on_head = node.name == head
-        sess = node.start(["sh", "-s", "--", nonce, *(head_args if on_head else other_args), *reach_arg],
+        on_head, serves = node.name == head, node.name in api_heads
+        sess = node.start(["sh", "-s", "--", nonce, *args(on_head, serves), *reach_arg],
                           timeout=timeout)  # fmt: skip
         if sess.read_until(ready, facts_script):
             with probes.lock:
@@ -736,7 +738,7 @@ def gather(
         else:  # it ended before round 2: no shell, or it broke; what it printed is still its facts
             res = sess.finish()
             out, err = res.stdout, res.stderr
-        return F.node_facts_from_probe(out, nonce, err, expect_banner=on_head, expect_listening=on_head)
+        return F.node_facts_from_probe(out, nonce, err, expect_banner=on_head, expect_listening=serves)
 
     def scan(node: Node) -> dict[str, Any] | str:
         try:  # summaries: what the rules need, cached on the head (the full headers only when they ask)
@@ -925,8 +927,8 @@ def run_check(
         timing["connect"] = cluster.connect_seconds
         t = time.monotonic()
         probes = stack.enter_context(Probes(secrets.token_hex(8)))
-        gathered = gather(cluster, needs, head=head, layout=verifier is not None, timeout=command_timeout,
-                          probes=probes)  # fmt: skip
+        gathered = gather(cluster, needs, head=head, heads=settings.topology.heads, layout=verifier is not None,
+                          timeout=command_timeout, probes=probes)  # fmt: skip
         timing["probe"] = time.monotonic() - t
         head_scan = gathered.get(head, (None, None))[1]
         ckpt: CheckpointInfo | None = None

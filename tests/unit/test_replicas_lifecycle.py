@@ -114,3 +114,12 @@ def test_logs_and_status_per_replica(nodes: LocalNodes, capsys: Any) -> None:
             (k, NODES[rep["replica"] * 4 + k], "running") for k in range(4)]
         assert all(r["config_current"] for r in rep["ranks"]), rep["problems"]
     assert any(p.startswith("replica 1: head /health") for p in doc["problems"])
+
+
+def test_check_reads_the_listening_ports_of_every_replicas_head(nodes: LocalNodes, capsys: Any) -> None:
+    """The demo on 8 lab hosts failed `check` with "spark5 ports: could not read listening": the probe
+    asked only replica 0's head for its listening ports, the rule judged every head's."""
+    code, out, err = run(["--json", "check"], capsys)
+    doc = json.loads(out)
+    ports = {f["node"]: f for f in doc["findings"] if f["check"] == "ports"}
+    assert ports["spark1"]["status"] == "ok" and ports["spark5"]["status"] == "ok", (ports, err)
