@@ -123,3 +123,14 @@ def test_check_reads_the_listening_ports_of_every_replicas_head(nodes: LocalNode
     doc = json.loads(out)
     ports = {f["node"]: f for f in doc["findings"] if f["check"] == "ports"}
     assert ports["spark1"]["status"] == "ok" and ports["spark5"]["status"] == "ok", (ports, err)
+
+
+def test_check_writes_each_replicas_env_file_from_its_own_nodes_pins(nodes: LocalNodes, capsys: Any) -> None:
+    """check (its --render: the local stand-ins fail other rules) writes env.tp4 for replica 0 and
+    env.tp4.replica1 for replica 1, each naming its own head and the pins found on its own nodes."""
+    run(["check", "--render"], capsys)
+    first, second = Path("env/env.tp4").read_text(), Path("env/env.tp4.replica1").read_text()
+    ip = {f: next(ln for ln in text.splitlines() if ln.startswith("RANK0_FABRIC_IP=")) for f, text in
+          (("0", first), ("1", second))}
+    assert ip["0"] != ip["1"], ip
+    assert "spark5" in second and "spark5" not in first

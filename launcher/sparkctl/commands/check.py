@@ -21,7 +21,7 @@ from ..errors import CheckFailed, UsageError
 from ..fabric import FabricReport
 from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
 from ..output import console, emit_json, warn
-from ..render import render_all, resolve_pins, write_private
+from ..render import env_tp4_path, render_all, resolve_pins, write_private
 
 DEFAULT_OUT = Path("env/env.tp4")
 STYLE = {OK: "green", FAIL: "bold red", WARN: "yellow"}
@@ -109,13 +109,21 @@ def _print_fabric(fr: FabricReport) -> None:
 
 
 def _write_env(s: Any, report: CheckReport, out: Path) -> tuple[Path | None, str | None]:
+    """env.tp4 for every replica (replica i > 0: env.tp4.replica<i>), each from the pins check found at its
+    nodes' positions in NODES; all rendered before any is written. Returns replica 0's path."""
     if report.plan is None:
         return None, "no memory plan (the checkpoint could not be read on the head)"
+    texts: list[tuple[Path, str]] = []
     try:
-        rendered = render_all(s, report.plan, resolve_pins(s, report.pins), source="sparkctl check")
+        for view in s.replicas():
+            found = {k: report.pins[view.rank_offset + k] for k in range(len(view.nodes))
+                     if view.rank_offset + k in report.pins}
+            rendered = render_all(view, report.plan, resolve_pins(view, found), source="sparkctl check")
+            texts.append((env_tp4_path(out, view.replica_index), rendered.env_tp4))
     except UsageError as exc:
         return None, exc.message
-    write_private(out, rendered.env_tp4)
+    for path, text in texts:
+        write_private(path, text)
     return out, None
 
 
