@@ -69,3 +69,26 @@ def test_sysfs_tree_shape(tmp_path: Path) -> None:
     assert (port / "gid_attrs" / "ndevs" / "5").read_text() == "enp1s0f0np0\n"
     assert (tmp_path / "rocep1s0f1" / "ports" / "1" / "state").read_text() == "1: DOWN\n"
     assert (tmp_path / "rocep1s0f0" / "device" / "net" / "enp1s0f0np0").is_dir()
+
+
+def test_the_lab_env_file_is_a_valid_cluster_input_with_replicas_where_hosts_split_into_fours(
+        tmp_path: Path, clean_env: object) -> None:
+    """`lab up --nodes N` writes TP=4 where N splits into fours (8 hosts: 2 replicas, as `demo --nodes 8`
+    runs them), else TP=N; the settings load it as that topology."""
+    from sparkctl.lab.manage import write_client_files
+    from sparkctl.lab.state import HostPaths, LabFiles
+    from sparkctl.settings import load_settings
+
+    files = LabFiles.of(tmp_path)
+    files.root.mkdir(parents=True, exist_ok=True)
+    for n, replicas in ((8, 2), (16, 4), (4, 1), (6, 1)):
+        specs = hosts_for(n)
+        for spec in specs:
+            key = HostPaths.of(spec.name, files.root).host_key
+            key.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{key}.pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK lab\n")
+        write_client_files(files, specs)
+        s = load_settings(cli={}, environ={}, env_file=str(files.env_file))
+        topo = s.topology
+        assert len(topo.replicas) == replicas, (n, files.env_file.read_text())
+        assert topo.heads == tuple(f"spark{1 + i * (n // replicas)}" for i in range(replicas))
