@@ -200,7 +200,7 @@ def up(
     return outcome
 
 
-def _settled(call: Callable[[], T]) -> T:
+def settled(call: Callable[[], T]) -> T:
     """Run a fan-out to its end even if Ctrl-C arrives meanwhile, then re-raise the interrupt.
 
     Otherwise a `docker run` still in flight on a pool thread could create a container after the
@@ -254,7 +254,7 @@ def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash
                             "see the error above; `sparkctl render` prints the exact command line")
         return r.stdout.strip()
 
-    results = _settled(lambda: cluster.run_all(one, nodes=list(argv)))
+    results = settled(lambda: cluster.run_all(one, nodes=list(argv)))
     for node, res in results.ok.items():
         ids[node] = res.splitlines()[-1].strip()[:128] if res else ""  # docker run --detach prints the ID
         started.append(f"rank {rank[node]} on {node}")

@@ -134,3 +134,33 @@ def test_check_writes_each_replicas_env_file_from_its_own_nodes_pins(nodes: Loca
           (("0", first), ("1", second))}
     assert ip["0"] != ip["1"], ip
     assert "spark5" in second and "spark5" not in first
+
+
+def test_a_signal_while_replicas_start_leaves_each_replica_whole_or_gone(nodes: LocalNodes, capsys: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT reaches the main thread while the replicas start on pool threads. `up` lets every start
+    settle before it leaves the lock and closes the connections: each replica ends fully running (a
+    replica reached its point of no return: the signal is a note, exit 0) or rolled back -- never a
+    part of one, and the lock is released."""
+    import os
+    import signal
+    import time
+
+    from sparkctl.orchestrate import up as orchestrate_up
+
+    real = orchestrate_up.start_service
+
+    def start(cluster: Any, view: Any, **kw: Any) -> Any:
+        if view.replica_index == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # handled on the main thread, now waiting for us
+            time.sleep(0.5)
+        return real(cluster, view, **kw)
+
+    monkeypatch.setattr(orchestrate_up, "start_service", start)
+    code, out, err = run(["up"], capsys)
+    per_replica = [[len(labels(nodes, n)) for n in NODES[i * 4:(i + 1) * 4]] for i in (0, 1)]
+    assert all(c in ([1] * 4, [0] * 4) for c in per_replica), (per_replica, code, err)
+    assert code in (0, 130), err
+    if code == 0:
+        assert per_replica == [[1] * 4, [1] * 4], err
+    assert not any((nodes.home(n) / ".sparkctl" / "t" / "lock").exists() for n in NODES), "the lock is held"

@@ -111,7 +111,12 @@ def up_replicas(s: Settings, ssh_config: str | Path | None, *, recreate: bool, s
             if not many:
                 return [one(views[0])]
             jobs: list[Callable[[], ReplicaUp]] = [functools.partial(one, v) for v in views]
-            return parallel(jobs)
+            # The replicas start on pool threads; a signal reaches only this thread. Let every start
+            # settle first (each is bounded by its own timeouts): leaving now would release the lock and
+            # close the connections under starts in flight, so neither they nor their rollbacks could
+            # finish. A replica that reaches its point of no return (signals.commit) makes the signal
+            # a note; one that fails rolls itself back; a signal before any is raised once all settled.
+            return service.settled(lambda: parallel(jobs))
 
 
 def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
