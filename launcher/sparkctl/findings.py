@@ -8,7 +8,7 @@ findings) all return Findings; the commands print them. Pure: no I/O.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from . import facts as F
 from .settings import RankPins, Settings
@@ -36,9 +36,8 @@ class Finding:
         return self.reason or self.short
 
     def to_dict(self) -> dict[str, str]:
-        d = asdict(self)
-        d["reason"] = self.text
-        return d
+        return {"node": self.node, "check": self.check, "status": self.status, "short": self.short,
+                "reason": self.text, "fix": self.fix}
 
 
 @dataclass(frozen=True)

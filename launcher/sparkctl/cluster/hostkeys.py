@@ -5,6 +5,7 @@ trusts it. `sparkctl trust` records keys here (record_host_key)."""
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import os
@@ -38,33 +39,47 @@ class KnownHost:
 
 
 def read_known_hosts(paths: Sequence[str]) -> list[KnownHost]:
-    """Every parseable entry of the given known_hosts files (missing files are simply empty)."""
-    entries = []
+    """Every parseable entry of the given known_hosts files (missing files are simply empty). A file is
+    parsed once per process while it stays the same file (inode, size, mtime): a Cluster of 16 nodes
+    reads it for each connection."""
+    entries: list[KnownHost] = []
     for path in paths:
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.read().splitlines()
+            st = os.stat(path)
         except FileNotFoundError:
             continue
         except OSError as exc:
-            raise UsageError(
-                f"cannot read known_hosts file {path}: {exc.strerror}", fix=f"check {path}"
-            ) from None
-        for n, line in enumerate(lines, 1):
-            fields = line.split()
-            if not fields or fields[0].startswith("#"):
-                continue
-            marker = None
-            if fields[0].startswith("@"):
-                marker, fields = fields[0][1:], fields[1:]
-            if len(fields) < 3:
-                continue
-            try:
-                blob = base64.b64decode(fields[2], validate=True)
-            except ValueError:
-                continue
-            entries.append(KnownHost(tuple(fields[0].split(",")), fields[1], blob, path, n, marker))
+            raise UsageError(f"cannot read known_hosts file {path}: {exc.strerror}", fix=f"check {path}") from None
+        entries += _parse_known_hosts(path, (st.st_ino, st.st_size, st.st_mtime_ns))
     return entries
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_known_hosts(path: str, version: tuple[int, int, int]) -> tuple[KnownHost, ...]:
+    del version  # part of the cache key only
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return ()
+    except OSError as exc:
+        raise UsageError(f"cannot read known_hosts file {path}: {exc.strerror}", fix=f"check {path}") from None
+    entries = []
+    for n, line in enumerate(lines, 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        marker = None
+        if fields[0].startswith("@"):
+            marker, fields = fields[0][1:], fields[1:]
+        if len(fields) < 3:
+            continue
+        try:
+            blob = base64.b64decode(fields[2], validate=True)
+        except ValueError:
+            continue
+        entries.append(KnownHost(tuple(fields[0].split(",")), fields[1], blob, path, n, marker))
+    return tuple(entries)
 
 
 def host_matches(patterns: Sequence[str], name: str) -> bool:
