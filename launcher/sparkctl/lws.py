@@ -10,7 +10,7 @@ What maps to what (README, "Kubernetes (LeaderWorkerSet)"):
   `leaderWorkerTemplate.size` = the ranks of one group. N groups are `spec.replicas` of ONE LeaderWorkerSet,
   not N objects: the groups then share one template (one rollout, group by group), one Service spreads
   requests over every group's leader, and the LWS scale subresource (HPA) changes N. `render_lws` takes
-  `replicas`; the command passes 1 until the settings carry a replica count.
+  `replicas`; `render --target lws` passes the topology's REPLICAS.
 - The argv is `builders.vllm_serve_argv`'s, word for word, except two values Kubernetes fills in:
   `--master-addr $(LWS_LEADER_ADDRESS)` (the leader pod's in-cluster name, which LWS puts in every
   container's env) and, in the one worker template, `--node-rank $(LWS_WORKER_INDEX)` (1..size-1: LWS's
