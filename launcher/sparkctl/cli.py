@@ -121,12 +121,17 @@ _GLOBALS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
 ]
 
 
+# The param name of a global option's hidden copy on a command: global_<name>, so it never shares a
+# name with the command's own parameters (trust's NODE... argument is `nodes`: click warned on every run).
+_HIDDEN_PREFIX = "global_"
+
+
 def _set_global(ctx: click.Context, param: click.Parameter, value: Any) -> None:
     """A global option given after the command: fold it into the Globals the group made."""
     g = ctx.find_object(Globals)
     if g is None or value in (None, False, 0):
         return
-    name = param.name
+    name = str(param.name).removeprefix(_HIDDEN_PREFIX)
     if name == "as_json":
         g.json = True
     elif name == "verbose":
@@ -144,8 +149,9 @@ def _with_globals(cmd: click.Command) -> click.Command:
         opts = [d for d in decls if d.startswith("-")]
         if taken & set(opts):
             continue
-        cmd.params.append(click.Option(list(decls), expose_value=False, callback=_set_global,
-                                       hidden=True, **attrs))
+        name = _HIDDEN_PREFIX + str(click.Option(list(decls)).name)  # global_nodes, global_as_json, ...
+        cmd.params.append(click.Option([*opts, name], expose_value=False, callback=_set_global, hidden=True,
+                                       **attrs))
     if isinstance(cmd, click.Group):
         for sub in cmd.commands.values():
             _with_globals(sub)
