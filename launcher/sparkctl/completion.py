@@ -1,7 +1,8 @@
 """Shell completion of option and argument values (click's `shell_complete` callbacks).
 
 A callback runs on every TAB, in a process click starts for it: it is offline (no SSH connection, files
-only), it prints nothing, and it never raises: whatever goes wrong completes nothing. What the line said so far (`--ssh-config`, `--recipe`, `--env-file`, before
+only), it prints nothing, and it never raises: whatever goes wrong (no ssh config, a recipe that does
+not load) completes nothing. What the line said so far (`--ssh-config`, `--recipe`, `--env-file`, before
 or after the command) is the Globals that `cli.line_globals` rebuilds, since click only parses the line
 when it completes: the group's callback, which makes the Globals of a run, does not run.
 
@@ -100,3 +101,17 @@ def node_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> l
     from .cli import line_globals
 
     return ssh_host_aliases(line_globals(ctx).ssh_config_path())
+
+
+# ------------------------------------------------------------------------------ image layers
+
+
+@_quiet
+def layer_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """build --only: the layers of the recipe in effect (--recipe, RECIPE in the environment or the env
+    file, else the default), read from the recipe file; the rest of the settings need not be valid."""
+    from .cli import line_globals
+
+    settings = line_globals(ctx).settings(validate=False, strict_keys=False)
+    names: list[str] = settings.recipe.layer_names()
+    return names

@@ -1,5 +1,5 @@
 """Shell completion of values, through click's real protocol (`_SPARKCTL_COMPLETE=bash_complete` in a
-`python -m sparkctl` process, as bash runs it): node names. Offline, silent, never
+`python -m sparkctl` process, as bash runs it): node names, image layers. Offline, silent, never
 an error."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from sparkctl.completion import ssh_host_aliases
+from sparkctl.recipes import load_recipe, recipes_dir
 from sparkctl.settings import KNOBS
 
 
@@ -72,3 +73,28 @@ def test_node_names_complete_from_the_ssh_config_in_effect(tmp_path):
     assert _complete(f"sparkctl trust --ssh-config {cfg} n", tmp_path, HOME=str(home)) == ["node-a", "node-b"]
     # a config that is not there completes nothing, silently
     assert _complete("sparkctl --ssh-config /nonexistent/config trust ", tmp_path, HOME=str(home)) == []
+
+
+def _renamed_lab_recipe(dest: Path) -> Path:
+    text = (recipes_dir() / "lab.toml").read_text()
+    text = text.replace('name = "lab"', 'name = "lab-renamed"', 1).replace('name = "dcp"', 'name = "first"')
+    path = dest / "renamed.toml"
+    path.write_text(text.replace('name = "keys3"', 'name = "last"'))
+    return path
+
+
+def test_build_only_completes_the_layers_of_the_recipe_in_effect(tmp_path):
+    default = load_recipe("glm53-exl3-tp4").layer_names()
+    assert default == ["dcp", "mul1", "v145", "keys", "keys3"]
+    assert _complete("sparkctl build --only ", tmp_path) == default  # the default recipe (no NODES, no MODEL)
+    assert _complete("sparkctl build --only k", tmp_path) == ["keys", "keys3"]
+    recipe = _renamed_lab_recipe(tmp_path)
+    renamed = ["first", "mul1", "v145", "keys", "last"]
+    assert _complete(f"sparkctl --recipe {recipe} build --only ", tmp_path) == renamed
+    assert _complete(f"sparkctl build --recipe {recipe} --only ", tmp_path) == renamed
+    assert _complete("sparkctl build --only ", tmp_path, RECIPE=str(recipe)) == renamed
+    (tmp_path / "cluster.env").write_text(f"RECIPE={recipe}\n")
+    assert _complete("sparkctl --env-file cluster.env build --only ", tmp_path) == renamed
+    # a prebuilt recipe builds no layers; a recipe that is not there completes nothing
+    assert _complete("sparkctl --recipe glm53-exl3-2.75bpw build --only ", tmp_path) == []
+    assert _complete("sparkctl --recipe nosuch build --only ", tmp_path) == []
