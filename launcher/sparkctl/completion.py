@@ -1,8 +1,8 @@
 """Shell completion of option and argument values (click's `shell_complete` callbacks).
 
 A callback runs on every TAB, in a process click starts for it: it is offline (no SSH connection, files
-only), it prints nothing, and it never raises: whatever goes wrong (no ssh config, a recipe that does
-not load) completes nothing. What the line said so far (`--ssh-config`, `--recipe`, `--env-file`, before
+only), it prints nothing, and it never raises: whatever goes wrong (no ssh config, settings that do not
+load) completes nothing. What the line said so far (`--ssh-config`, `--recipe`, `--env-file`, before
 or after the command) is the Globals that `cli.line_globals` rebuilds, since click only parses the line
 when it completes: the group's callback, which makes the Globals of a run, does not run.
 
@@ -21,6 +21,7 @@ import re
 import shlex
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import click
 
@@ -115,3 +116,19 @@ def layer_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> 
     settings = line_globals(ctx).settings(validate=False, strict_keys=False)
     names: list[str] = settings.recipe.layer_names()
     return names
+
+
+# ------------------------------------------------------------------------------ ranks
+
+
+@_quiet
+def rank_numbers(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """--rank: 0..N-1, N the ranks of the replica (--replica given earlier, else 0) of the settings in
+    effect. Settings whose topology does not load (no NODES, NODES that do not split into TP groups, a
+    TP that is not a number) complete nothing; the knobs the topology does not read (MODEL) need not be set."""
+    from .cli import line_globals
+
+    replica = ctx.params.get("replica")
+    settings: Any = line_globals(ctx).settings(validate=False, strict_keys=False)
+    view = settings.replica(replica if isinstance(replica, int) else 0)
+    return [str(r) for r in range(len(view.service.ranks))]

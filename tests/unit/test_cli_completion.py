@@ -1,5 +1,5 @@
 """Shell completion of values, through click's real protocol (`_SPARKCTL_COMPLETE=bash_complete` in a
-`python -m sparkctl` process, as bash runs it): node names, image layers. Offline, silent, never
+`python -m sparkctl` process, as bash runs it): node names, image layers, ranks. Offline, silent, never
 an error."""
 
 from __future__ import annotations
@@ -98,3 +98,21 @@ def test_build_only_completes_the_layers_of_the_recipe_in_effect(tmp_path):
     # a prebuilt recipe builds no layers; a recipe that is not there completes nothing
     assert _complete("sparkctl --recipe glm53-exl3-2.75bpw build --only ", tmp_path) == []
     assert _complete("sparkctl --recipe nosuch build --only ", tmp_path) == []
+
+
+def test_rank_completes_the_ranks_of_the_settings_in_effect(tmp_path):
+    # the default recipe's TP=4: 4 nodes are one replica of 4 ranks, 8 nodes two of 4
+    assert _complete("sparkctl --nodes 'a b c d' logs --rank ", tmp_path) == ["0", "1", "2", "3"]
+    assert _complete("sparkctl logs --replica 1 --nodes 'a b c d e f g h' --rank ", tmp_path) == [
+        "0", "1", "2", "3"]
+    assert _complete("sparkctl exec --rank ", tmp_path, NODES="a b c d", TP="2") == ["0", "1"]
+    (tmp_path / "cluster.env").write_text("NODES=a b c d\nTP=1\n")
+    assert _complete("sparkctl --env-file cluster.env exec --rank ", tmp_path) == ["0"]
+    assert _complete("sparkctl exec --rank 1", tmp_path, NODES="a b c d e f g h i j k l", TP="12") == [
+        "1", "10", "11"]
+    # settings without a topology complete nothing, silently: no NODES, NODES that split into no TP group,
+    # a TP that is not a number, a replica that is not there
+    assert _complete("sparkctl logs --rank ", tmp_path) == []
+    assert _complete("sparkctl exec --rank ", tmp_path, NODES="a b c") == []
+    assert _complete("sparkctl exec --rank ", tmp_path, NODES="a b c d", TP="four") == []
+    assert _complete("sparkctl logs --replica 3 --rank ", tmp_path, NODES="a b c d") == []
