@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from . import __version__, signals
+from .completion import node_names
 from .errors import SparkctlError, UsageError
 from .signals import signal_name
 
@@ -110,7 +111,8 @@ def _recipe_names(ctx: click.Context, param: click.Parameter, incomplete: str) -
 # The global options, declared once: on the group, and again on every command (see _with_globals).
 _GLOBALS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--env-file",), dict(metavar="PATH", help="Cluster env file (else $SPARKCTL_ENV_FILE, else env/cluster.env).")),
-    (("--nodes",), dict(metavar="'H1 H2 ...'", help="SSH host aliases, head first (env: NODES).")),
+    (("--nodes",), dict(metavar="'H1 H2 ...'", help="SSH host aliases, head first (env: NODES).",
+                        shell_complete=node_names)),
     (("--model",), dict(metavar="DIR", help="Checkpoint folder, same path on every node (env: MODEL).")),
     (("--recipe",), dict(metavar="NAME", help="Recipe name or path to a recipe file (env: RECIPE).",
                          shell_complete=_recipe_names)),
@@ -121,12 +123,19 @@ _GLOBALS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
 ]
 
 
+# The param name of a global option's hidden copy on a command: global_<name>, so it never shares a
+# name with the command's own parameters (trust's NODE... argument is `nodes`: click warned on every run).
+_HIDDEN_PREFIX = "global_"
+
+
 def _set_global(ctx: click.Context, param: click.Parameter, value: Any) -> None:
     """A global option given after the command: fold it into the Globals the group made."""
     g = ctx.find_object(Globals)
+    if g is None and ctx.resilient_parsing:  # click completing the line: the group's callback did not run
+        g = line_globals(ctx)
     if g is None or value in (None, False, 0):
         return
-    name = param.name
+    name = str(param.name).removeprefix(_HIDDEN_PREFIX)
     if name == "as_json":
         g.json = True
     elif name == "verbose":
@@ -137,6 +146,42 @@ def _set_global(ctx: click.Context, param: click.Parameter, value: Any) -> None:
         setattr(g, str(name), value)
 
 
+def _globals_from(params: dict[str, Any]) -> Globals:
+    """The Globals of the group's own options (their values as click parsed them)."""
+
+    def text(name: str) -> str | None:
+        value = params.get(name)
+        return value if isinstance(value, str) else None  # completion: a value click could not parse
+
+    verbose = params.get("verbose")
+    return Globals(
+        env_file=text("env_file"),
+        nodes=text("nodes"),
+        model=text("model"),
+        recipe=text("recipe"),
+        ssh_config=text("ssh_config"),
+        json=params.get("as_json") is True,
+        verbosity=-1 if params.get("quiet") is True else verbose if isinstance(verbose, int) else 0,
+    )
+
+
+_LINE_GLOBALS = "sparkctl.line_globals"
+
+
+def line_globals(ctx: click.Context) -> Globals:
+    """What the global options on the line say, for completion callbacks: the Globals of the run when
+    there is one, else (click only parses the line when it completes it) one made from the group's
+    parsed options, kept in ctx.meta (shared by the whole context chain) so that the global options
+    after the command fold into it too (_set_global)."""
+    g = ctx.find_object(Globals)
+    if g is not None:
+        return g
+    made = ctx.meta.get(_LINE_GLOBALS)
+    if not isinstance(made, Globals):
+        made = ctx.meta[_LINE_GLOBALS] = _globals_from(ctx.find_root().params)
+    return made
+
+
 def _with_globals(cmd: click.Command) -> click.Command:
     """Let `cmd` (and a group's subcommands) take the global options too, unless it has its own."""
     taken = {opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)}
@@ -144,8 +189,9 @@ def _with_globals(cmd: click.Command) -> click.Command:
         opts = [d for d in decls if d.startswith("-")]
         if taken & set(opts):
             continue
-        cmd.params.append(click.Option(list(decls), expose_value=False, callback=_set_global,
-                                       hidden=True, **attrs))
+        name = _HIDDEN_PREFIX + str(click.Option(list(decls)).name)  # global_nodes, global_as_json, ...
+        cmd.params.append(click.Option([*opts, name], expose_value=False, callback=_set_global, hidden=True,
+                                       **attrs))
     if isinstance(cmd, click.Group):
         for sub in cmd.commands.values():
             _with_globals(sub)
@@ -211,15 +257,7 @@ def cli(
     quiet: bool,
 ) -> None:
     """sparkctl: bring up a multi-node vLLM service on GPU nodes over SSH and Docker."""
-    ctx.obj = Globals(
-        env_file=env_file,
-        nodes=nodes,
-        model=model,
-        recipe=recipe,
-        ssh_config=ssh_config,
-        json=as_json,
-        verbosity=-1 if quiet else verbose,
-    )
+    ctx.obj = _globals_from(ctx.params)
 
 
 def main(argv: list[str] | None = None) -> None:

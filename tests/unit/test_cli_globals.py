@@ -6,10 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
 
+import click
 from click.testing import CliRunner
 
-from sparkctl.cli import _recipe_names, cli
+from sparkctl.cli import COMMANDS, _recipe_names, cli
 from sparkctl.output import console
 from tests.conftest import write_model
 
@@ -37,6 +40,32 @@ def test_recipe_and_nodes_after_the_command_reach_the_settings(clean_env, tmp_pa
 def test_an_unknown_option_is_still_a_usage_error():
     r = CliRunner().invoke(cli, ["plan", "--jsn"], env={})
     assert r.exit_code == 2 and "No such option" in r.output
+
+
+def _every_command(cmd: click.Command, ctx: click.Context) -> Iterator[tuple[click.Command, click.Context]]:
+    yield cmd, ctx
+    if isinstance(cmd, click.Group):
+        for name in cmd.list_commands(ctx):
+            sub = cmd.get_command(ctx, name)
+            assert sub is not None, name
+            yield from _every_command(sub, click.Context(sub, info_name=name, parent=ctx))
+
+
+def test_no_parameter_name_is_shared_by_a_command_and_a_global_option():
+    """The global options' hidden copies on each command must not share a param name with the command's own
+    parameters: trust's NODE... argument (`nodes`) did, and click warned three times on every `sparkctl trust`."""
+    seen = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # click's "used by an argument and another parameter" fails the test
+        for cmd, ctx in _every_command(cli, click.Context(cli, info_name="sparkctl")):
+            cmd.make_parser(ctx)
+            cmd.get_help(ctx)
+            names = [p.name for p in cmd.get_params(ctx)]
+            assert len(names) == len(set(names)), (ctx.command_path, names)
+            r = CliRunner().invoke(cli, [*ctx.command_path.split()[1:], "--help"], env={})
+            assert r.exit_code == 0 and r.exception is None, (ctx.command_path, r.exception, r.output)
+            seen.add(ctx.command_path)
+    assert {f"sparkctl {name}" for name in COMMANDS} <= seen
 
 
 def test_recipe_completion_lists_the_shipped_recipes():

@@ -35,6 +35,7 @@ from rich.table import Table
 from .. import basepin
 from .. import images as im
 from ..cluster import Cluster, Node, NodeError, Results, Stream, StreamLost, parallel
+from ..completion import layer_names
 from ..docker_parse import Image, normalize_image_ref, parse_image_inspect
 from ..errors import CheckFailed, UsageError
 from ..output import emit_json
@@ -336,7 +337,8 @@ def probe(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, base_ref: 
 
 @click.command(name="build")
 @click.option("--ship", is_flag=True, help="Build once on the head, then send each rank only the layers it lacks.")
-@click.option("--only", "only", metavar="LAYER", help="Build just this layer (its parent must be on the node).")
+@click.option("--only", "only", metavar="LAYER", help="Build just this layer (its parent must be on the node).",
+              shell_complete=layer_names)
 @click.option("--no-cache", is_flag=True, help="Rebuild even when the content hash matches (docker build --no-cache).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (what builds, skips or ships where, and why); change nothing.")
 @click.pass_context

@@ -25,6 +25,7 @@ from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
 from ..cluster import Cluster, parallel
+from ..completion import rank_numbers
 from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
@@ -325,7 +326,8 @@ def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: 
 
 
 @click.command("logs")
-@click.option("--rank", "ranks", type=int, multiple=True, help="Only this rank (repeatable).")
+@click.option("--rank", "ranks", type=int, multiple=True, help="Only this rank (repeatable).",
+              shell_complete=rank_numbers)
 @click.option("--replica", type=int, default=0, show_default=True, help="The replica whose ranks to show.")
 @click.option("-f", "--follow", is_flag=True, help="Follow all selected ranks at once.")
 @click.option("--tail", type=int, default=100, show_default=True, help="Lines per rank to start with.")

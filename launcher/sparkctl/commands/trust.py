@@ -24,11 +24,12 @@ from ..cluster import (
     record_host_key,
     resolve_target,
 )
+from ..completion import node_names
 from ..errors import CheckFailed
 
 
 @click.command(name="trust")
-@click.argument("nodes", nargs=-1, required=True, metavar="NODE...")
+@click.argument("nodes", nargs=-1, required=True, metavar="NODE...", shell_complete=node_names)
 @click.option(
     "-y", "--yes", is_flag=True, help="Record the key without asking (you checked the fingerprint)."
 )

@@ -22,6 +22,7 @@ from .. import service, watchstate
 from ..builders import container_name
 from ..cli import Globals
 from ..cluster import Cluster, NodeError
+from ..completion import rank_numbers
 from ..errors import CheckFailed, UsageError
 from ..history import content_hash_on, pick, read_history, rollback_overrides
 from ..lock import audit_line, audit_tail_argv, cluster_lock, lock_status, new_owner, whoami
@@ -309,7 +310,8 @@ def rollback_cmd(ctx: click.Context, to: str | None) -> None:
 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--rank", type=int, default=0, show_default=True, help="The rank whose container runs it.")
+@click.option("--rank", type=int, default=0, show_default=True, help="The rank whose container runs it.",
+              shell_complete=rank_numbers)
 @click.option("--replica", type=int, default=0, show_default=True, help="The replica of that rank.")
 @click.option("--timeout", type=float, default=600, show_default=True, help="Seconds before it is stopped.")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
