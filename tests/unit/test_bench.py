@@ -73,15 +73,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def tiny_server(app: Callable[[Any], None]) -> Iterator[str]:
+def tiny_server(app: Callable[[Any], None], host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """A loopback HTTP server calling app(handler) for every request; yields its base URL."""
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv = ThreadingHTTPServer((host, port), _Handler)
     srv.daemon_threads = True
     srv.app = app  # type: ignore[attr-defined]
     th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     th.start()
     try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
+        yield f"http://{host}:{srv.server_address[1]}"
     finally:
         srv.shutdown()
         srv.server_close()
