@@ -740,7 +740,10 @@ def stream_request(ep: Endpoint, path: str, body: bytes, *, index: int = 0, api_
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(_request_bytes(ep, path, body, api_key))
         rx = _Receiver(sock, deadline, canceller.stop)
-        return _read_response(r, rx)
+        r = _read_response(r, rx)
+        if not r.ok and canceller.stop.is_set():  # the shut socket read as the server's EOF ("truncated")
+            return r.fail("cancelled", "stopped (Ctrl-C)")
+        return r
     except _Cancelled:
         return r.fail("cancelled", "stopped (Ctrl-C)")
     except _Deadline:
