@@ -33,6 +33,7 @@ wake-ups, not the parsing, are what costs CPU (a cold wake-up is ~100 µs of Pyt
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import itertools
 import json
@@ -45,7 +46,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1077,14 +1078,9 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
             progress.request_done(label, concurrency, r)
 
     cpu0, t0 = time.process_time(), time.time()
-    threads = [threading.Thread(target=worker, name=f"bench-{label}-{k}", daemon=True)
-               for k in range(min(concurrency, n_requests))]
-    for th in threads:
-        th.start()
+    threads = [_spawn(worker, f"bench-{label}-{k}") for k in range(min(concurrency, n_requests))]
     try:
-        for th in threads:
-            while th.is_alive():
-                th.join(0.25)
+        _wait_all(threads)
     except KeyboardInterrupt:
         level.interrupted = True
         canceller.cancel()
@@ -1102,11 +1098,36 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
     return level
 
 
-def _join_bounded(threads: list[threading.Thread], seconds: float) -> None:
+# Threads are waited for through an Event each, never Thread.join: a join that Ctrl-C interrupts marks
+# a thread that is still running as stopped (Python 3.11's bpo-45274 handling in _wait_for_tstate_lock),
+# after which join() and is_alive() no longer wait for it, and its last results would be lost.
+
+
+def _spawn(target: Callable[[], None], name: str) -> threading.Event:
+    """Start `target` in a daemon thread; the Event is set when it ends."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+def _wait_all(threads: list[threading.Event]) -> None:
+    for done in threads:
+        while not done.wait(0.25):
+            pass
+
+
+def _join_bounded(threads: list[threading.Event], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     try:
-        for th in threads:
-            th.join(max(deadline - time.monotonic(), 0.0))
+        for done in threads:
+            done.wait(max(deadline - time.monotonic(), 0.0))
     except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, the threads are daemons
         pass
 
@@ -1254,24 +1275,20 @@ def run_replicas(cfgs: Sequence[BenchConfig], sinks: Sequence[ProgressSink], *, 
         finally:
             sync.leave(i)
 
-    threads = [threading.Thread(target=one, args=(i,), name=f"bench-replica{i}", daemon=True) for i in range(n)]
-    for th in threads:
-        th.start()
+    threads = [_spawn(functools.partial(one, i), f"bench-replica{i}") for i in range(n)]
     try:
-        for th in threads:
-            while th.is_alive():
-                th.join(0.25)
+        _wait_all(threads)
     except KeyboardInterrupt:
         canceller.cancel()
         sync.abort("interrupted")
         _join_bounded(threads, join_s)
     interrupted = canceller.stop.is_set()
-    for run, th in zip(runs, threads, strict=True):
+    for run, done in zip(runs, threads, strict=True):
         if interrupted:
             run.interrupted = True
-        if th.is_alive() or not run.finished:
+        if not done.is_set() or not run.finished:
             run.finished = time.time()
-            if th.is_alive():
+            if not done.is_set():
                 run.notes.append(f"still winding down after {join_s:g} s: its last level may be missing")
         if sync.broken and sync.broken != "interrupted":
             run.notes.append(f"the replicas' levels went out of step ({sync.broken}); from there on each "

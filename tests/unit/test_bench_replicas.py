@@ -208,25 +208,32 @@ def test_level_sync_a_party_that_leaves_or_a_timeout_never_holds_the_others():
 
 def test_ctrl_c_cancels_every_replica_and_reports_what_was_measured(monkeypatch, tmp_path, capsys):
     """The signal reaches the main thread only: it cancels both replicas' streams (their requests end
-    as cancelled, not failed), the command prints what it has and exits 130."""
+    as cancelled, not failed), the command prints what it has and exits 130. The interrupt comes when
+    both heads have a request of the first level (3 s each), so it lands inside that level."""
     port = free_port()
-    slow = stream_app(ok_stream(60), delay=0.05)  # 3 s a request: the interrupt lands inside the first level
-    with tiny_server(slow, "127.0.0.1", port), tiny_server(slow, "127.0.0.2", port):
+    slow = stream_app(ok_stream(60), delay=0.05)
+    posts = {"n": 0}
+    lock = threading.Lock()
+
+    def app(h: Any) -> None:
+        if h.command == "POST":
+            with lock:
+                posts["n"] += 1
+                if posts["n"] == 2:  # one request of C1 on each head
+                    _thread.interrupt_main()
+        slow(h)
+
+    with tiny_server(app, "127.0.0.1", port), tiny_server(app, "127.0.0.2", port):
         flags = cluster(monkeypatch, tmp_path, port)
-        timer = threading.Timer(1.0, _thread.interrupt_main)
-        timer.start()
-        try:
-            code, out, err = run_cli([*flags, "--json", "bench", "--workload", "prose", "--concurrency", "1,2",
-                                      "--requests", "2", "--max-tokens", "60", "--warmup", "0"], capsys)
-        finally:
-            timer.cancel()
+        code, out, err = run_cli([*flags, "--json", "bench", "--workload", "prose", "--concurrency", "1,2",
+                                  "--requests", "2", "--max-tokens", "60", "--warmup", "0"], capsys)
     assert code == 130, err
     doc = json.loads(out)
-    assert doc["interrupted"] is True
+    assert doc["interrupted"] is True and posts["n"] == 2
     for d in doc["replicas"]:
-        assert d["interrupted"] and d["failures"]["total"] == 0
-        lv = d["workloads"]["prose"][-1]
-        assert lv["interrupted"] and lv["cancelled"] >= 1, d["workloads"]
+        assert d["interrupted"] and d["failures"]["total"] == 0, d["failures"]
+        (lv,) = d["workloads"]["prose"]
+        assert lv["interrupted"] and lv["cancelled"] == 1, d["workloads"]
         assert not any("winding down" in n for n in d["notes"])
     assert "Traceback" not in err
 
