@@ -374,6 +374,27 @@ def test_timeout_bounds_a_stalled_stream():
     assert r.error_kind == "timeout" and "--timeout 0.5" in (r.error or "") and not done
 
 
+def test_a_cancelled_stream_is_cancelled_not_truncated():
+    """Ctrl-C shuts the socket down; the read then sees an EOF, which must not pass for the server's."""
+    canceller = b.Canceller()
+    release = threading.Event()
+
+    def post(h: Any) -> None:
+        h.send_response(200)
+        h.send_header("content-type", "text/event-stream")
+        h.end_headers()
+        h.wfile.write(sse(chunk(role=True), chunk(" a")))
+        h.wfile.flush()
+        release.wait(0.3)  # the client is now waiting for more: cancel it there
+        canceller.cancel()
+        release.wait(10)
+
+    with tiny_server(lambda h: models_or(h, post)) as url:
+        r = request(url, timeout=20, canceller=canceller)
+        release.set()
+    assert (r.ok, r.error_kind, r.cancelled) == (False, "cancelled", True)
+
+
 # ============================================================================ runs, tables, compare
 
 
