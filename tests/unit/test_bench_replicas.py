@@ -265,6 +265,8 @@ def test_save_and_compare_like_with_like(heads, monkeypatch, tmp_path, capsys):
     assert code == 2 and "holds a run of 2 replicas together" in err
     code, _, err = run_cli([*flags, "bench", *QUICK, "--compare", str(single)], capsys)
     assert code == 2 and "holds a run of one endpoint" in err and "measures 2 replicas" in err
+    code, _, err = run_cli([*flags, "bench", "--replica", "0", *QUICK, "--compare", str(single)], capsys)
+    assert code == 2 and "holds a run of replica 1; this run measures replica 0" in err
     assert [served(u) - n for u, n in zip(urls, before, strict=True)] == [0.0, 0.0]
     # a damaged file of several replicas is bad input
     bad = json.loads(multi.read_text())

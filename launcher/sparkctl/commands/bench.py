@@ -190,10 +190,12 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
 
 def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[str, Any]:
     """The saved run to compare with, like with like: every replica with a saved run of the same replicas,
-    one endpoint with a one-endpoint run, --replica R also with replica R of a saved run of every replica.
+    one endpoint (--url, --replica R, a one-replica cluster) with a one-endpoint run, and --replica R also
+    with replica R of a saved run of every replica.
     Anything else is refused (exit 2) before measuring, rather than compared wrongly."""
     fix = ("compare like with like: a run of every replica with a saved run of the same replicas, "
-           "--replica R (or --url) with a one-endpoint run or with replica R of a saved run of every replica")
+           "--replica R with a one-endpoint run or with replica R of a saved run of every replica, "
+           "--url with a one-endpoint run")
     if loadgen.is_replicas_doc(base):
         saved = [d["replica"] for d in base["replicas"]]
         if len(targets) > 1:
@@ -213,6 +215,9 @@ def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[st
     if len(targets) > 1:
         raise UsageError(f"--compare {path} holds a run of one endpoint ({base.get('url', '?')}); this run "
                          f"measures {len(targets)} replicas together", fix=fix)
+    r, saved_r = targets[0].replica, base.get("replica")
+    if r is not None and isinstance(saved_r, int) and saved_r != r:
+        raise UsageError(f"--compare {path} holds a run of replica {saved_r}; this run measures replica {r}", fix=fix)
     return base
 
 
