@@ -292,3 +292,27 @@ def test_one_replica_keeps_todays_output(heads, monkeypatch, tmp_path, capsys):
     assert "replica" not in out and "Total over" not in out and "replica" not in err
     assert err.startswith(f"bench http://127.0.0.1:{port} model m:")
     assert [served(u) - n for u, n in zip(urls, before, strict=True)] == [10.0, 0.0]
+
+
+def test_a_saved_run_of_replicas_any_damage_is_bad_input(tmp_path):
+    from tests.unit.test_bench import seed_doc
+
+    docs = [{"replica": r, "head": h, **seed_doc(1.0 + r / 10)} for r, h in enumerate(HEADS)]
+    good = {"schema": b.MULTI_SCHEMA, "replicas": docs, "total": b.total_doc(docs)}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(good))
+    assert b.load_saved(path) == good
+    assert "| prose | 2 | 4 | 2/2 |" in b.render_total(good["total"])
+    damaged: list[Any] = [
+        {**good, "replicas": "two"}, {**good, "replicas": [1, 2]}, {**good, "replicas": []},
+        {k: v for k, v in good.items() if k != "total"}, {**good, "total": []},
+        {**good, "total": {**good["total"], "workloads": {"prose": [{"concurrency": 2}]}}},
+        {**good, "total": {**good["total"], "workloads": {"prose": [{**good["total"]["workloads"]["prose"][0],
+                                                                      "agg_tok_s": "fast"}]}}},
+        {**good, "replicas": [{**docs[0], "replica": "0"}, docs[1]]},
+        {**good, "replicas": [{k: v for k, v in docs[0].items() if k != "workloads"}, docs[1]]},
+    ]
+    for doc in damaged:
+        path.write_text(json.dumps(doc))
+        with pytest.raises(UsageError, match="damaged|not a sparkctl bench run"):
+            b.load_saved(path)
