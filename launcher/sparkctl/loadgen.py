@@ -33,6 +33,7 @@ wake-ups, not the parsing, are what costs CPU (a cold wake-up is ~100 µs of Pyt
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import itertools
 import json
@@ -45,7 +46,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from .engine_lines import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS  # vLLM'
 from .errors import CheckFailed, UsageError
 
 SCHEMA = "sparkctl-bench/1"
+MULTI_SCHEMA = "sparkctl-bench-replicas/1"  # several replicas: {replicas: [{replica, head, url, ...SCHEMA doc}], total}
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 DEFAULT_WORKLOADS = ("prose", "code", "list")
 TEMPERATURE = 0.6
@@ -739,7 +741,10 @@ def stream_request(ep: Endpoint, path: str, body: bytes, *, index: int = 0, api_
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(_request_bytes(ep, path, body, api_key))
         rx = _Receiver(sock, deadline, canceller.stop)
-        return _read_response(r, rx)
+        r = _read_response(r, rx)
+        if not r.ok and canceller.stop.is_set():  # the shut socket read as the server's EOF ("truncated")
+            return r.fail("cancelled", "stopped (Ctrl-C)")
+        return r
     except _Cancelled:
         return r.fail("cancelled", "stopped (Ctrl-C)")
     except _Deadline:
@@ -1073,18 +1078,15 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
             progress.request_done(label, concurrency, r)
 
     cpu0, t0 = time.process_time(), time.time()
-    threads = [threading.Thread(target=worker, name=f"bench-{label}-{k}", daemon=True)
-               for k in range(min(concurrency, n_requests))]
-    for th in threads:
-        th.start()
+    threads = [_spawn(worker, f"bench-{label}-{k}") for k in range(min(concurrency, n_requests))]
     try:
-        for th in threads:
-            while th.is_alive():
-                th.join(0.25)
+        _wait_all(threads)
     except KeyboardInterrupt:
         level.interrupted = True
         canceller.cancel()
         _join_bounded(threads, 5.0)
+    if canceller.stop.is_set():  # cancelled from elsewhere (the main thread, when this run is one of several)
+        level.interrupted = True
     level.cpu_s, level.wall_s = time.process_time() - cpu0, time.time() - t0
     with lock:
         level.requests = sorted(results, key=lambda r: r.index)
@@ -1096,23 +1098,54 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
     return level
 
 
-def _join_bounded(threads: list[threading.Thread], seconds: float) -> None:
+# Threads are waited for through an Event each, never Thread.join: a join that Ctrl-C interrupts marks
+# a thread that is still running as stopped (Python 3.11's bpo-45274 handling in _wait_for_tstate_lock),
+# after which join() and is_alive() no longer wait for it, and its last results would be lost.
+
+
+def _spawn(target: Callable[[], None], name: str) -> threading.Event:
+    """Start `target` in a daemon thread; the Event is set when it ends."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+def _wait_all(threads: list[threading.Event]) -> None:
+    for done in threads:
+        while not done.wait(0.25):
+            pass
+
+
+def _join_bounded(threads: list[threading.Event], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     try:
-        for th in threads:
-            th.join(max(deadline - time.monotonic(), 0.0))
+        for done in threads:
+            done.wait(max(deadline - time.monotonic(), 0.0))
     except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, the threads are daemons
         pass
 
 
-def run_bench(cfg: BenchConfig, progress: ProgressSink | None = None) -> BenchRun:
+def run_bench(cfg: BenchConfig, progress: ProgressSink | None = None, *,
+              canceller: Canceller | None = None, run: BenchRun | None = None) -> BenchRun:
     """Warm-up, then every workload at every concurrency level. Ctrl-C ends it early with what was
-    measured (run.interrupted); a level where no request succeeded ends it too (run.stopped)."""
+    measured (run.interrupted); a level where no request succeeded ends it too (run.stopped).
+    Ctrl-C reaches the main thread only: a run in another thread is stopped through `canceller`
+    (its cancel(), from the main thread: run_replicas), and fills the `run` it is given, so what it
+    measured can be read even while it is still winding down."""
     progress = progress or ProgressSink()
-    run = BenchRun(cfg, started=time.time())
-    canceller = Canceller()
+    run = run or BenchRun(cfg, started=time.time())
+    canceller = canceller or Canceller()
     sampling = Sampling(cfg, os.urandom(4).hex())
     try:
+        if canceller.stop.is_set():
+            raise _Stop
         if cfg.warmup > 0:
             lv = run_level(cfg, sampling, Workload("warmup", (WARMUP_PROMPT,)), min(cfg.warmup, max(cfg.concurrency)),
                            cfg.warmup, canceller, progress, measure_spec=False)
@@ -1124,6 +1157,8 @@ def run_bench(cfg: BenchConfig, progress: ProgressSink | None = None) -> BenchRu
                 raise _Stop
         for wl in cfg.workloads:
             for c in cfg.concurrency:
+                if canceller.stop.is_set():
+                    raise _Stop
                 lv = run_level(cfg, sampling, wl, c, cfg.requests_for(c), canceller, progress)
                 run.levels.append(lv)
                 if lv.interrupted:
@@ -1141,6 +1176,219 @@ def run_bench(cfg: BenchConfig, progress: ProgressSink | None = None) -> BenchRu
                          + (": outputs may end before max_tokens" if name == "ignore_eos" else ""))
     run.finished = time.time()
     return run
+
+
+# ================================================================================= several replicas
+# Each replica is its own service with its own head: each gets its own run_bench in its own thread,
+# with the same config, and a LevelSync holds their levels in step, so the replicas load the cluster
+# together (the total of a level is what the cluster serves at that load).
+
+
+class LevelSync:
+    """Keeps several runs' levels in step: a run's level k starts once every run still going has
+    reached its level k. A run that ends (finished, stopped early, failed) leaves, so it never holds
+    the others; a wait is bounded by `timeout` (the longest a level can take), after which -- or after
+    abort() -- the sync is broken and every run goes on alone (`broken` says why)."""
+
+    def __init__(self, parties: int, timeout: float | None = None) -> None:
+        self._cond = threading.Condition()
+        self._started = [0] * parties  # levels each party has started
+        self._active = set(range(parties))
+        self.timeout = timeout
+        self.broken: str | None = None
+
+    def arrive(self, party: int, label: str) -> bool:
+        """Party `party` is about to start its next level; True when every other party got there too."""
+        with self._cond:
+            self._started[party] += 1
+            k = self._started[party]
+            self._cond.notify_all()
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            while self.broken is None and any(self._started[p] < k for p in self._active if p != party):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    late = sorted(p for p in self._active if self._started[p] < k)
+                    self.broken = (f"at {label}, replica(s) {', '.join(map(str, late))} had not finished the "
+                                   f"level before within {self.timeout:g} s")
+                    self._cond.notify_all()
+                    break
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
+            return self.broken is None
+
+    def leave(self, party: int) -> None:
+        with self._cond:
+            self._active.discard(party)
+            self._cond.notify_all()
+
+    def abort(self, why: str) -> None:
+        with self._cond:
+            if self.broken is None:
+                self.broken = why
+            self._cond.notify_all()
+
+
+class _SyncedSink(ProgressSink):
+    """A replica's progress sink, whose level_started first waits for the other replicas (LevelSync)."""
+
+    def __init__(self, inner: ProgressSink, sync: LevelSync, party: int) -> None:
+        self.inner, self.sync, self.party = inner, sync, party
+
+    def level_started(self, workload: str, concurrency: int, total: int) -> None:
+        self.sync.arrive(self.party, f"{workload} C{concurrency}")
+        self.inner.level_started(workload, concurrency, total)
+
+    def request_done(self, workload: str, concurrency: int, result: RequestResult) -> None:
+        self.inner.request_done(workload, concurrency, result)
+
+    def level_done(self, level: LevelResult) -> None:
+        self.inner.level_done(level)
+
+
+def level_bound_s(cfg: BenchConfig) -> float:
+    """The longest one level of `cfg` can take: its waves of requests (each within --timeout, twice
+    when a refused optional parameter is retried) and its two /metrics reads (10 s each)."""
+    waves = max(math.ceil(cfg.requests_for(c) / min(c, cfg.requests_for(c))) for c in cfg.concurrency)
+    if cfg.warmup:
+        waves = max(waves, math.ceil(cfg.warmup / min(cfg.warmup, max(cfg.concurrency))))
+    return 2.0 * waves * cfg.timeout + 2 * 10.0 + 5.0
+
+
+def run_replicas(cfgs: Sequence[BenchConfig], sinks: Sequence[ProgressSink], *, canceller: Canceller | None = None,
+                 sync_timeout: float | None = None, join_s: float = 12.0) -> list[BenchRun]:
+    """One run_bench per config (one per replica's head), side by side in threads, levels in step.
+    Call it from the main thread: Ctrl-C there cancels every run (one shared Canceller) and returns what
+    each measured (run.interrupted), waiting at most `join_s` for the runs to wind down. A run that ends
+    early (run.stopped) leaves the others to go on. A bug in one run cancels the others and raises."""
+    canceller = canceller or Canceller()
+    n = len(cfgs)
+    sync = LevelSync(n, sync_timeout if sync_timeout is not None else max(level_bound_s(c) for c in cfgs))
+    now = time.time()
+    runs = [BenchRun(cfg, started=now) for cfg in cfgs]
+    errors: list[BaseException | None] = [None] * n
+
+    def one(i: int) -> None:
+        try:
+            run_bench(cfgs[i], _SyncedSink(sinks[i], sync, i), canceller=canceller, run=runs[i])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
+            errors[i] = exc
+            canceller.cancel()
+        finally:
+            sync.leave(i)
+
+    threads = [_spawn(functools.partial(one, i), f"bench-replica{i}") for i in range(n)]
+    try:
+        _wait_all(threads)
+    except KeyboardInterrupt:
+        canceller.cancel()
+        sync.abort("interrupted")
+        _join_bounded(threads, join_s)
+    interrupted = canceller.stop.is_set()
+    for run, done in zip(runs, threads, strict=True):
+        if interrupted:
+            run.interrupted = True
+        if not done.is_set() or not run.finished:
+            run.finished = time.time()
+            if not done.is_set():
+                run.notes.append(f"still winding down after {join_s:g} s: its last level may be missing")
+        if sync.broken and sync.broken != "interrupted":
+            run.notes.append(f"the replicas' levels went out of step ({sync.broken}); from there on each "
+                             "replica went on alone, and the total adds levels that did not run together")
+    for exc in errors:
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
+            raise exc
+    return runs
+
+
+TOTAL_DEFINITIONS = {
+    "agg_tok_s": "sum over the replicas of their agg_tok_s at that level (each replica at concurrency C, together)",
+    "throughput_tok_s": "sum over the replicas of their throughput_tok_s at that level",
+    "requests": "requests, ok, failed, cancelled and completion_tokens: summed over the replicas",
+    "ttft_p50_worst_s": "TTFT is not summed: the highest (worst) of the replicas' TTFT p50 at that level",
+    "replicas": "how many replicas measured a rate at that level (of `of`)",
+}
+
+
+def total_doc(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several replicas' run documents -> the cluster's figures per workload and level (TOTAL_DEFINITIONS)."""
+    n = len(docs)
+    workloads: dict[str, list[dict[str, Any]]] = {}
+    for task in dict.fromkeys(t for d in docs for t in d.get("workloads", {})):
+        by_c: dict[int, list[dict[str, Any]]] = {}
+        for d in docs:
+            for lv in d.get("workloads", {}).get(task, []):
+                by_c.setdefault(int(lv["concurrency"]), []).append(lv)
+        rows = []
+        for c, lvs in by_c.items():
+            aggs = [lv["agg_tok_s"] for lv in lvs if lv["agg_tok_s"] is not None]
+            thr = [lv["throughput_tok_s"] for lv in lvs if lv.get("throughput_tok_s") is not None]
+            p50s = [lv["ttft_s"]["p50"] for lv in lvs if lv["ttft_s"]["p50"] is not None]
+            rows.append({
+                "concurrency": c, "replicas": len(aggs), "of": n, "streams": c * len(lvs),
+                "requests": sum(int(lv["requests"]) for lv in lvs), "ok": sum(int(lv["ok"]) for lv in lvs),
+                "failed": sum(int(lv["failed"]) for lv in lvs), "cancelled": sum(int(lv["cancelled"]) for lv in lvs),
+                "agg_tok_s": _r(sum(aggs), 3) if aggs else None,
+                "throughput_tok_s": _r(sum(thr), 3) if thr else None,
+                "completion_tokens": sum(int(lv["completion_tokens"]) for lv in lvs),
+                "ttft_p50_worst_s": max(p50s) if p50s else None,
+                "partial": len(aggs) < n or any(bool(lv.get("interrupted") or lv.get("failed")) for lv in lvs),
+            })
+        workloads[task] = rows
+    return {"replicas": n, "definitions": TOTAL_DEFINITIONS, "workloads": workloads,
+            "failures": {"total": sum(int(d["failures"]["total"]) for d in docs)}}
+
+
+def render_total(total: dict[str, Any]) -> str:
+    """The cluster's table: a row per workload and level, the replicas' figures summed."""
+    head = ["Task", "C per replica", "streams", "replicas", "ok/sent", "failed", "agg tok/s", "throughput tok/s",
+            "TTFT p50 worst (s)"]
+    lines = [f"Total over {total['replicas']} replicas, measured together level by level:", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    partial = False
+    for task, rows in total.get("workloads", {}).items():
+        for t in rows:
+            mark = "*" if t["partial"] and t["agg_tok_s"] is not None else ""
+            partial = partial or bool(mark)
+            lines.append("| " + " | ".join([
+                task, str(t["concurrency"]), str(t["streams"]), f"{t['replicas']}/{t['of']}", f"{t['ok']}/{t['requests']}",
+                str(t["failed"]), _f(t["agg_tok_s"]) + mark, _f(t["throughput_tok_s"]), _f(t["ttft_p50_worst_s"], 3)]) + " |")
+    lines.append("")
+    lines.append("agg tok/s and throughput are the replicas' figures summed; TTFT is not summed: the worst "
+                 "replica's p50.")
+    if partial:
+        lines.append("* a replica did not measure that level, or some of its requests failed or were interrupted.")
+    return "\n".join(lines)
+
+
+def compare_total(total: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Per task and level: the saved summed agg tok/s, the new one and the % change."""
+    old = {(task, int(t["concurrency"])): t["agg_tok_s"] for task, rows in base.get("workloads", {}).items() for t in rows}
+    out: dict[str, Any] = {}
+    for task, rows in total.get("workloads", {}).items():
+        cells: dict[str, Any] = {}
+        for t in rows:
+            a, b = old.get((task, int(t["concurrency"]))), t["agg_tok_s"]
+            cells[f"C{t['concurrency']}"] = {"old": a, "new": b,
+                                             "change_pct": _r((b - a) / a * 100, 2) if a and b is not None else None}
+        out[task] = cells
+    return out
+
+
+def render_total_compare(total: dict[str, Any], base: dict[str, Any]) -> str:
+    cmp = compare_total(total, base)
+    if not cmp:
+        return "(nothing to compare: this run measured no task)"
+    columns = list(dict.fromkeys(c for cells in cmp.values() for c in cells))
+    lines = ["Change of the total (agg tok/s summed over the replicas):", "",
+             "| " + " | ".join(["Task", *columns]) + " |", "|" + "|".join(["---"] * (len(columns) + 1)) + "|"]
+    for task, cells in cmp.items():
+        lines.append("| " + " | ".join([task, *(_pct(cells[c]["old"], cells[c]["new"]) if c in cells else "—"
+                                                for c in columns)]) + " |")
+    return "\n".join(lines)
+
+
+def is_replicas_doc(doc: dict[str, Any]) -> bool:
+    """A run of several replicas (MULTI_SCHEMA: replicas + total), not one endpoint's run (SCHEMA)."""
+    return doc.get("schema") == MULTI_SCHEMA
 
 
 def _first_error(results: list[RequestResult]) -> str:
@@ -1166,15 +1414,24 @@ def load_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise UsageError(f"saved run {p}: cannot be read ({exc.strerror or exc})") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"saved run {p}: not JSON ({exc})", fix="pass a file written by sparkctl bench --save") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("workloads"), dict):
-        raise UsageError(f"saved run {p} is not a sparkctl bench run ({SCHEMA})",
+    multi = isinstance(doc, dict) and is_replicas_doc(doc)
+    if not isinstance(doc, dict) or not multi and (doc.get("schema") != SCHEMA or not isinstance(doc.get("workloads"), dict)):
+        raise UsageError(f"saved run {p} is not a sparkctl bench run ({SCHEMA} or {MULTI_SCHEMA})",
                          fix="pass a file written by sparkctl bench --save")
     try:  # the table and --compare read these fields; a damaged file is bad input, not a crash
-        _, rows = table_rows(doc)
-        numbers = [v for r in rows for v in (*r.cells.values(), r.tokens_per_step, *(r.ttft or ()))]
-        if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in numbers):
-            raise TypeError("a measured value is not a number")
-        render_compare(doc, doc)
+        for one in (doc["replicas"] if multi else [doc]):
+            if multi and (not isinstance(one.get("replica"), int) or not isinstance(one.get("workloads"), dict)):
+                raise TypeError("a replica's run has no replica number or no workloads")
+            _, rows = table_rows(one)
+            numbers = [v for r in rows for v in (*r.cells.values(), r.tokens_per_step, *(r.ttft or ()))]
+            if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in numbers):
+                raise TypeError("a measured value is not a number")
+            render_compare(one, one)
+        if multi:
+            if not doc["replicas"]:
+                raise ValueError("no replica")
+            render_total(doc["total"])
+            render_total_compare(doc["total"], doc["total"])
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, IndexError) as exc:
         raise UsageError(f"saved run {p} is damaged ({type(exc).__name__}: {str(exc)[:80]})",
                          fix="pass a file written by sparkctl bench --save") from None

@@ -73,15 +73,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def tiny_server(app: Callable[[Any], None]) -> Iterator[str]:
+def tiny_server(app: Callable[[Any], None], host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """A loopback HTTP server calling app(handler) for every request; yields its base URL."""
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv = ThreadingHTTPServer((host, port), _Handler)
     srv.daemon_threads = True
     srv.app = app  # type: ignore[attr-defined]
     th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     th.start()
     try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
+        yield f"http://{host}:{srv.server_address[1]}"
     finally:
         srv.shutdown()
         srv.server_close()
@@ -372,6 +372,27 @@ def test_timeout_bounds_a_stalled_stream():
         done = release.is_set()
         release.set()
     assert r.error_kind == "timeout" and "--timeout 0.5" in (r.error or "") and not done
+
+
+def test_a_cancelled_stream_is_cancelled_not_truncated():
+    """Ctrl-C shuts the socket down; the read then sees an EOF, which must not pass for the server's."""
+    canceller = b.Canceller()
+    release = threading.Event()
+
+    def post(h: Any) -> None:
+        h.send_response(200)
+        h.send_header("content-type", "text/event-stream")
+        h.end_headers()
+        h.wfile.write(sse(chunk(role=True), chunk(" a")))
+        h.wfile.flush()
+        release.wait(0.3)  # the client is now waiting for more: cancel it there
+        canceller.cancel()
+        release.wait(10)
+
+    with tiny_server(lambda h: models_or(h, post)) as url:
+        r = request(url, timeout=20, canceller=canceller)
+        release.set()
+    assert (r.ok, r.error_kind, r.cancelled) == (False, "cancelled", True)
 
 
 # ============================================================================ runs, tables, compare

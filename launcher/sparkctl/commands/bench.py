@@ -2,14 +2,18 @@
 
 Without --url it measures the head's API from the settings: http://<head>:PORT, where <head> is the
 HostName the ssh config gives the first node's alias, and the model is SERVED_MODEL_NAME.
+With several replicas it measures every replica's head at once (one run per head, the same config,
+the levels in step: loadgen.run_replicas) and adds the total; `--replica R` measures one of them.
 The measuring itself is in sparkctl.loadgen; this module is input, progress and output.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +47,12 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
 @click.option("--save", metavar="FILE", help="Keep this run (JSON) for a later --compare.")
 @click.option("--compare", "compare_file", metavar="FILE", help="Print the change against a saved run.")
 @click.option("--api-key-env", metavar="VAR", help="Environment variable holding the API key (default: VLLM_API_KEY).")
+@click.option("--replica", type=int, metavar="R", help="Measure replica R's head only (default: every replica's "
+              "head, together, and the total).")
 @click.pass_obj
 def command(g: object, url: str | None, model: str | None, workload: str | None, prompt_file: str | None,
             concurrency: str, n_requests: int | None, warmup: int, max_tokens: int, timeout: float,
-            save: str | None, compare_file: str | None, api_key_env: str | None) -> None:
+            save: str | None, compare_file: str | None, api_key_env: str | None, replica: int | None) -> None:
     """Measure decode tok/s (C1 per stream, C2/C4/C8 aggregate), TTFT and accepted tokens/step."""
     from ..cli import Globals
 
@@ -55,31 +61,34 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     if n_requests is not None and n_requests < max(levels):
         raise UsageError(f"--requests {n_requests} is fewer than the concurrency {max(levels)}: a level needs "
                          "at least one request per stream", fix=f"use --requests {max(levels)} or more")
+    if url and replica is not None:
+        raise UsageError("--url and --replica both name what to measure", fix="pass one of them")
     workloads = _workloads(workload, prompt_file)
     base = loadgen.load_saved(compare_file) if compare_file else None  # a bad file fails before measuring
     if save:
         _check_writable(Path(save))
-    endpoint, model, api_key = _target(g, url, model, api_key_env)
-    models = loadgen.list_models(endpoint, api_key, timeout=min(timeout, 10.0))
-    if model is None:
-        if not models:
-            raise UsageError(f"cannot tell which model {endpoint.url} serves (its /v1/models gives no list)",
-                             fix="pass --model NAME")
-        model = models[0]
-    elif models is not None and model not in models:
-        raise UsageError(f"{endpoint.url} serves {', '.join(models) or 'no model'}, not {model!r}",
-                         fix=f"pass --model {models[0]}" if models else "check the service")
-    cfg = loadgen.BenchConfig(endpoint=endpoint, model=model, api_key=api_key, workloads=workloads,
-                            concurrency=levels, requests=n_requests, warmup=warmup, max_tokens=max_tokens,
-                            timeout=timeout)
+    targets, model, api_key = _target(g, url, model, api_key_env, replica)
+    if base is not None and compare_file:
+        base = _base_for(base, targets, compare_file)
+    model = _model(targets, model, api_key, timeout)
+    cfgs = [loadgen.BenchConfig(endpoint=t.endpoint, model=model, api_key=api_key, workloads=workloads,
+                                concurrency=levels, requests=n_requests, warmup=warmup, max_tokens=max_tokens,
+                                timeout=timeout) for t in targets]
+    if len(targets) > 1:
+        _bench_replicas(g, targets, cfgs, base, save)
+        return
+    (target,), (cfg,) = targets, cfgs
+    endpoint = target.endpoint
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     sink = RichProgress(err, enabled=g.verbosity >= 0)
     if g.verbosity >= 0:
-        err.print(f"bench {endpoint.url} model {model}: {', '.join(w.name for w in workloads)} at "
+        err.print(f"bench {endpoint.url}{target.named} model {model}: {', '.join(w.name for w in workloads)} at "
                   f"C{', C'.join(map(str, levels))}, {max_tokens}-token outputs", markup=False)
     with sink:
         run = loadgen.run_bench(cfg, sink)
     doc = run.to_dict()
+    if target.replica is not None:  # --replica R: which replica this one-endpoint document measured
+        doc = {"replica": target.replica, "head": target.head, **doc}
     if base is not None:
         doc["compare"] = loadgen.compare(doc, base)
     if save:
@@ -93,6 +102,156 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     if problems:
         raise CheckFailed(f"{doc['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
                           fix="see the per-request lines above; the table counts only requests that finished")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One endpoint to measure: --url's, the only replica's head, or replica `replica`'s head."""
+
+    endpoint: loadgen.Endpoint
+    replica: int | None = None  # None: --url, or a cluster of one replica (today's document)
+    head: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"replica {self.replica} (head {self.head})"
+
+    @property
+    def named(self) -> str:
+        return "" if self.replica is None else f" ({self.label})"
+
+
+def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfig], base: dict[str, Any] | None,
+                    save: str | None) -> None:
+    """Every replica's head at once, levels in step; each replica's table, then the total."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    cfg = cfgs[0]
+    if g.verbosity >= 0:
+        err.print(f"bench {len(targets)} replicas together, model {cfg.model}: "
+                  f"{', '.join(w.name for w in cfg.workloads)} at C{', C'.join(map(str, cfg.concurrency))} per "
+                  f"replica, {cfg.max_tokens}-token outputs", markup=False)
+        for t in targets:
+            err.print(f"  {t.label}: {t.endpoint.url}", markup=False)
+    bar = _progress_bar(err, g.verbosity >= 0)
+    sinks = [RichProgress(err, enabled=g.verbosity >= 0, prefix=f"r{t.replica} ", progress=bar) for t in targets]
+    with bar:
+        runs = loadgen.run_replicas(cfgs, sinks)
+    docs = [{"replica": t.replica, "head": t.head, "url": t.endpoint.url, **run.to_dict()}
+            for t, run in zip(targets, runs, strict=True)]
+    total = loadgen.total_doc(docs)
+    interrupted = any(run.interrupted for run in runs)
+    doc: dict[str, Any] = {
+        "schema": loadgen.MULTI_SCHEMA, "model": cfg.model, "started": docs[0]["started"],
+        "duration_s": max(d["duration_s"] for d in docs), "config": docs[0]["config"],
+        "interrupted": interrupted, "replicas": docs, "total": total,
+        "failures": {"total": total["failures"]["total"]},
+    }
+    if base is not None:
+        doc["compare"] = {"replicas": [{"replica": d["replica"], **loadgen.compare(d, b)}
+                                       for d, b in zip(docs, base["replicas"], strict=True)],
+                          "total": loadgen.compare_total(total, base["total"])}
+    if save:
+        Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    notes: dict[str, list[int]] = {}
+    for d, run in zip(docs, runs, strict=True):
+        for n in _notes(d, run):
+            notes.setdefault(n, []).append(d["replica"])
+    lines = [n if len(rs) == len(docs) else f"replica {', '.join(map(str, rs))}: {n}" for n, rs in notes.items()]
+    if g.json:
+        emit_json(doc)
+        for n in lines:
+            err.print(f"note: {n}", markup=False)
+    else:
+        out: list[str] = []
+        for d in docs:
+            out += [f"replica {d['replica']} (head {d['head']}, {d['url']}):", "", loadgen.render_table(d), "",
+                    loadgen.render_details(d), ""]
+        out.append(loadgen.render_total(total))
+        if base is not None:
+            for d, b in zip(docs, base["replicas"], strict=True):
+                out += ["", f"replica {d['replica']}: {loadgen.render_compare(d, b)}"]
+            out += ["", loadgen.render_total_compare(total, base["total"])]
+        out += [f"note: {n}" for n in lines]
+        if save:
+            out.append(f"saved to {save}")
+        click.echo("\n".join(out))
+    if interrupted:
+        raise click.exceptions.Exit(130)
+    problems: list[str] = []
+    for d, run in zip(docs, runs, strict=True):
+        mine = loadgen.summarize_failures(d)
+        if run.stopped and not mine:
+            mine = [run.stopped]
+        problems += [f"replica {d['replica']} (head {d['head']}): {p}" for p in mine]
+    if problems:
+        raise CheckFailed(f"{total['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
+                          fix="see the per-request lines above; the tables count only requests that finished")
+
+
+def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[str, Any]:
+    """The saved run to compare with, like with like: every replica with a saved run of the same replicas,
+    one endpoint (--url, --replica R, a one-replica cluster) with a one-endpoint run, and --replica R also
+    with replica R of a saved run of every replica.
+    Anything else is refused (exit 2) before measuring, rather than compared wrongly."""
+    fix = ("compare like with like: a run of every replica with a saved run of the same replicas, "
+           "--replica R with a one-endpoint run or with replica R of a saved run of every replica, "
+           "--url with a one-endpoint run")
+    if loadgen.is_replicas_doc(base):
+        saved = [d["replica"] for d in base["replicas"]]
+        if len(targets) > 1:
+            now = [t.replica for t in targets]
+            if saved != now:
+                raise UsageError(f"--compare {path}: the saved run measured replicas {saved}, this one measures "
+                                 f"replicas {now}", fix=fix)
+            return base
+        r = targets[0].replica
+        if r is None:
+            raise UsageError(f"--compare {path} holds a run of {len(saved)} replicas together; this run measures "
+                             f"one endpoint ({targets[0].endpoint.url})", fix=fix)
+        for d in base["replicas"]:
+            if d["replica"] == r:
+                return dict(d)
+        raise UsageError(f"--compare {path}: the saved run has no replica {r} (it measured {saved})", fix=fix)
+    if len(targets) > 1:
+        raise UsageError(f"--compare {path} holds a run of one endpoint ({base.get('url', '?')}); this run "
+                         f"measures {len(targets)} replicas together", fix=fix)
+    r, saved_r = targets[0].replica, base.get("replica")
+    if r is not None and isinstance(saved_r, int) and saved_r != r:
+        raise UsageError(f"--compare {path} holds a run of replica {saved_r}; this run measures replica {r}", fix=fix)
+    return base
+
+
+def _model(targets: list[Target], model: str | None, api_key: str | None, timeout: float) -> str:
+    """The model to request: checked against what every head lists (a head that cannot be reached fails here,
+    named, before anything is measured)."""
+    from ..cluster import parallel
+
+    def ask(t: Target) -> list[str] | None | CheckFailed:
+        try:
+            return loadgen.list_models(t.endpoint, api_key, timeout=min(timeout, 10.0))
+        except CheckFailed as exc:
+            if len(targets) == 1:
+                raise
+            return exc
+
+    answers = [ask(targets[0])] if len(targets) == 1 else parallel([functools.partial(ask, t) for t in targets])
+    down = [(t, a) for t, a in zip(targets, answers, strict=True) if isinstance(a, CheckFailed)]
+    if down:
+        raise CheckFailed("\n".join(f"{t.label}: {a.message}" for t, a in down),
+                          fix=f"{down[0][1].fix}; or measure the other replicas one by one with --replica R")
+    lists = [a for a in answers if not isinstance(a, CheckFailed)]
+    for t, models in zip(targets, lists, strict=True):
+        where = t.endpoint.url + t.named
+        if model is None:
+            if not models:
+                raise UsageError(f"cannot tell which model {where} serves (its /v1/models gives no list)",
+                                 fix="pass --model NAME")
+            model = models[0]
+        elif models is not None and model not in models:
+            raise UsageError(f"{where} serves {', '.join(models) or 'no model'}, not {model!r}",
+                             fix=f"pass --model {models[0]}" if models else "check the service")
+    assert model is not None
+    return model
 
 
 def _workloads(workload: str | None, prompt_file: str | None) -> list[loadgen.Workload]:
@@ -118,9 +277,10 @@ def _check_writable(path: Path) -> None:
         raise UsageError(f"--save {path}: not writable")
 
 
-def _target(g: Any, url: str | None, model: str | None,
-            api_key_env: str | None) -> tuple[loadgen.Endpoint, str | None, str | None]:
-    """The endpoint, the model (None: ask the server) and the API key (never printed)."""
+def _target(g: Any, url: str | None, model: str | None, api_key_env: str | None,
+            replica: int | None = None) -> tuple[list[Target], str | None, str | None]:
+    """The endpoints (one, or every replica's head), the model (None: ask the server) and the API key
+    (never printed)."""
     api_key: str | None = None
     if api_key_env:
         if not os.environ.get(api_key_env):
@@ -132,25 +292,26 @@ def _target(g: Any, url: str | None, model: str | None,
                 api_key = g.settings(validate=False).get("VLLM_API_KEY")
             except UsageError:
                 api_key = os.environ.get("VLLM_API_KEY") or None
-        return loadgen.Endpoint.parse(url), model, api_key
+        return [Target(loadgen.Endpoint.parse(url))], model, api_key
     s = g.settings()
     warn(s.warnings)
-    # The head's address is its HostName in the ssh config, resolved as every other command does.
+    # Each head's address is its HostName in the ssh config, resolved as every other command does.
     from ..cluster import load_ssh_config, resolve_target
     from ..service import api_base_url
 
     config, config_path = load_ssh_config(g.ssh_config_path())
-    if len(s.topology.replicas) > 1:  # each replica is its own service: bench measures one endpoint
-        warn([f"bench measures replica 0 (head {s.head}); the other replicas serve apart "
-              "(--url http://<their head>:PORT to measure one of them)"])
-    host = resolve_target(s.head, config, config_path).hostname
+    views = s.replicas() if replica is None else [s.replica(replica)]  # replica(R) checks the range (exit 2)
+    targets = []
+    for v in views:
+        host = resolve_target(v.head, config, config_path).hostname
+        targets.append(Target(loadgen.Endpoint.parse(api_base_url(host, v.getint("PORT"))),
+                              None if replica is None and len(views) == 1 else v.replica_index, v.head))
     if api_key is None:
         api_key = s.get("VLLM_API_KEY")
-    return loadgen.Endpoint.parse(api_base_url(host, s.getint("PORT"))), model or s.get("SERVED_MODEL_NAME"), api_key
+    return targets, model or s.get("SERVED_MODEL_NAME"), api_key
 
 
-def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None) -> None:
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+def _notes(doc: dict[str, Any], run: loadgen.BenchRun) -> list[str]:
     notes = list(doc["notes"])
     if run.interrupted:
         notes.insert(0, "interrupted (Ctrl-C): the table shows what was measured before it")
@@ -162,6 +323,12 @@ def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, 
                      "(under-reports tok/s when a chunk carries several tokens)")
     if not any(lv.get("spec_decode") for lvs in doc["workloads"].values() for lv in lvs) and doc["workloads"]:
         notes.append("no spec-decode counters in /metrics (speculative decoding off?): accepted tok/step is —")
+    return notes
+
+
+def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None) -> None:
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    notes = _notes(doc, run)
     if g.json:
         emit_json(doc)
         for n in notes:
@@ -176,15 +343,22 @@ def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, 
     click.echo("\n".join(out))
 
 
-class RichProgress(loadgen.ProgressSink):
-    """A progress bar per level on stderr, and a line for each failed request (up to MAX_ERROR_LINES)."""
+def _progress_bar(console: Console, enabled: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                    console=console, refresh_per_second=4, disable=not enabled)
 
-    def __init__(self, console: Console, enabled: bool = True) -> None:
+
+class RichProgress(loadgen.ProgressSink):
+    """A progress bar per level on stderr, and a line for each failed request (up to MAX_ERROR_LINES, per
+    sink). With several replicas each has its sink (`prefix` names it) on one shared `progress`."""
+
+    def __init__(self, console: Console, enabled: bool = True, *, prefix: str = "",
+                 progress: Progress | None = None) -> None:
         self.console = console
         self.enabled = enabled
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                 console=console, refresh_per_second=4, disable=not enabled)
+        self.prefix = prefix
+        self.progress = progress or _progress_bar(console, enabled)
         self._task: Any = None
         self._errors = 0
         self._failed = 0
@@ -199,7 +373,7 @@ class RichProgress(loadgen.ProgressSink):
 
     def level_started(self, workload: str, concurrency: int, total: int) -> None:
         self._failed = 0
-        self._task = self.progress.add_task(f"{workload} C{concurrency}", total=total, info="")
+        self._task = self.progress.add_task(f"{self.prefix}{workload} C{concurrency}", total=total, info="")
 
     def request_done(self, workload: str, concurrency: int, result: loadgen.RequestResult) -> None:
         with self._lock:
@@ -207,7 +381,7 @@ class RichProgress(loadgen.ProgressSink):
                 self._failed += 1
                 self._errors += 1
                 if self._errors <= MAX_ERROR_LINES:
-                    self.console.print(f"[red]failed[/] {workload} C{concurrency} #{result.index}: "
+                    self.console.print(f"[red]failed[/] {_escape(self.prefix)}{workload} C{concurrency} #{result.index}: "
                                        f"{_escape(result.error or '')}")
                 elif self._errors == MAX_ERROR_LINES + 1:
                     self.console.print("(more failures: see the summary)")

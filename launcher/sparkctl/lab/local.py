@@ -18,21 +18,23 @@ from ..errors import CheckFailed
 STANDIN = Path(__file__).resolve().parent / "standin_vllm.py"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 @contextmanager
 def local_standin(model: Path, *, env: Mapping[str, str], served_name: str = "m",
-                  extra_args: Sequence[str] = (), start_timeout: float = 20) -> Iterator[str]:
-    """`vllm serve MODEL --nnodes 1` on 127.0.0.1 with STANDIN_* from `env`; yields its base URL."""
-    port = free_port()
-    argv = [sys.executable, str(STANDIN), "serve", str(model), "--nnodes", "1", "--host", "127.0.0.1",
+                  extra_args: Sequence[str] = (), start_timeout: float = 20, host: str = "127.0.0.1",
+                  port: int | None = None) -> Iterator[str]:
+    """`vllm serve MODEL --nnodes 1` on `host` (a loopback address: 127.0.0.1 unless told, e.g. 127.0.0.2
+    for a second head on the same port) with STANDIN_* from `env`; yields its base URL."""
+    port = port or free_port(host)
+    argv = [sys.executable, str(STANDIN), "serve", str(model), "--nnodes", "1", "--host", host,
             "--port", str(port), "--served-model-name", served_name, "--disable-uvicorn-access-log", *extra_args]
     proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     deadline = time.monotonic() + start_timeout
     try:
         while True:
