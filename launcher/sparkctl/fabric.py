@@ -27,6 +27,7 @@ from .findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
 from .recipes import FabricTest
 from .resources import probe_script
 from .settings import RankPins, Settings
+from .threads import spawn, wait_all, wait_bounded
 
 CHECK = "collective"
 LABEL_PURPOSE = "sparkctl.purpose"
@@ -339,15 +340,15 @@ def run_fabric_test(cluster: Cluster, settings: Settings, pins: list[RankPins], 
         except BaseException as exc:  # handed to the caller's thread
             box["error"] = exc
 
-    worker = threading.Thread(target=fan_out, daemon=True)
-    try:
-        worker.start()  # inside the try: a Ctrl-C can land while the thread starts, too
-        while worker.is_alive():
-            worker.join(0.2)
+    worker: list[threading.Event] = []
+    try:  # the start inside the try: a Ctrl-C can land while the thread starts, too
+        worker.append(spawn(fan_out, "fabric-test"))
+        wait_all(worker, 0.2)
     except KeyboardInterrupt:
         say("interrupted: removing the fabric-test containers on every node")
         _sweep_all(cluster, settings)
-        worker.join(bound + START_ALLOWANCE_S)  # each docker run ends once its container is gone
+        # each docker run ends once its container is gone (an Event, not join: see sparkctl.threads)
+        wait_bounded(worker, bound + START_ALLOWANCE_S)
         _sweep_all(cluster, settings)  # and once more for one created after the first sweep
         raise
     seconds = time.monotonic() - start

@@ -46,7 +46,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from urllib.parse import urlsplit
 
 from .engine_lines import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS  # vLLM's metric names, in one place
 from .errors import CheckFailed, UsageError
+from .threads import spawn, wait_all, wait_bounded
 
 SCHEMA = "sparkctl-bench/1"
 MULTI_SCHEMA = "sparkctl-bench-replicas/1"  # several replicas: {replicas: [{replica, head, url, ...SCHEMA doc}], total}
@@ -1078,13 +1079,13 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
             progress.request_done(label, concurrency, r)
 
     cpu0, t0 = time.process_time(), time.time()
-    threads = [_spawn(worker, f"bench-{label}-{k}") for k in range(min(concurrency, n_requests))]
+    threads = [spawn(worker, f"bench-{label}-{k}") for k in range(min(concurrency, n_requests))]
     try:
-        _wait_all(threads)
+        wait_all(threads)
     except KeyboardInterrupt:
         level.interrupted = True
         canceller.cancel()
-        _join_bounded(threads, 5.0)
+        wait_bounded(threads, 5.0)
     if canceller.stop.is_set():  # cancelled from elsewhere (the main thread, when this run is one of several)
         level.interrupted = True
     level.cpu_s, level.wall_s = time.process_time() - cpu0, time.time() - t0
@@ -1096,40 +1097,6 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
         level.spec = spec_delta(before, read_spec_counters(cfg.endpoint, cfg.model, cfg.api_key))
     progress.level_done(level)
     return level
-
-
-# Threads are waited for through an Event each, never Thread.join: a join that Ctrl-C interrupts marks
-# a thread that is still running as stopped (Python 3.11's bpo-45274 handling in _wait_for_tstate_lock),
-# after which join() and is_alive() no longer wait for it, and its last results would be lost.
-
-
-def _spawn(target: Callable[[], None], name: str) -> threading.Event:
-    """Start `target` in a daemon thread; the Event is set when it ends."""
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            target()
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return done
-
-
-def _wait_all(threads: list[threading.Event]) -> None:
-    for done in threads:
-        while not done.wait(0.25):
-            pass
-
-
-def _join_bounded(threads: list[threading.Event], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    try:
-        for done in threads:
-            done.wait(max(deadline - time.monotonic(), 0.0))
-    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, the threads are daemons
-        pass
 
 
 def run_bench(cfg: BenchConfig, progress: ProgressSink | None = None, *,
@@ -1275,13 +1242,13 @@ def run_replicas(cfgs: Sequence[BenchConfig], sinks: Sequence[ProgressSink], *, 
         finally:
             sync.leave(i)
 
-    threads = [_spawn(functools.partial(one, i), f"bench-replica{i}") for i in range(n)]
+    threads = [spawn(functools.partial(one, i), f"bench-replica{i}") for i in range(n)]
     try:
-        _wait_all(threads)
+        wait_all(threads)
     except KeyboardInterrupt:
         canceller.cancel()
         sync.abort("interrupted")
-        _join_bounded(threads, join_s)
+        wait_bounded(threads, join_s)
     interrupted = canceller.stop.is_set()
     for run, done in zip(runs, threads, strict=True):
         if interrupted:

@@ -21,6 +21,7 @@ How it goes (the user's machine only orchestrates; no checkpoint byte passes thr
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import re
@@ -34,6 +35,7 @@ from typing import Any
 from .cluster import Cluster, Node, NodeError
 from .errors import CheckFailed, UsageError
 from .resources import probe_script
+from .threads import spawn, wait_all, wait_bounded
 from .verify import Finding, compare_nodes
 
 PARTIAL_DIR = ".sparkctl-partial"
@@ -416,19 +418,17 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
                 _push(node, argv, r, progress, stop)
 
             # One channel per rank on the source's one connection, all at once.
-            workers = [threading.Thread(target=_guard, args=(push, src_node, t, report.ranks[t]), daemon=True)
-                       for t in todo]
-            for w in workers:
-                w.start()
+            # (waited for through Events, not join: a join that Ctrl-C interrupts stops waiting for
+            # good, and the rank's final report would be lost: sparkctl.threads)
+            workers: list[threading.Event] = []
             try:
-                for w in workers:
-                    while w.is_alive():
-                        w.join(0.2)
+                for t in todo:
+                    workers.append(spawn(functools.partial(_guard, push, src_node, t, report.ranks[t]), f"sync-{t}"))
+                wait_all(workers, 0.2)
             except KeyboardInterrupt:
                 stop.set()
                 report.interrupted = True
-                for w in workers:
-                    w.join(10)
+                wait_bounded(workers, 10 * len(workers))
         # The end: verify-model's cross-node comparison on what every node holds now (the scans
         # already taken when nothing was copied).
         if not todo:

@@ -7,6 +7,7 @@ connection. Nothing here touches the system sshd or ~/.ssh. Skipped where sshd c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -545,7 +546,8 @@ def _drop_connections(sshd: Sshd) -> None:
     assert sshd.proc is not None
     kids = subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True, timeout=10)
     for pid in kids.stdout.split():
-        os.kill(int(pid), 9)
+        with contextlib.suppress(ProcessLookupError):  # a child that ended meanwhile (another client's)
+            os.kill(int(pid), 9)
 
 
 def _wait_inactive(node: cl.Node) -> None:
