@@ -586,3 +586,26 @@ def test_a_closed_node_is_not_reconnected(sshlab: SshLab) -> None:
         with pytest.raises(cl.NodeError):
             node.run(["true"])
         assert node.reconnects == 0
+
+
+def test_each_alias_is_resolved_by_ssh_g_once_per_cluster(sshlab: SshLab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ssh -G` is a process per alias: a command asks it once per node (connecting, then every later
+    `target()`), not once per question (check asked twice per node: 16 more processes on 16 nodes)."""
+    from sparkctl.cluster import fanout
+
+    asked: list[str] = []
+    real = fanout.resolve_target
+
+    def counting(alias: str, *a: object, **kw: object) -> object:
+        asked.append(alias)
+        return real(alias, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fanout, "resolve_target", counting)
+    names = ["n1", "n2"]
+    with Cluster(names, sshlab.ssh_config) as cluster:
+        assert cluster.connected == names
+        for _ in range(3):
+            assert [cluster.target(n).alias for n in names] == names
+        cluster.target("down")  # not connected: resolved once, then remembered
+        cluster.target("down")
+    assert sorted(asked) == ["down", "n1", "n2"]

@@ -85,6 +85,7 @@ class Cluster:
         self.command_timeout = command_timeout
         self._config, self.ssh_config_path = load_ssh_config(ssh_config)
         self._nodes: dict[str, Node] = {}
+        self._targets: dict[str, SshTarget] = {}
         self.errors: dict[str, NodeError] = {}
         self._keys = _KeyCache()
         self._jumps = Jumps()
@@ -101,7 +102,14 @@ class Cluster:
         self.close()
 
     def target(self, name: str) -> SshTarget:
-        return resolve_target(name, self._config, self.ssh_config_path)
+        """What `ssh -G` resolves `name` to, asked once per Cluster (a connected node keeps its own)."""
+        node = self._nodes.get(name)
+        if node is not None:
+            return node.target
+        got = self._targets.get(name)
+        if got is None:
+            got = self._targets[name] = resolve_target(name, self._config, self.ssh_config_path)
+        return got
 
     def connect(self) -> None:
         """Open every node's connection in parallel. Failures land in .errors, never raise."""
