@@ -963,10 +963,12 @@ def run_check(
         reached = reach(cluster, probes, pins, nodes)
         timing["reach"] = time.monotonic() - t
     peers = {p.fabric_ip: nodes[r] for r, p in pins.items() if p.fabric_ip}
+    unreached = {f.node for f in findings if f.check == "ssh" and f.status == FAIL}
+    topology = settings.topology
     for n in nodes:
-        if any(f.node == n and f.check == "ssh" and f.status == FAIL for f in findings):
+        if n in unreached:
             continue
-        rank = settings.topology.locate(n)[1].position  # pins are keyed by position in NODES
+        rank = topology.locate(n)[1].position  # pins are keyed by position in NODES
         findings.append(
             rule_reach(n, reached.get(n), {ip: pn for ip, pn in peers.items() if pn != n})
             if rank in pins

@@ -191,12 +191,15 @@ class MemInfo:
     available_bytes: int | None  # absent on very old kernels
 
 
+_MEMINFO_LINE = re.compile(r"(\w+(?:\(\w+\))?):\s+(\d{1,18})(?:\s+kB)?\s*")
+
+
 @guard
 def parse_meminfo(text: str) -> MemInfo:
     """/proc/meminfo ('MemTotal:  131072000 kB'); on unified-memory nodes this is the GPU's memory too."""
     values: dict[str, int] = {}
     for line in text.splitlines():
-        m = re.fullmatch(r"(\w+(?:\(\w+\))?):\s+(\d{1,18})(?:\s+kB)?\s*", line)
+        m = _MEMINFO_LINE.fullmatch(line)
         if m:
             values[m.group(1)] = int(m.group(2)) * (1024 if line.rstrip().endswith("kB") else 1)
     if "MemTotal" not in values:

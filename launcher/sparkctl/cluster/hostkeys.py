@@ -91,12 +91,22 @@ def host_matches(patterns: Sequence[str], name: str) -> bool:
         if pat.startswith("|1|"):
             hit = _hashed_match(pat, name)
         else:
-            regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pat.lower())
-            hit = re.fullmatch(regex, name.lower()) is not None
+            pat = pat.lower()
+            regex = _wildcard(pat)
+            hit = pat == name.lower() if regex is None else regex.fullmatch(name.lower()) is not None
         if hit and negate:
             return False
         matched = matched or hit
     return matched
+
+
+@functools.lru_cache(maxsize=4096)
+def _wildcard(pat: str) -> re.Pattern[str] | None:
+    """A lower-case pattern with `*`/`?` as a compiled regex; None for a plain name (compared as text).
+    Every node's verdict reads every known_hosts entry: compiled once per pattern, not per node."""
+    if "*" not in pat and "?" not in pat:
+        return None
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pat))
 
 
 def _hashed_match(entry: str, name: str) -> bool:
