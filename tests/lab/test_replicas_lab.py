@@ -69,6 +69,11 @@ def api_hits(lab: Lab, head: str) -> int:
     return logs.count('"GET /v1/models')
 
 
+def chat_hits(lab: Lab, head: str) -> int:
+    r = lab.docker(head, "logs", "sparkctl-replicas-rank0")
+    return (r.stdout + r.stderr).count('"POST /v1/chat/completions')
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,6 +99,18 @@ def test_two_replicas_start_wait_serve_through_one_endpoint_and_go(eight: Lab, t
     assert "replica 0 ready" in wait.stdout + wait.stderr and "replica 1 ready" in wait.stdout + wait.stderr
     status = sk(lab, "--json", "status")
     assert status.returncode == 0, status.stderr
+
+    # bench measures both replicas' heads together and adds them up (the chat completions each head logged)
+    chats0 = {h: chat_hits(lab, h) for h in HEADS}
+    bench = sk(lab, "--json", "bench", "--workload", "prose", "--concurrency", "1,2", "--requests", "2",
+               "--warmup", "0", "--max-tokens", "8")
+    assert bench.returncode == 0, bench.stderr
+    bdoc = json.loads(bench.stdout)
+    assert [(r["replica"], r["head"]) for r in bdoc["replicas"]] == [(0, "spark1"), (1, "spark5")]
+    assert {h: chat_hits(lab, h) - chats0[h] for h in HEADS} == dict.fromkeys(HEADS, 4), "2 requests per level each"
+    for level in bdoc["total"]["workloads"]["prose"]:
+        per = [lv for r in bdoc["replicas"] for lv in r["workloads"]["prose"] if lv["concurrency"] == level["concurrency"]]
+        assert level["ok"] == 4 and level["agg_tok_s"] == pytest.approx(sum(lv["agg_tok_s"] for lv in per), abs=0.01)
 
     if shutil.which("nginx") is None:
         assert os.environ.get("CI") != "true", "nginx is missing: .ci/run installs it"
