@@ -11,6 +11,8 @@ the script measures, per command:
   server CPU    per host: what the host's sshd and everything it started spent (the sshd listener's
                 own + its waited-for children's CPU, /proc/PID/stat utime+stime+cutime+cstime);
                 the host's dockerd is not in it
+  machine busy  the share of this machine's CPUs that were busy during the command (/proc/stat):
+                near 100%, the command waited for CPU that real nodes would each have of their own
 
 Targets (exit 1 when one is missed; 2 when there is no lab to measure):
   - on 16 hosts, every command opens exactly one SSH connection per host;
@@ -57,6 +59,7 @@ class Run:
     client_cpu: float
     connections: dict[str, int]
     server_cpu: dict[str, float]
+    busy: float = 0.0  # the whole machine's CPUs, busy share of the command's wall time
 
 
 @dataclass
@@ -82,6 +85,12 @@ def tree_cpu(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / TICKS
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU of this machine (/proc/stat's cpu line; idle and iowait idle)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
 def accepted(lab: Lab, name: str) -> int:
     return lab.host(name).sshd_log.read_text(errors="replace").count("Accepted publickey")
 
@@ -91,6 +100,7 @@ def run(lab: Lab, names: list[str], *args: str) -> Run:
     pids = {n: sshd_pid(lab, n) for n in names}
     conn0 = {n: accepted(lab, n) for n in names}
     cpu0 = {n: tree_cpu(p) for n, p in pids.items()}
+    ticks0 = machine_ticks()
     start = time.monotonic()
     proc = subprocess.Popen([str(SPARKCTL), "--json", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -100,12 +110,14 @@ def run(lab: Lab, names: list[str], *args: str) -> Run:
         proc.kill()
         raise SystemExit(f"sparkctl {' '.join(args)} ran past 600 s") from None
     wall = time.monotonic() - start
+    ticks1 = machine_ticks()
+    busy = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1])
     if proc.returncode != 0:
         raise SystemExit(f"sparkctl {' '.join(args)} failed ({proc.returncode}):\n{err[-2000:]}")
     del out
     time.sleep(0.3)  # sshd logs and reaps asynchronously
     return Run(wall, 0.0, {n: accepted(lab, n) - conn0[n] for n in names},
-               {n: tree_cpu(p) - cpu0[n] for n, p in pids.items()})
+               {n: tree_cpu(p) - cpu0[n] for n, p in pids.items()}, busy)
 
 
 def timed(lab: Lab, names: list[str], *args: str) -> Run:
@@ -169,14 +181,15 @@ def main() -> int:
             lab_up(max(found, 4))  # back to the size it had (`lab up` removes the hosts above it)
 
     ok = True
-    print(f"{'hosts':>5} {'command':>7} {'wall s':>7} {'client CPU s':>12} {'conn/host':>10} {'server CPU/host s':>17}")
+    print(f"{'hosts':>5} {'command':>7} {'wall s':>7} {'client CPU s':>12} {'conn/host':>10} {'server CPU/host s':>17} "
+          f"{'machine busy':>12}")
     for n, size in results.items():
         for cmd in COMMANDS:
             b = size.best(cmd)
             conns = sorted(set(b.connections.values()))
             server = sum(b.server_cpu.values()) / n
             print(f"{n:>5} {cmd:>7} {b.wall:>7.2f} {size.cpu(cmd):>12.3f} {','.join(map(str, conns)):>10} "
-                  f"{server:>17.3f}")
+                  f"{server:>17.3f} {b.busy:>11.0%}")
     big = max(results)
     for cmd in COMMANDS:
         bad = {h: c for r in results[big].runs[cmd] for h, c in r.connections.items() if c != 1}
