@@ -356,8 +356,8 @@ def test_non_streaming_json_answer():
     assert r.error_kind == "not-streaming" and "application/json" in (r.error or "")
 
 
-def test_timeout_bounds_a_stalled_stream():
-    release = threading.Event()
+def stalled_stream(release: threading.Event, then: Any = None) -> Any:
+    """A POST handler that streams one chunk, then holds the stream (after calling `then`) until released."""
 
     def post(h: Any) -> None:
         h.send_response(200)
@@ -365,7 +365,16 @@ def test_timeout_bounds_a_stalled_stream():
         h.end_headers()
         h.wfile.write(sse(chunk(role=True), chunk(" a")))
         h.wfile.flush()
+        if then is not None:
+            then()
         release.wait(10)
+
+    return post
+
+
+def test_timeout_bounds_a_stalled_stream():
+    release = threading.Event()
+    post = stalled_stream(release)
 
     with tiny_server(lambda h: models_or(h, post)) as url:
         r = request(url, timeout=0.5)  # the server holds the stream 10 s: only the timeout ends it sooner
@@ -379,15 +388,11 @@ def test_a_cancelled_stream_is_cancelled_not_truncated():
     canceller = b.Canceller()
     release = threading.Event()
 
-    def post(h: Any) -> None:
-        h.send_response(200)
-        h.send_header("content-type", "text/event-stream")
-        h.end_headers()
-        h.wfile.write(sse(chunk(role=True), chunk(" a")))
-        h.wfile.flush()
+    def cancel_while_the_client_waits() -> None:
         release.wait(0.3)  # the client is now waiting for more: cancel it there
         canceller.cancel()
-        release.wait(10)
+
+    post = stalled_stream(release, cancel_while_the_client_waits)
 
     with tiny_server(lambda h: models_or(h, post)) as url:
         r = request(url, timeout=20, canceller=canceller)
