@@ -7,6 +7,7 @@ import _thread
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -590,6 +591,25 @@ def test_cli_failures_mid_run_reported_per_request_and_summary(capsys):
     assert code == 1
     assert doc["failures"]["total"] >= 1 and "boom" in doc["failures"]["by_kind"]["http"]["first"]
     assert "request(s) failed" in err and "HTTP 500" in err and "Traceback" not in err
+
+
+def test_cli_sigterm_mid_run_exits_143_with_what_was_measured(capsys):
+    """SIGTERM (a supervisor, `kill`) while a request streams: the run stops as on Ctrl-C, says which
+    signal, and exits 128 + 15 like every other command (it exited 130 whatever the signal)."""
+    release = threading.Event()
+
+    def sigterm_while_the_client_waits() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # sparkctl's handler raises it in the main thread
+
+    post = stalled_stream(release, sigterm_while_the_client_waits)
+    try:
+        with tiny_server(lambda h: models_or(h, post)) as url:
+            code, out, err = run_cli(["bench", "--url", url, "--workload", "prose", "--concurrency", "1",
+                                      "--requests", "1", "--warmup", "0", "--max-tokens", "4"], capsys)
+    finally:
+        release.set()
+    assert code == 143, err
+    assert "note: interrupted (SIGTERM)" in out and "Traceback" not in err
 
 
 def test_cli_non_streaming_server_exits_1(capsys):

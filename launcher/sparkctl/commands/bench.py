@@ -21,7 +21,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import loadgen
+from .. import loadgen, signals
 from ..errors import CheckFailed, UsageError
 from ..output import emit_json, warn
 
@@ -95,7 +95,7 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
         Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     _report(g, doc, run, base, save)
     if run.interrupted:
-        raise click.exceptions.Exit(130)
+        raise click.exceptions.Exit(_interrupted_status())
     problems = loadgen.summarize_failures(doc)
     if run.stopped and not problems:
         problems = [run.stopped]
@@ -176,7 +176,7 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
             out.append(f"saved to {save}")
         click.echo("\n".join(out))
     if interrupted:
-        raise click.exceptions.Exit(130)
+        raise click.exceptions.Exit(_interrupted_status())
     problems: list[str] = []
     for d, run in zip(docs, runs, strict=True):
         mine = loadgen.summarize_failures(d)
@@ -311,10 +311,22 @@ def _target(g: Any, url: str | None, model: str | None, api_key_env: str | None,
     return targets, model or s.get("SERVED_MODEL_NAME"), api_key
 
 
+def _interrupted_by() -> str:
+    """The signal that stopped the run (sparkctl's handlers note it), else Ctrl-C."""
+    got = signals.received()
+    return signals.signal_name(got[0]) if got else "Ctrl-C"
+
+
+def _interrupted_status() -> int:
+    """128 + the signal that stopped the run, as every other command exits (130 for Ctrl-C, 143 for SIGTERM)."""
+    got = signals.received()
+    return 128 + got[0] if got else 130
+
+
 def _notes(doc: dict[str, Any], run: loadgen.BenchRun) -> list[str]:
     notes = list(doc["notes"])
     if run.interrupted:
-        notes.insert(0, "interrupted (Ctrl-C): the table shows what was measured before it")
+        notes.insert(0, f"interrupted ({_interrupted_by()}): the table shows what was measured before it")
     if run.stopped:
         notes.insert(0, f"stopped early: {run.stopped}")
     chunks = sum(lv["tokens_counted_from_chunks"] for lvs in doc["workloads"].values() for lv in lvs)
