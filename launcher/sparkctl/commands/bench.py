@@ -178,11 +178,11 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
     if interrupted:
         raise click.exceptions.Exit(_interrupted_status())
     problems: list[str] = []
-    for d, run in zip(docs, runs, strict=True):
+    for t, d, run in zip(targets, docs, runs, strict=True):
         mine = loadgen.summarize_failures(d)
         if run.stopped and not mine:
             mine = [run.stopped]
-        problems += [f"replica {d['replica']} (head {d['head']}): {p}" for p in mine]
+        problems += [f"{t.label}: {p}" for p in mine]
     if problems:
         raise CheckFailed(f"{total['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
                           fix="see the per-request lines above; the tables count only requests that finished")
