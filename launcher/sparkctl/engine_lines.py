@@ -18,6 +18,7 @@ class Marker:
     pattern: str  # a regex, searched in one log line
     source: str  # the file (inside site-packages) whose format string it matches
     who: str  # which ranks print it in vLLM
+    gpu_only: bool = False  # the GPU model runner prints it; vLLM's CPU runner never does (tests/realengine)
 
 
 PHASE_MARKERS: tuple[Marker, ...] = (
@@ -28,17 +29,17 @@ PHASE_MARKERS: tuple[Marker, ...] = (
     Marker("rendezvous", r"Initializing a V1 LLM engine \(v[^)]*\) with config",
            "vllm/v1/engine/core.py", "the head's engine core"),
     Marker("loading weights", r"Starting to load model ", "vllm/v1/worker/gpu_model_runner.py",
-           "global rank 0 only (info_once scope=global)"),
+           "global rank 0 only (info_once scope=global); on CPU every rank (cpu_model_runner.py logs it plainly)"),
     Marker("loading weights", r"Filesystem type for checkpoints: ", "vllm/model_executor/model_loader/weight_utils.py",
            "every node's first rank, as loading starts"),
     Marker("loading weights", r"Loading weights took [\d.]+ seconds", "vllm/model_executor/model_loader/default_loader.py",
            "every node's first rank"),
     Marker("loading weights", r"Model loading took \S+ GiB memory and", "vllm/v1/worker/gpu_model_runner.py",
-           "every node's first rank"),
+           "every node's first rank", gpu_only=True),
     Marker("graph capture", r"Capturing CUDA graphs", "vllm/v1/worker/gpu_model_runner.py",
-           "global rank 0's progress bar"),
+           "global rank 0's progress bar", gpu_only=True),
     Marker("graph capture", r"Graph capturing finished in \d+ secs", "vllm/v1/worker/gpu_model_runner.py",
-           "every node's first rank"),
+           "every node's first rank", gpu_only=True),
     Marker("ready", r"Application startup complete", "uvicorn/lifespan/on.py", "the head's API server"),
 )
 PHASE_ORDER = ("rendezvous", "loading weights", "graph capture", "ready")

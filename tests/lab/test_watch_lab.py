@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,6 +159,51 @@ def test_killed_rank_restarts_the_group_then_a_down_ends_watch_with_zero(served:
     assert containers(lab) == {n: [] for n in NODES}, "watch restarted the service after a person's down"
     actions = [e["action"] for e in audit_actions(lab)]
     assert "watch-restart" in actions and "watch-restarted" in actions
+
+
+def head_health() -> int:
+    try:
+        with urllib.request.urlopen(f"http://{lab_head_ip()}:18891/health", timeout=2) as r:  # noqa: S310 - the lab's head
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
+
+
+def test_a_dead_worker_behind_a_healthy_head_is_a_broken_service(served: Lab) -> None:
+    """vLLM's head keeps /health 200 after a worker died (facts.md, "Real vLLM on CPU"; the stand-in now
+    does the same): `status` must not trust the head's word and exits 1 naming the rank."""
+    lab = served
+    lab.docker("spark3", "kill", "sparkctl-watchlab-rank2", check=True)
+    time.sleep(4)  # past the stand-in's heartbeat timeout
+    assert head_health() == 200
+    r = sk(lab, "status")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rank 2 (spark3)" in r.stdout + r.stderr
+
+
+def test_killed_head_restarts_the_group_and_removes_the_orphaned_workers(served: Lab) -> None:
+    """The head killed: vLLM's headless workers stay up, silent (orphans holding their memory). `watch`
+    must replace every rank, not start a head beside the old workers."""
+    lab = served
+    before = containers(lab)
+    proc = start_watch(lab)
+    try:
+        lab.docker("spark1", "kill", "sparkctl-watchlab-rank0", check=True)
+        assert lab.wait_exit("spark2", "sparkctl-watchlab-rank1", 1) is None  # the orphan is still there
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = containers(lab)
+            if all(now[n] and now[n] != before[n] for n in NODES) and completion_ok():
+                break
+            time.sleep(0.2)
+        now = containers(lab)
+        assert all(len(now[n]) == 1 and not set(now[n]) & set(before[n]) for n in NODES), (before, now)
+        assert completion_ok()
+    finally:
+        out, err = stop(proc)
+    assert "rank 0 (spark1)" in err, err
 
 
 def test_spent_budget_leaves_the_cluster_down_and_exits_non_zero(served: Lab) -> None:

