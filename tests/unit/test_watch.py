@@ -311,3 +311,28 @@ def test_status_view_shows_ranks_metrics_supervisor_and_problems():
                  "supervisor: restarting (attempt 1/3: rank 1 (n2) absent)", "1/3 in the window",
                  "✗ rank 1 (n2): no container"]:
         assert want in text, want
+
+
+def test_export_systemd_print_leaves_secrets_from_the_environment_out_and_warns(monkeypatch, capsys, tmp_path):
+    """README: secrets are never written into the unit (the install writes it world-readable). A secret
+    set in the environment is left out, with a warning naming it; the other knobs there are pinned."""
+    from tests.conftest import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    for k in ("SPARKCTL_ENV_FILE", "TP", "DCP"):
+        monkeypatch.delenv(k, raising=False)
+    secrets = {"HF_TOKEN": "hf_UNITzq81vXsecret", "VLLM_API_KEY": "sk-UNITm2Pq9wsecret"}
+    env = {"NODES": "n1 n2 n3 n4", "MODEL": str(tmp_path / "model"), "RECIPE": "lab", "CLUSTER_NAME": "u",
+           "PORT": "8123", **secrets}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for argv in (["export", "systemd", "--print"], ["--json", "export", "systemd", "--print"]):
+        code, out, err = run_cli(argv, capsys)
+        assert code == 0, err
+        text = json.loads(out)["text"] if "--json" in argv else out
+        envs = [ln for ln in text.splitlines() if ln.startswith("Environment=")]
+        assert 'Environment="PORT=8123"' in envs and 'Environment="CLUSTER_NAME=u"' in envs, envs
+        for key, value in secrets.items():
+            assert value not in out + err, f"{key}'s value was printed"
+            assert not any(key in ln for ln in envs), envs
+            assert f"{key} comes from the environment" in err and "not written into the unit" in err, err
