@@ -12,8 +12,8 @@ surviving mutant) is printed with its diff.
 
 Not run by CI: each mutant is one pytest run (2-30 s here), and a module has 50 to 2,000 mutants. Run a
 module at a time; a session is kept under --work (default .mutation/, ignored by git) and resumed when
-the same module is asked again with the same tests, so an interrupted run goes on where it stopped
-(--fresh starts over).
+the same module is asked again with the same tests (same code, same test files), so an interrupted run
+goes on where it stopped (--fresh starts over).
 
 How it works: for each module, the selected tests first run once on the unchanged code (the baseline:
 it must pass, and its time sets the per-mutant timeout, 3x + 30 s); then `cosmic-ray init` lists the
@@ -158,7 +158,10 @@ def _dirty(files: list[Path]) -> list[str]:
 
 
 def _session_key(module: Module, tests: list[str], excluded: list[str]) -> str:
-    text = json.dumps([module.paths, tests, excluded, [hashlib.sha256(f.read_bytes()).hexdigest() for f in _files(module)]])
+    """Same module code, same tests (their files' content too), same filters: the same session, resumed."""
+    test_files = [ROOT / t.split("::")[0] for t in tests if (ROOT / t.split("::")[0]).is_file()]
+    digests = [hashlib.sha256(f.read_bytes()).hexdigest() for f in [*_files(module), *test_files]]
+    text = json.dumps([module.paths, tests, excluded, digests])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

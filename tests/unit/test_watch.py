@@ -245,8 +245,8 @@ def test_exec_start_words_survive_systemd_quoting():
 def test_unit_is_bounded_and_ordered_after_docker_and_network():
     text = unit([sys.executable, "-m", "sparkctl", "watch"])
     for line in ["After=network-online.target docker.service", "Restart=on-failure", "StartLimitBurst=3",
-                 "StartLimitIntervalSec=3600", "WantedBy=multi-user.target",
-                 'Environment="PORT=8%%8$8"']:
+                 "StartLimitIntervalSec=3600", "WantedBy=multi-user.target", "RestartSec=30",
+                 "Description=sparkctl supervisor for cluster c1", 'Environment="PORT=8%%8$8"']:
         assert line in text.splitlines(), line
 
 
@@ -331,6 +331,9 @@ def test_export_systemd_print_leaves_secrets_from_the_environment_out_and_warns(
         assert code == 0, err
         text = json.loads(out)["text"] if "--json" in argv else out
         envs = [ln for ln in text.splitlines() if ln.startswith("Environment=")]
+        # exactly what came from the environment, less RECIPE (ExecStart's --recipe) and the secrets
+        pinned = sorted(ln.split("=", 2)[1].lstrip('"') for ln in envs)
+        assert pinned == ["CLUSTER_NAME", "MODEL", "NODES", "PORT", "SPARKCTL_SSH_CONFIG"], envs
         assert 'Environment="PORT=8123"' in envs and 'Environment="CLUSTER_NAME=u"' in envs, envs
         for key, value in secrets.items():
             assert value not in out + err, f"{key}'s value was printed"
