@@ -63,6 +63,11 @@ for _recipe in RECIPES:
     for _seqs in ("2", "3", "4"):
         KV_COMBOS.append((_recipe, GB10, {"MAX_FULL_SEQS": _seqs}))
         KV_COMBOS.append((_recipe, GB10, {"MAX_FULL_SEQS": _seqs, "MAX_MODEL_LEN": "8192", "DCP": "1"}))
+    # lengths DCP does not divide: each rank holds ceil(MAX_MODEL_LEN / DCP) tokens of a sequence; 256,001
+    # at DCP 4 is 64,001 tokens, one past 1,000 blocks of 64 (rounding down plans one block short)
+    for _len, _dcp in (("256001", "4"), ("256001", "2"), ("131073", "4")):
+        KV_COMBOS.append((_recipe, GB10, {"MAX_MODEL_LEN": _len, "DCP": _dcp, "KV_CACHE_DTYPE": "fp8"}))
+    KV_COMBOS.append((_recipe, GB10, {"MAX_FULL_SEQS": "3", "MAX_MODEL_LEN": "256001", "DCP": "4"}))
     KV_COMBOS.append((_recipe, GB10, {"VLLM_EXTRA_ARGS": EXTRA_ARGS_SAMPLES[0]}))
     KV_COMBOS.append((_recipe, GB10, {"SPEC_METHOD": "off"}))  # no MTP layer: 78 layers
 for _len, _dcp in (("8192", "1"), ("1000000", "4")):

@@ -21,7 +21,7 @@ with open(os.path.join(ROOT, "docker-calls.jsonl"), "a") as log:
 
 STATE = os.path.join(ROOT, f"docker-{NODE}.json")
 IMAGE_ID = "sha256:" + "a" * 64
-FLAGS = {"--detach", "-d", "--rm", "--init", "--privileged", "-i", "-t", "-it", "--no-trunc", "-a", "-q", "-aq",
+FLAGS = {"--detach", "-d", "--rm", "--init", "--privileged", "-i", "--interactive", "-t", "-it", "--no-trunc", "-a", "-q", "-aq",
          "-f", "--force", "--follow", "--read-only"}
 
 

@@ -264,6 +264,22 @@ def test_unknown_host_key_refused_with_fingerprint(sshlab: SshLab, tmp_path: Pat
     assert sshlab.total_accepted() == before  # refused before logging in
 
 
+def test_a_key_known_only_for_another_host_is_unknown_and_no_login(sshlab: SshLab, tmp_path: Path) -> None:
+    """Host keys are trusted per host: n1's own key, listed in known_hosts under n2's name only, does not
+    make n1 trusted (nor "changed": nothing is known for n1 at all)."""
+    n1, n2 = sshlab.nodes["n1"], sshlab.nodes["n2"]
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{n2.port} {n1.host_pub}\n{cl.hash_hostname(f'[127.0.0.1]:{n2.port}')} {n1.host_pub}\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(sshlab.ssh_config.read_text().replace(str(sshlab.known_hosts), str(known)))
+    before = sshlab.total_accepted()
+    with Cluster(["n1"], cfg) as cluster:
+        err = cluster.run_all(["true"])["n1"]
+    assert isinstance(err, NodeError) and err.kind == "hostkey-unknown", err
+    time.sleep(0.2)
+    assert sshlab.total_accepted() == before  # refused before logging in
+
+
 def test_changed_host_key_is_loud(sshlab: SshLab, tmp_path: Path) -> None:
     other = _keygen(tmp_path / "other")
     known = tmp_path / "known_hosts"

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from sparkctl.errors import CheckFailed, UsageError
 from sparkctl.plan import (
@@ -189,3 +192,37 @@ def test_missing_shard_is_noted_and_index_total_used(clean_env, model_308):
     plan = plan_for(settings_for(model_308))
     assert plan.weights_total == 308_000_000_000
     assert "missing" in plan.notes[0] and "model-00003-of-00041.safetensors" in plan.notes[0]
+
+
+def test_a_length_dcp_does_not_divide_is_rounded_up_per_rank(clean_env, model_308):
+    """vLLM gives each DCP rank ceil(MAX_MODEL_LEN / DCP) tokens of every sequence: 256,001 tokens at DCP 4
+    are 64,001 per rank, 1,001 blocks of 64 (1,000 would hold 64,000: one token short), + the null block."""
+    plan = plan_for(settings_for(model_308, MAX_MODEL_LEN="256001", DCP="4", MAX_FULL_SEQS="1"))
+    assert plan.kv_block_tokens == 64 and plan.kv_blocks_per_rank == 1_002
+    assert plan.tokens_per_rank == 1_001 * 64 >= 64_001
+    plan = plan_for(settings_for(model_308, MAX_MODEL_LEN="256000", DCP="4", MAX_FULL_SEQS="1"))
+    assert plan.kv_blocks_per_rank == 1_001  # 64,000 per rank: exactly 1,000 blocks
+
+
+@settings(max_examples=80)
+@given(dcp=st.sampled_from([2, 4]),
+       quotient=st.integers(0, 2_000_000) | st.integers(0, 30_000).map(lambda b: 64 * b),
+       rest=st.integers(0, 6), seqs=st.integers(1, 8), cc=st.sampled_from(["12.1", "10.0"]))
+@example(dcp=4, quotient=64_000, rest=0, seqs=1, cc="12.1")  # 256,001
+@example(dcp=2, quotient=0, rest=0, seqs=1, cc="12.1")  # 1 token
+def test_kv_per_rank_holds_every_full_sequence_at_lengths_dcp_does_not_divide(clean_env, model_308, dcp, quotient,
+                                                                               rest, seqs, cc):
+    """tokens per rank >= MAX_FULL_SEQS x ceil(MAX_MODEL_LEN / DCP), with less than one block to spare per
+    sequence, at lengths DCP leaves a remainder of (half of them just past a whole number of blocks per
+    rank, where rounding down loses a block)."""
+    max_len = dcp * quotient + rest % (dcp - 1) + 1  # a remainder of 1 to DCP - 1
+    assert max_len % dcp
+    ckpt = read_checkpoint(model_308)
+    s = settings_for(model_308, MAX_MODEL_LEN=str(max_len), DCP=str(dcp), MAX_FULL_SEQS=str(seqs))
+    plan = make_plan(s, ckpt, compute_capability=cc)
+    per_seq = math.ceil(max_len / dcp)
+    block = plan.kv_block_tokens
+    assert plan.tokens_per_rank >= seqs * per_seq
+    assert plan.tokens_per_rank < seqs * (per_seq + block)
+    assert plan.tokens_per_rank % block == 0
+    assert plan.kv_blocks_per_rank == plan.tokens_per_rank // block + 1  # and the null block

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,3 +111,59 @@ def test_up_down_and_rollback_touch_only_this_clusters_containers(nodes: LocalNo
     (nodes.root / "docker-fail-spark4").touch()  # a failed up: its rollback sweeps too
     assert run(["up"], capsys)[0] == 1
     assert survivors() == planted
+
+
+def test_the_fabric_sweep_leaves_the_service_and_other_clusters_alone(nodes: LocalNodes, capsys: Any) -> None:
+    """`check --fabric` while this cluster serves: its sweep removes this cluster's fabric-test containers
+    (its own and a leftover) and nothing else -- not the serving ranks (they carry the cluster label too),
+    not another cluster's fabric test (it carries the purpose label too), not another cluster's service."""
+    assert run(["up"], capsys)[0] == 0
+    planted = {"leftover": ["sparkctl.cluster=t", "sparkctl.purpose=fabric-test"],
+               "other-fabric": ["sparkctl.cluster=othercluster", "sparkctl.purpose=fabric-test"],
+               "other-serving": ["sparkctl.cluster=othercluster", "sparkctl.rank=0"]}
+    for n in NODES:
+        for name, labels in planted.items():
+            words = [w for lab in labels for w in ("--label", lab)]
+            assert nodes.docker(n, "run", "--detach", "--name", f"{name}-{n}", *words, "busybox").returncode == 0
+
+    def containers(n: str) -> dict[str, dict[str, str]]:
+        state = json.loads((nodes.root / f"docker-{n}.json").read_text())["containers"]
+        return {c["Name"].lstrip("/"): c["Config"]["Labels"] for c in state.values()}
+
+    serving = {n: sorted(k for k, lab in containers(n).items() if lab.get("sparkctl.cluster") == "t"
+                         and "sparkctl.purpose" not in lab) for n in NODES}
+    assert all(len(v) == 1 for v in serving.values()), serving  # the service's rank container on each node
+    run(["check", "--fabric", "--fabric-timeout", "5"], capsys)  # the stub's ranks report nothing: it fails
+    ran = [c["node"] for c in nodes.docker_calls()
+           if c["argv"][:1] == ["run"] and any(a.startswith("sparkctl-t-fabric-rank") for a in c["argv"])]
+    assert sorted(ran) == NODES  # the fabric test did run on every node, and so did its sweep
+    for n in NODES:
+        left = containers(n)
+        assert sorted(left) == sorted([*serving[n], f"other-fabric-{n}", f"other-serving-{n}"]), (n, sorted(left))
+
+
+def test_model_pull_carries_the_token_on_stdin_never_on_a_command_line(nodes: LocalNodes, capsys: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """`model pull` over the stand-in Hub (which refuses a wrong token): the download works, so the token
+    reached the head -- on the pull's stdin, not on its command line, nor on any other."""
+    pytest.importorskip("huggingface_hub")
+    from sparkctl.lab import ckptgen
+    from sparkctl.lab.hfhub import StandinHub
+
+    hub = StandinHub(tmp_path / "hub", token=HF)
+    rev = hub.publish("lab/tiny", ckptgen.make_checkpoint(tmp_path / "pack", "tiny"))
+    monkeypatch.setenv("MODEL", str(tmp_path / "pulled"))
+    monkeypatch.setenv("MODEL_REPO", "lab/tiny")
+    monkeypatch.setenv("MODEL_REVISION", rev)
+    monkeypatch.setenv("HF_PYTHON", sys.executable)  # a python with huggingface_hub, as the head has
+    with hub.serve() as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        code, out, err = run(["--json", "model", "pull"], capsys)
+    doc = json.loads(out)
+    assert doc["status"] == "downloaded" and doc["commit"] == rev, (code, out, err)
+    assert HF not in out + err
+    pulls = [s for s in nodes.sent if "lab/tiny" in s.command and rev in s.command]
+    assert [s.node for s in pulls] == NODES[:1] and HF in pulls[0].stdin.decode()  # on the head, on stdin
+    for sent in nodes.sent:  # every command string that crossed to a node
+        assert HF not in sent.command, sent.command[:300]

@@ -245,8 +245,8 @@ def test_exec_start_words_survive_systemd_quoting():
 def test_unit_is_bounded_and_ordered_after_docker_and_network():
     text = unit([sys.executable, "-m", "sparkctl", "watch"])
     for line in ["After=network-online.target docker.service", "Restart=on-failure", "StartLimitBurst=3",
-                 "StartLimitIntervalSec=3600", "WantedBy=multi-user.target",
-                 'Environment="PORT=8%%8$8"']:
+                 "StartLimitIntervalSec=3600", "WantedBy=multi-user.target", "RestartSec=30",
+                 "Description=sparkctl supervisor for cluster c1", 'Environment="PORT=8%%8$8"']:
         assert line in text.splitlines(), line
 
 
@@ -311,3 +311,31 @@ def test_status_view_shows_ranks_metrics_supervisor_and_problems():
                  "supervisor: restarting (attempt 1/3: rank 1 (n2) absent)", "1/3 in the window",
                  "✗ rank 1 (n2): no container"]:
         assert want in text, want
+
+
+def test_export_systemd_print_leaves_secrets_from_the_environment_out_and_warns(monkeypatch, capsys, tmp_path):
+    """README: secrets are never written into the unit (the install writes it world-readable). A secret
+    set in the environment is left out, with a warning naming it; the other knobs there are pinned."""
+    from tests.conftest import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    for k in ("SPARKCTL_ENV_FILE", "TP", "DCP"):
+        monkeypatch.delenv(k, raising=False)
+    secrets = {"HF_TOKEN": "hf_UNITzq81vXsecret", "VLLM_API_KEY": "sk-UNITm2Pq9wsecret"}
+    env = {"NODES": "n1 n2 n3 n4", "MODEL": str(tmp_path / "model"), "RECIPE": "lab", "CLUSTER_NAME": "u",
+           "PORT": "8123", **secrets}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for argv in (["export", "systemd", "--print"], ["--json", "export", "systemd", "--print"]):
+        code, out, err = run_cli(argv, capsys)
+        assert code == 0, err
+        text = json.loads(out)["text"] if "--json" in argv else out
+        envs = [ln for ln in text.splitlines() if ln.startswith("Environment=")]
+        # exactly what came from the environment, less RECIPE (ExecStart's --recipe) and the secrets
+        pinned = sorted(ln.split("=", 2)[1].lstrip('"') for ln in envs)
+        assert pinned == ["CLUSTER_NAME", "MODEL", "NODES", "PORT", "SPARKCTL_SSH_CONFIG"], envs
+        assert 'Environment="PORT=8123"' in envs and 'Environment="CLUSTER_NAME=u"' in envs, envs
+        for key, value in secrets.items():
+            assert value not in out + err, f"{key}'s value was printed"
+            assert not any(key in ln for ln in envs), envs
+            assert f"{key} comes from the environment" in err and "not written into the unit" in err, err

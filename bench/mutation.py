@@ -1,0 +1,376 @@
+#!/usr/bin/env python3
+"""Mutation testing of the safety-critical modules (issue 32): cosmic-ray breaks each line on purpose,
+the tests that exercise the module run against every break, and a break that no test notices (a
+surviving mutant) is printed with its diff.
+
+    .venv/bin/pip install -e '.[mutation]'                  # cosmic-ray, into the project's venv
+    .venv/bin/python bench/mutation.py --list               # the modules and the tests each one runs
+    .venv/bin/python bench/mutation.py systemd_unit lock    # score per module, and the survivors
+    .venv/bin/python bench/mutation.py plan --tests 'tests/unit/test_plan.py -k dcp'  # a narrower selection
+    .venv/bin/python bench/mutation.py cleanup --confirm    # survivors re-run against the whole unit suite
+    .venv/bin/python bench/mutation.py fabric --lab         # ... and against the module's lab subset (root)
+
+Not run by CI: each mutant is one pytest run (2-30 s here), and a module has 50 to 2,000 mutants. Run a
+module at a time; a session is kept under --work (default .mutation/, ignored by git) and resumed when
+the same module is asked again with the same tests (same code, same test files), so an interrupted run
+goes on where it stopped (--fresh starts over).
+
+How it works: for each module, the selected tests first run once on the unchanged code (the baseline:
+it must pass, and its time sets the per-mutant timeout, 3x + 30 s); then `cosmic-ray init` lists the
+mutants, `cr-filter-pragma` skips lines marked `# pragma: no mutate`, `cr-filter-operators` skips the
+operators named by --exclude-operator, and `cosmic-ray exec` applies each mutant to the file IN PLACE
+(the working tree's file: the editable install imports it, and so do the probes and scripts the tests
+run in subprocesses), runs the tests, and restores the file. This script also keeps each module's bytes
+and puts them back if anything differs afterwards, even on Ctrl-C; it refuses to start on a module with
+uncommitted changes, so `git diff` shows any damage.
+
+Score = killed / (killed + survived); a timeout counts as killed (the break hung the tests), a mutant
+the tests could not run ("incompetent": the test command itself failed to start) and a skipped one are
+counted apart. --confirm re-runs each survivor against the whole unit suite (`-m "not lab and not
+fidelity"`, about 6 min a mutant here), --lab against the module's named lab subset: a survivor that
+either kills is reported as killed there, and the rest are the ones to kill with a new test or to list
+in docs/mutations.md as equivalent (with why).
+
+Why cosmic-ray and not mutmut: mutmut 3 mutates a copy of the sources under mutants/ and puts only
+mutants/, mutants/src and mutants/source on sys.path; this repository's package lives in launcher/
+and is installed editable, so the tests kept importing the original code (tried on systemd_unit.py:
+"could not find any test case for any mutant"), and the node-side probes that tests run as files in
+subprocesses would not see its trampolines either. cosmic-ray mutates the real file, one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = "launcher/sparkctl"
+UNIT_MARK = "not lab and not fidelity"
+
+
+@dataclass(frozen=True)
+class Module:
+    paths: tuple[str, ...]  # files (or folders) under the repository root
+    tests: tuple[str, ...]  # the unit tests that exercise it: the fast pass's selection
+    lab: tuple[str, ...] = ()  # the lab tests that exercise it, for --lab
+    note: str = ""
+
+
+# The safety-critical modules (issue 32) and the tests that exercise each one.
+MODULES: dict[str, Module] = {
+    "cluster": Module((f"{PKG}/cluster",),
+                      ("tests/unit/test_cluster.py", "tests/unit/test_hostkeys.py", "tests/unit/test_fanout.py",
+                       "tests/unit/test_hostile_values.py"),
+                      ("tests/lab/test_connections_lab.py", "tests/lab/test_hostile_lab.py"),
+                      "the SSH layer: ssh -G, host keys, the transport, the channel"),
+    "hostkeys": Module((f"{PKG}/cluster/hostkeys.py",), ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py"),
+                       ("tests/lab/test_connections_lab.py",), "host-key verdicts alone (part of cluster)"),
+    "cleanup": Module((f"{PKG}/cleanup.py",),
+                      ("tests/unit/test_safety_offline.py", "tests/unit/test_lifecycle_paths.py",
+                       "tests/unit/test_crash_safety.py"),
+                      ("tests/lab/test_foreign_lab.py", "tests/lab/test_lifecycle_lab.py")),
+    "service": Module((f"{PKG}/service.py",),
+                      ("tests/unit/test_lifecycle_paths.py", "tests/unit/test_lifecycle_units.py",
+                       "tests/unit/test_safety_offline.py", "tests/unit/test_crash_safety.py"),
+                      ("tests/lab/test_lifecycle_lab.py", "tests/lab/test_secrets_lab.py")),
+    "lock": Module((f"{PKG}/lock.py",),
+                   ("tests/unit/test_crash_safety.py", "tests/unit/test_lifecycle_paths.py",
+                    "tests/unit/test_lifecycle_units.py"),
+                   ("tests/lab/test_lifecycle_lab.py",)),
+    "signals": Module((f"{PKG}/signals.py",), ("tests/unit/test_crash_safety.py", "tests/unit/test_threads.py"),
+                      ("tests/lab/test_signals_lab.py",)),
+    "builders": Module((f"{PKG}/builders.py",),
+                       ("tests/unit/test_hostile_values.py", "tests/unit/test_render.py",
+                        "tests/unit/test_safety_offline.py", "tests/unit/test_lifecycle_units.py"),
+                       ("tests/lab/test_secrets_lab.py", "tests/lab/test_lifecycle_lab.py")),
+    "plan": Module((f"{PKG}/plan.py",), ("tests/unit/test_plan.py", "tests/unit/test_render.py"),
+                   (), "the KV plan; vLLM's own planner judges it in tests/fidelity (its own venv)"),
+    "settings": Module((f"{PKG}/settings.py",), ("tests/unit/test_settings.py", "tests/unit/test_safety_offline.py"),
+                       ("tests/lab/test_secrets_lab.py",), "redaction and strict keys"),
+    "systemd_unit": Module((f"{PKG}/systemd_unit.py",), ("tests/unit/test_watch.py",),
+                           ("tests/lab/test_watch_lab.py",)),
+    "fabric": Module((f"{PKG}/fabric.py",), ("tests/unit/test_fabric.py", "tests/unit/test_safety_offline.py"),
+                     ("tests/lab/test_fabric_lab.py",), "the fabric test and its sweep"),
+    "probes": Module((f"{PKG}/probes/ckpt_scan.py", f"{PKG}/probes/hf_pull.py", f"{PKG}/probes/model_node.py",
+                      f"{PKG}/probes/save_filter.py"),
+                     ("tests/unit/test_probe_bundle.py", "tests/unit/test_model_transfer.py",
+                      "tests/unit/test_ckpt_summary.py", "tests/unit/test_verify.py", "tests/unit/test_images.py"),
+                     ("tests/lab/test_verify_lab.py", "tests/lab/test_model_lab.py"),
+                     "the node-side probes' argument handling (they run as files, on argv and stdin)"),
+}
+
+
+def _files(module: Module) -> list[Path]:
+    out: list[Path] = []
+    for p in module.paths:
+        path = ROOT / p
+        out += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return out
+
+
+def _bin(name: str) -> str:
+    found = Path(sys.executable).parent / name
+    if found.exists():
+        return str(found)
+    which = shutil.which(name)
+    if not which:
+        sys.exit(f"mutation.py: {name} not found: install the extra, `.venv/bin/pip install -e '.[mutation]'`")
+    return which
+
+
+def pytest_command(tests: list[str], marker: str = UNIT_MARK, *, first_failure: bool = True) -> str:
+    words = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker]
+    words += ["-x"] if first_failure else []
+    return shlex.join(words + tests)
+
+
+@dataclass
+class Result:
+    module: str
+    mutants: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    survivors: list[dict[str, object]] = field(default_factory=list)
+    baseline_s: float = 0.0
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def score(self) -> float | None:
+        judged = self.outcomes["killed"] + self.outcomes["survived"]
+        return self.outcomes["killed"] / judged if judged else None
+
+
+def _dirty(files: list[Path]) -> list[str]:
+    r = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *map(str, files)],
+                       capture_output=True, text=True, check=False)
+    return [ln for ln in r.stdout.splitlines() if ln.strip()]
+
+
+def _session_key(module: Module, tests: list[str], excluded: list[str]) -> str:
+    """Same module code, same tests (their files' content too), same filters: the same session, resumed."""
+    test_files = [ROOT / t.split("::")[0] for t in tests if (ROOT / t.split("::")[0]).is_file()]
+    digests = [hashlib.sha256(f.read_bytes()).hexdigest() for f in [*_files(module), *test_files]]
+    text = json.dumps([module.paths, tests, excluded, digests])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _config(path: Path, module: Module, command: str, timeout: float, excluded: list[str]) -> None:
+    q = json.dumps  # TOML basic strings are JSON strings for what we write here
+    lines = ["[cosmic-ray]",
+             f"module-path = [{', '.join(q(p) for p in module.paths)}]",
+             f"timeout = {timeout:.0f}",
+             "excluded-modules = []",
+             f"test-command = {q(command)}",
+             "",
+             "[cosmic-ray.distributor]",
+             'name = "local"',
+             "",
+             "[cosmic-ray.filters.operators-filter]",
+             f"exclude-operators = [{', '.join(q(e) for e in excluded)}]",
+             ""]
+    path.write_text("\n".join(lines))
+
+
+def _changed_lines(diff: str) -> tuple[int | None, str]:
+    """The module's line number of the first changed line, and the diff's -/+ lines."""
+    line, first = None, None
+    for ln in diff.splitlines():
+        if m := re.match(r"@@ -(\d+)", ln):
+            line = int(m.group(1)) if line is None else line
+        elif line is not None and first is None:
+            if ln.startswith("-"):
+                first = line
+            elif ln.startswith(" "):
+                line += 1
+    body = [ln for ln in diff.splitlines() if ln[:1] in "-+" and not ln.startswith(("---", "+++"))]
+    return first, "\n".join(body)
+
+
+def _read_session(session: Path, result: Result) -> None:
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        result.mutants = db.num_work_items
+        for item, res in db.completed_work_items:
+            if res.worker_outcome == "skipped":
+                result.outcomes["skipped"] += 1
+                continue
+            if res.worker_outcome in ("exception", "abnormal"):
+                result.outcomes["incompetent"] += 1
+                continue
+            outcome = str(res.test_outcome.value if res.test_outcome else "incompetent")
+            if outcome == "killed" and (res.output or "").strip() == "timeout":
+                result.outcomes["timeout"] += 1
+            result.outcomes[outcome] += 1
+            if outcome == "survived":
+                m = item.mutations[0]
+                line, change = _changed_lines(res.diff or "")
+                result.survivors.append({"file": str(Path(m.module_path).resolve().relative_to(ROOT)), "line": line,
+                                         "operator": m.operator_name, "occurrence": m.occurrence, "change": change})
+        result.outcomes["pending"] = sum(1 for _ in db.pending_work_items)
+
+
+def _restore(backup: dict[Path, bytes]) -> list[str]:
+    restored = []
+    for path, data in backup.items():
+        if path.read_bytes() != data:
+            path.write_bytes(data)
+            restored.append(str(path.relative_to(ROOT)))
+    return restored
+
+
+def run_module(name: str, module: Module, args: argparse.Namespace) -> Result:
+    result = Result(name)
+    files = _files(module)
+    tests = args.tests or list(module.tests)
+    if dirty := _dirty(files):
+        result.error = f"uncommitted changes in {', '.join(dirty)}: commit or stash them first (the tool edits in place)"
+        return result
+    backup = {f: f.read_bytes() for f in files}
+    work = Path(args.work).resolve() / name
+    work.mkdir(parents=True, exist_ok=True)
+    key = _session_key(module, tests, args.exclude_operator)
+    cfg, session = work / f"{key}.toml", work / f"{key}.sqlite"
+    if args.fresh:
+        session.unlink(missing_ok=True)
+    start = time.monotonic()
+    try:
+        t0 = time.monotonic()
+        base = subprocess.run(shlex.split(pytest_command(tests)), cwd=ROOT, capture_output=True, text=True,
+                              check=False)
+        result.baseline_s = time.monotonic() - t0
+        if base.returncode != 0:
+            result.error = "the baseline (no mutation) is red: " + (base.stdout.strip().splitlines() or ["?"])[-1]
+            return result
+        _config(cfg, module, pytest_command(tests), 3 * result.baseline_s + 30, args.exclude_operator)
+        if not session.exists():
+            cr = _bin("cosmic-ray")
+            subprocess.run([cr, "init", str(cfg), str(session)], cwd=ROOT, check=True)
+            subprocess.run([_bin("cr-filter-pragma"), str(session)], cwd=ROOT, check=True)
+            if args.exclude_operator:
+                subprocess.run([_bin("cr-filter-operators"), str(session), str(cfg)], cwd=ROOT, check=True)
+        say(f"{name}: baseline {result.baseline_s:.1f} s over {' '.join(tests)}; running the mutants "
+            f"(session {session.relative_to(ROOT) if session.is_relative_to(ROOT) else session})")
+        subprocess.run([_bin("cosmic-ray"), "exec", str(cfg), str(session)], cwd=ROOT, check=True)
+        _read_session(session, result)
+        if args.confirm or args.lab:
+            _confirm(result, module, args)
+    finally:
+        if restored := _restore(backup):
+            say(f"{name}: restored {', '.join(restored)} byte-exact (a mutant was left applied)")
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def _confirm(result: Result, module: Module, args: argparse.Namespace) -> None:
+    """Re-run each survivor against the whole unit suite (--confirm) and the module's lab subset (--lab)."""
+    commands = []
+    if args.confirm:
+        commands.append(("unit suite", pytest_command(["tests"])))
+    if args.lab:
+        if not module.lab:
+            say(f"{result.module}: no lab subset named for it")
+        else:
+            commands.append(("lab: " + " ".join(module.lab), pytest_command(list(module.lab), "lab")))
+    still = []
+    for s in result.survivors:
+        for label, command in commands:
+            r = subprocess.run([_bin("cosmic-ray"), "mutate-and-test", str(ROOT / str(s["file"])), str(s["operator"]),
+                                str(s["occurrence"]), command], cwd=ROOT, capture_output=True, text=True, check=False)
+            try:
+                outcome = json.loads(r.stdout).get("test_outcome")
+            except ValueError:
+                outcome = None
+            if outcome == "killed":
+                s["killed_by"] = label
+                break
+        if "killed_by" in s:
+            result.outcomes["survived"] -= 1
+            result.outcomes["killed"] += 1
+            result.outcomes["killed by " + str(s["killed_by"]).split(":")[0]] += 1
+        else:
+            still.append(s)
+    result.survivors = still
+
+
+def say(text: str) -> None:
+    print(f"==> {text}", file=sys.stderr, flush=True)
+
+
+def report(results: list[Result]) -> None:
+    print(f"\n{'module':<14} {'mutants':>7} {'killed':>6} {'survived':>8} {'timeout':>7} {'incomp.':>7} "
+          f"{'skipped':>7} {'score':>6}  time")
+    for r in results:
+        if r.error:
+            print(f"{r.module:<14} error: {r.error}")
+            continue
+        o = r.outcomes
+        score = f"{100 * r.score:.1f}%" if r.score is not None else "-"
+        pending = f" ({o['pending']} not run yet: run again to go on)" if o["pending"] else ""
+        print(f"{r.module:<14} {r.mutants:>7} {o['killed']:>6} {o['survived']:>8} {o['timeout']:>7} "
+              f"{o['incompetent']:>7} {o['skipped']:>7} {score:>6}  {r.seconds:.0f} s{pending}")
+    for r in results:
+        if r.survivors:
+            print(f"\nsurviving mutants of {r.module} ({len(r.survivors)}):")
+            for s in r.survivors:
+                print(f"  {s['file']}:{s['line']}  {s['operator']} #{s['occurrence']}")
+                for ln in str(s["change"]).splitlines():
+                    print(f"      {ln.strip()[:150]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("modules", nargs="*", help="modules to mutate (see --list); 'all' for every one (hours)")
+    p.add_argument("--list", action="store_true", help="list the modules, their files and tests")
+    p.add_argument("--tests", type=shlex.split, metavar="ARGS",
+                   help="pytest arguments instead of the module's own selection, one quoted string\n"
+                        "(paths, node ids, -k EXPR): --tests 'tests/unit/test_plan.py -k dcp'")
+    p.add_argument("--exclude-operator", action="append", default=[], metavar="REGEX",
+                   help="skip cosmic-ray operators matching REGEX (e.g. 'core/NumberReplacer')")
+    p.add_argument("--confirm", action="store_true", help="re-run survivors against the whole unit suite")
+    p.add_argument("--lab", action="store_true", help="re-run survivors against the module's lab subset (root)")
+    p.add_argument("--work", default=str(ROOT / ".mutation"), help="where sessions are kept (default .mutation/)")
+    p.add_argument("--fresh", action="store_true", help="start the module's session over")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    args = p.parse_args(argv)
+    if args.list or not args.modules:
+        for name, m in MODULES.items():
+            n = len(_files(m))
+            print(f"{name:<13} {' '.join(m.paths)} ({n} file{'s' if n > 1 else ''}){'  — ' + m.note if m.note else ''}")
+            print(f"{'':<13} unit: {' '.join(Path(t).name for t in m.tests)}")
+            if m.lab:
+                print(f"{'':<13} lab:  {' '.join(Path(t).name for t in m.lab)}")
+        return 0 if args.list else 2
+    names = list(MODULES) if args.modules == ["all"] else args.modules
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        p.error(f"unknown module(s) {', '.join(unknown)}: one of {', '.join(MODULES)}")
+    os.chdir(ROOT)
+    results = []
+    try:
+        for name in names:
+            results.append(run_module(name, MODULES[name], args))
+    except KeyboardInterrupt:
+        say("interrupted: the session keeps what ran; run the same command again to go on")
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"module": r.module, "mutants": r.mutants, "outcomes": dict(r.outcomes),
+                                                "score": r.score, "survivors": r.survivors, "error": r.error,
+                                                "baseline_s": r.baseline_s, "seconds": r.seconds} for r in results],
+                                              indent=1))
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
