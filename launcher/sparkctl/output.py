@@ -1,5 +1,9 @@
 """Where output goes: with --json exactly one JSON document on stdout and human text on stderr;
-without it, human text on stdout. Warnings always go to stderr."""
+without it, human text on stdout. Warnings always go to stderr.
+
+emit_json counts the documents it prints, so that a command given --json that fails before printing
+one still ends with one: `cli.main` prints the failure's (`ok: false`, the error, the node, the fix).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,17 @@ def console(as_json: bool) -> Console:
     return Console(stderr=as_json, highlight=False, soft_wrap=False, width=width)
 
 
+_documents = [0]  # JSON documents printed on stdout by this command (cli.main resets it per command)
+
+
+def reset_documents() -> None:
+    _documents[0] = 0
+
+
+def documents_emitted() -> int:
+    return _documents[0]
+
+
 def warn_console() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -30,7 +45,15 @@ def emit_json(doc: Any) -> None:
     C encoder: the indented one is pure Python, a few ms per node of a large `check --json`)."""
     text = json.dumps(doc, indent=2, default=str) if sys.stdout.isatty() else \
         json.dumps(doc, separators=(",", ":"), default=str)
+    _documents[0] += 1
     sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def emit_json_line(doc: Any) -> None:
+    """One document of a stream (`status --watch --json`: one per line, keys sorted)."""
+    _documents[0] += 1
+    sys.stdout.write(json.dumps(doc, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
 
 

@@ -158,7 +158,7 @@ def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[st
         fix = (f"MODEL on {node} is incomplete: `sparkctl verify-model` names what is missing there, "
                "`sparkctl model sync` copies it from the head; then `sparkctl down` and `sparkctl up`")
     return RankDied(f"rank {rank} on {node} died ({status}) after {after_s:.1f}s{cause}; "
-                    f"its last log lines:\n    {tail}", fix=fix)
+                    f"its last log lines:\n    {tail}", fix=fix, node=node)
 
 
 def wait_ready(

@@ -113,7 +113,7 @@ def test_two_replicas_start_wait_serve_through_one_endpoint_and_go(eight: Lab, t
         assert level["ok"] == 4 and level["agg_tok_s"] == pytest.approx(sum(lv["agg_tok_s"] for lv in per), abs=0.01)
 
     if shutil.which("nginx") is None:
-        assert os.environ.get("CI") != "true", "nginx is missing: .ci/run installs it"
+        assert os.environ.get("CI") != "true", "nginx is missing: ./one-shot.sh test installs it"
         pytest.skip("nginx is not installed (apt-get install nginx)")
     port = free_port()
     conf = tmp_path / "nginx.conf"

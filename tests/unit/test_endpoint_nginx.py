@@ -5,8 +5,8 @@ temp dir) spreads requests over two stand-in heads, sends the next request to th
 requests while a long completion streams from the other (least_conn), passes Authorization through
 unchanged, and hands the client a streamed chunk while the head is still writing (proxy_buffering off).
 
-Skipped only where nginx is not installed and CI is not set: .ci/run installs nginx, so under CI a
-missing nginx fails. Every wait is bounded; nginx and the stand-in heads are stopped in `finally`.
+Skipped only where nginx is not installed and CI is not set: `./one-shot.sh test` as root installs nginx
+(one-shot.sh's TEST_PACKAGES), so under CI a missing nginx fails. Every wait is bounded; nginx and the stand-in heads are stopped in `finally`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def _nginx() -> str:
     path = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
     if path is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("nginx is not installed, and CI installs it (.ci/run): the endpoint tests need it")
-        pytest.skip("nginx is not installed (apt-get install nginx-light): these tests run the real nginx")
+            pytest.fail("nginx is not installed, and `./one-shot.sh test` as root installs it: the endpoint tests need it")
+        pytest.skip("nginx is not installed (apt-get install nginx, or ./one-shot.sh test as root): "
+                    "these tests run the real nginx")
     return path
 
 
@@ -210,4 +211,4 @@ def test_a_missing_nginx_skips_only_outside_ci(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(BaseException) as under_ci:  # noqa: B017
         _nginx()
     assert outside.type is pytest.skip.Exception
-    assert under_ci.type is pytest.fail.Exception and "CI installs it" in str(under_ci.value)
+    assert under_ci.type is pytest.fail.Exception and "one-shot.sh test` as root installs it" in str(under_ci.value)

@@ -277,6 +277,75 @@ def test_one_rank_failing_stops_the_others_at_once(clean_env: dict[str, str]) ->
         assert by_node[n].short == "stopped" and "after rank 2 failed" in by_node[n].text
 
 
+# What docker 28 prints for `docker run --pull never` of an image its engine lacks (exit 125).
+NO_IMAGE = ("docker: Error response from daemon: No such image: {image}\n\n"
+            "Run 'docker run --help' for more information\n")
+
+
+def _run_without_image(s: Any, lacking: set[str]) -> fabric.FabricReport:
+    """run_fabric_test where the nodes in `lacking` have no such image and the others wait at the
+    rendezvous until the first failure's sweep removes their container."""
+    swept = threading.Event()
+
+    class Node(FakeNode):
+        def run(self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = None) -> RunResult:
+            if argv[:2] == ["sh", "-c"]:
+                swept.set()
+                return super().run(argv, stdin=stdin, timeout=timeout)
+            if self.name in lacking:
+                return RunResult("", NO_IMAGE.format(image=fabric.fabric_image(s)), 125, 0.1)
+            swept.wait(30)
+            return RunResult("", "", 137, 5)
+
+    def run_all(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
+        with __import__("concurrent.futures").futures.ThreadPoolExecutor(4) as pool:
+            return dict(zip(nodes, pool.map(lambda n: fn(c.node(n)), nodes), strict=True))
+
+    c = FakeCluster(NODES, run_all)
+    c.nodes = {n: Node(n, c.log) for n in NODES}
+    return fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
+
+
+def test_a_lab_without_the_torch_image_is_told_to_run_lab_torch(clean_env: dict[str, str]) -> None:
+    """Issue 29: every lab host lacking sparkctl-lab/torch:latest said "check spark2 and its Docker engine"."""
+    report = _run_without_image(_settings("lab"), set(NODES))
+    by_node = {f.node: f for f in report.findings if f.status == FAIL and f.node != CLUSTER_ROW}
+    assert sorted(by_node) == NODES  # each rank names its own missing image (none reads as "stopped")
+    for f in by_node.values():
+        assert f.short == "no image" and "No such image: sparkctl-lab/torch:latest" in f.text, f
+        assert "`sparkctl lab torch`" in f.fix and "Docker engine" not in f.fix, f
+
+
+def test_one_host_without_the_image_is_named_and_the_others_were_stopped(clean_env: dict[str, str]) -> None:
+    report = _run_without_image(_settings("lab"), {"spark2"})
+    by_node = {f.node: f for f in report.findings if f.status == FAIL}
+    assert by_node["spark2"].short == "no image" and "`sparkctl lab torch`" in by_node["spark2"].fix
+    for n in ("spark1", "spark3", "spark4"):
+        assert by_node[n].short == "stopped" and "after rank 1 failed" in by_node[n].text
+
+
+def test_production_without_the_serving_image_is_told_to_build(clean_env: dict[str, str]) -> None:
+    s = _settings()
+    assert not s.recipe.fabric.image  # the test runs in IMAGE, the chain's top
+    report = _run_without_image(s, set(NODES))
+    fails = [f for f in report.findings if f.status == FAIL and f.node != CLUSTER_ROW]
+    assert len(fails) == 4
+    for f in fails:
+        assert f.short == "no image" and f"No such image: {s.get('IMAGE')}" in f.text, f
+        assert "`sparkctl build`" in f.fix and "lab torch" not in f.fix, f
+
+
+def test_a_recipes_own_fabric_image_missing_is_named_with_how_to_load_it() -> None:
+    fab = FabricTest(backend="nccl", image="registry.example/nccl-tests:1", expect_rdma=False)
+    res = RunResult("", NO_IMAGE.format(image=fab.image), 125, 0.1)
+    (f, _cluster) = fabric.evaluate([fabric.outcome_from_run(0, "n0", res)], fab, timeout_s=30)
+    assert f.short == "no image" and "registry.example/nccl-tests:1 on n0" in f.fix and "docker pull" in f.fix
+    # any other docker failure keeps the generic fix
+    other = RunResult("", "docker: Cannot connect to the Docker daemon at unix:///var/run/docker.sock.", 125, 0.1)
+    (g, _cluster) = fabric.evaluate([fabric.outcome_from_run(0, "n0", other)], fab, timeout_s=30)
+    assert g.short == "no result" and "check n0 and its Docker engine" in g.fix
+
+
 @pytest.mark.parametrize("body, key", [('backend = "mpi"', "backend"), ("sizes = [0]", "sizes"),
                                        ("iters = 0", "fabric"), ("speed = 1", "speed")])
 def test_recipe_fabric_section_is_validated(tmp_path: Path, body: str, key: str) -> None:

@@ -46,7 +46,9 @@ def raise_failed(what: str, failed: Mapping[str, NodeError]) -> None:
     if not failed:
         return
     lines = [f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()]
-    raise CheckFailed(f"{what} on {len(failed)} node(s):\n  " + "\n  ".join(lines))
+    only = next(iter(failed)) if len(failed) == 1 else None
+    raise CheckFailed(f"{what} on {len(failed)} node(s):\n  " + "\n  ".join(lines), node=only,
+                      failures=[e.as_dict() for e in failed.values()])
 
 
 def parallel(jobs: Sequence[Callable[[], T]], *, limit: int = 64) -> list[T]:

@@ -24,12 +24,15 @@ class NodeError(CheckFailed):
         key_type: str | None = None,
         fingerprint: str | None = None,
     ) -> None:
-        super().__init__(f"{node}: {reason}", fix=fix)
-        self.node = node
+        super().__init__(f"{node}: {reason}", fix=fix, node=node)
+        self.node: str = node
         self.kind = kind
         self.reason = reason
         self.key_type = key_type
         self.fingerprint = fingerprint
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), **{k: v for k, v in self.as_dict().items() if k not in ("node", "fix")}}
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"node": self.node, "kind": self.kind, "reason": self.reason, "fix": self.fix}

@@ -6,7 +6,6 @@ with --json), so scripts can `eval` or parse it; progress and problems go to std
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -14,6 +13,7 @@ import click
 from ..errors import CheckFailed
 from ..lab import manage
 from ..lab.proc import say
+from ..output import emit_json
 
 
 def _json_wanted(ctx: click.Context) -> bool:
@@ -96,4 +96,4 @@ def _print_json(files: manage.LabFiles, result: tuple[manage.LabFiles, list[mana
             for h, spec in zip(hosts, state.get("hosts", []), strict=False)
         ],
     }
-    click.echo(json.dumps(doc, indent=2))
+    emit_json(doc)

@@ -40,7 +40,7 @@ from ..orchestrate import require_all
 from ..orchestrate.down import down
 from ..orchestrate.status import collect_status
 from ..orchestrate.up import up, up_replicas
-from ..output import console, emit_json, warn, warn_console
+from ..output import console, emit_json, emit_json_line, warn, warn_console
 from ..settings import Settings
 from .common import globals_of, open_cluster, settings_of
 
@@ -311,8 +311,7 @@ def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: 
     try:
         if g.json:
             while True:
-                sys.stdout.write(json.dumps(tick(), sort_keys=True) + "\n")
-                sys.stdout.flush()
+                emit_json_line(tick())
                 time.sleep(interval)
         with Live(_status_view(tick()), console=console(False), auto_refresh=False) as view:
             while True:

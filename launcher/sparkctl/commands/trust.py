@@ -8,7 +8,6 @@ when the entry says HashKnownHosts yes. A changed key replaces the old one only 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -26,6 +25,7 @@ from ..cluster import (
 )
 from ..completion import node_names
 from ..errors import CheckFailed
+from ..output import emit_json
 
 
 @click.command(name="trust")
@@ -90,4 +90,4 @@ def _trust(g: Globals, nodes: tuple[str, ...], yes: bool, timeout: float, config
         entry["recorded_in"] = record_host_key(target, key_type, blob)
         click.echo(f"  recorded in {entry['recorded_in']}", err=g.json)
     if g.json:
-        click.echo(json.dumps({"trusted": report}, indent=2))
+        emit_json({"trusted": report})

@@ -41,6 +41,9 @@ PORT_HCAS = ("rocep1s0f0", "rocep1s0f1")
 IPTABLES_COMMENT = "sparkctl-lab"
 
 BASE_IMAGE = "sparkctl-lab/base:bookworm"
+# `check --fabric`'s image on the lab (lab/torch_image.py builds it; named here, where fabric.py can
+# read it without importing the lab's Docker code)
+TORCH_IMAGE = "sparkctl-lab/torch:latest"
 ENGINE_IMAGE = "sparkctl-lab/engine:latest"
 MAX_NODES = 64
 

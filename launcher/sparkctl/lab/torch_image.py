@@ -28,9 +28,8 @@ from ..errors import CheckFailed
 from . import engines
 from .hosts import docker_cli, has_image
 from .proc import run, say
-from .state import BASE_IMAGE, CACHE_DIR, HostPaths
+from .state import BASE_IMAGE, CACHE_DIR, TORCH_IMAGE, HostPaths
 
-TORCH_IMAGE = "sparkctl-lab/torch:latest"
 KEY_LABEL = "org.sparkctl.lab.torch-key"
 WHEEL_GLOB = "/opt/wheels/torch-*+cpu-cp311-*.whl"
 SITE = "/usr/local/lib/python3.11/dist-packages"  # on Debian bookworm's python3 path
