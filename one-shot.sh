@@ -56,7 +56,7 @@ as_root_install() {
 }
 
 lab_packages() {
-  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl
+  as_root_install docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl netcat-openbsd
 }
 
 sparkctl() { "$venv/bin/sparkctl" "$@"; }

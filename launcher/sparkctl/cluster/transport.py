@@ -1,4 +1,4 @@
-"""Connecting: TCP (or a channel through the ProxyJump hops), the SSH handshake, the host key judged
+"""Connecting: TCP (or a channel through the ProxyJump hops, or a ProxyCommand's pipes), the SSH handshake, the host key judged
 against known_hosts (hostkeys.py), public-key authentication. One verified transport per node, one
 per distinct hop chain (Jumps)."""
 
@@ -15,6 +15,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 
 from .hostkeys import host_key_error, judge_host_key, read_known_hosts
 from .node_error import NodeError
+from .proxycommand import ProxyCommandSocket
 from .sshconfig import SshTarget
 
 # paramiko logs transport failures at ERROR; with no handler Python would print them (and
@@ -83,13 +84,31 @@ def _through(jump: paramiko.Transport, target: SshTarget, timeout: float) -> par
                         "(and that its sshd allows TCP forwarding)") from None
 
 
+def _proxy_failed(target: SshTarget, proxy: ProxyCommandSocket, status: int, exc: BaseException) -> NodeError:
+    said = proxy.why()
+    return NodeError(
+        target.alias,
+        "proxy",
+        f"its ProxyCommand ({target.proxy_command}) exited with status {status} before the SSH handshake "
+        f"was done ({exc or type(exc).__name__})" + (f": {said}" if said else ""),
+        f"run that ProxyCommand by hand to see why it cannot reach {target.hostname} port {target.port}; "
+        f"or fix the ProxyCommand of {target.alias!r} in the ssh config",
+    )
+
+
 def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | None = None) -> paramiko.Transport:
-    """TCP connect (or a channel through `via`, the last ProxyJump hop) + SSH key exchange, with the
-    host key offered in the order ssh would ask. Does NOT verify the host key and does not
-    authenticate: see connect()."""
-    sock: socket.socket | paramiko.Channel
+    """TCP connect (or a channel through `via`, the last ProxyJump hop, or the target's ProxyCommand)
+    + SSH key exchange, with the host key offered in the order ssh would ask. Does NOT verify the host
+    key and does not authenticate: see connect()."""
+    sock: socket.socket | paramiko.Channel | ProxyCommandSocket
     if via is not None:
         sock = _through(via, target, timeout)
+    elif target.proxy_command is not None:
+        try:
+            sock = ProxyCommandSocket(target.proxy_command, target.alias)
+        except OSError as exc:  # no shell to run it with
+            raise NodeError(target.alias, "proxy", f"cannot start its ProxyCommand ({target.proxy_command}): {exc}",
+                            "check $SHELL and the ProxyCommand in the ssh config") from None
     else:
         try:
             sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
@@ -111,15 +130,20 @@ def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | 
     )
     try:
         transport.start_client(timeout=timeout)
-    except (paramiko.SSHException, EOFError, ConnectionResetError) as exc:
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        # a ProxyCommand that failed says why (its exit status, its last stderr lines); asked before the
+        # close below, which ends one that still runs
+        status = sock.exited() if isinstance(sock, ProxyCommandSocket) else None
         transport.close()
+        sock.close()  # Transport.close() skips it once the handshake has ended the transport
+        if isinstance(sock, ProxyCommandSocket) and status:
+            raise _proxy_failed(target, sock, status, exc) from None
+        if isinstance(exc, OSError) and not isinstance(exc, ConnectionResetError):
+            raise _classify_socket_error(target, exc) from None
         # sshd drops connections over MaxStartups during its banner: worth one more try.
         raise _Retryable(
             f"SSH handshake with {target.hostname}:{target.port} failed: {exc or type(exc).__name__}"
         ) from None
-    except OSError as exc:
-        transport.close()
-        raise _classify_socket_error(target, exc) from None
     return transport
 
 
@@ -214,13 +238,13 @@ class Jumps:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[tuple[tuple[str, int, str], ...], paramiko.Transport | NodeError] = {}
+        self._open: dict[tuple[tuple[str, int, str, str | None], ...], paramiko.Transport | NodeError] = {}
 
     def via(self, hops: Sequence[SshTarget], *, timeout: float, keys: _KeyCache) -> paramiko.Transport | None:
         """The transport of the last hop (None without hops); a hop that fails fails every node behind it."""
         via: paramiko.Transport | None = None
         for i, hop in enumerate(hops):
-            key = tuple((h.hostname, h.port, h.user) for h in hops[: i + 1])
+            key = tuple((h.hostname, h.port, h.user, h.proxy_command) for h in hops[: i + 1])
             with self._lock:  # one connect per chain, even when many nodes ask at once
                 got = self._open.get(key)
                 if got is None or (isinstance(got, paramiko.Transport) and not got.is_active()):

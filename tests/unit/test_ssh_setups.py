@@ -1,0 +1,163 @@
+"""The SSH setups people reach their nodes with, on real OpenSSH servers (test_cluster.py's sshlab, and
+one sshd of its own for certificates): ProxyCommand run as ssh(1) runs it, user certificates
+(CertificateFile, `-cert.pub`), host certificates trusted through known_hosts `@cert-authority`, and
+what stays unsupported refused by name.
+
+ProxyCommand goes through the real `nc` (netcat-openbsd): skipped where it is missing and CI is not set;
+.ci/run installs it, so under CI a missing nc fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkctl import cluster as cl
+from sparkctl.cluster import Cluster, NodeError
+from tests.unit import test_cluster
+from tests.unit.test_cluster import SshLab, _config
+
+sshlab = test_cluster.sshlab  # the fixture: real OpenSSH servers
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("ssh-keygen") and os.geteuid() == 0), reason="needs OpenSSH's sshd and ssh-keygen, run as root"
+)
+
+
+def _nc() -> str:
+    path = shutil.which("nc")
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("nc is not installed, and CI installs it (.ci/run): the ProxyCommand tests need it")
+        pytest.skip("nc is not installed (apt-get install netcat-openbsd): these tests run a real ProxyCommand")
+    return path
+
+
+def _proxy_script(tmp_path: Path) -> tuple[Path, Path]:
+    """A ProxyCommand that records its arguments and pid, then becomes `nc 127.0.0.1 PORT` (its 2nd argument)."""
+    log = tmp_path / "proxy.log"
+    script = tmp_path / "proxy.sh"
+    script.write_text(f'#!/bin/sh\necho "$$ $*" >> {log}\nexec {_nc()} 127.0.0.1 "$2"\n')
+    script.chmod(0o755)
+    return script, log
+
+
+def _known(sshlab: SshLab, tmp_path: Path, extra: str) -> Path:
+    known = tmp_path / "known_hosts"
+    known.write_text(sshlab.known_hosts.read_text() + extra)
+    return known
+
+
+# ------------------------------------------------------------------------------------------- ProxyCommand
+
+
+def test_proxycommand_carries_the_connection_with_tokens_as_ssh_expands_them(
+        sshlab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's HostName does not resolve: only the command can reach it. The command is run by the
+    shell (its $VARIABLE expanded there) and gets %h %p %r %n %k and %% exactly as the real `ssh` gives
+    them (the same script, run by ssh, records the same line); it runs in its own process group (a
+    Ctrl-C at the terminal leaves the tunnel to cleanup) and is gone once the Cluster closes. The host
+    key is still judged, under the HostName's known_hosts name."""
+    n2 = sshlab.nodes["n2"]
+    script, log = _proxy_script(tmp_path)
+    monkeypatch.setenv("SPARKCTL_TEST_PROXY", str(script))
+    known = _known(sshlab, tmp_path, f"[n2.behind.tunnel]:{n2.port} {n2.host_pub}\n")
+    cfg = _config(sshlab, tmp_path, f"Host viacmd\n  HostName n2.behind.tunnel\n  Port {n2.port}\n"
+                                     "  ProxyCommand $SPARKCTL_TEST_PROXY %h %p %r %n %k 100%%\n", known=known)
+    before = n2.accepted()
+    with Cluster(["viacmd"], cfg, connect_timeout=5) as cluster:
+        r = cluster.run_all(["sh", "-c", "echo $SPARKCTL_TEST_NODE"])["viacmd"]
+        assert not isinstance(r, NodeError) and r.stdout.strip() == "n2", r
+        pid = int(log.read_text().split()[0])
+        assert os.getpgid(pid) == pid != os.getpgid(0)  # its own group: the terminal's ^C is not its
+    assert n2.accepted() == before + 1
+    ours = log.read_text().split(maxsplit=1)[1]
+    assert ours == f"n2.behind.tunnel {n2.port} root viacmd viacmd 100%\n", ours
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "the ProxyCommand outlived the Cluster"
+    # the real ssh, same config: the same arguments
+    log.unlink()
+    subprocess.run(["ssh", "-F", str(cfg), "-o", "BatchMode=yes", "viacmd", "true"], stdin=subprocess.DEVNULL,
+                   capture_output=True, timeout=30, check=True)
+    assert log.read_text().split(maxsplit=1)[1] == ours
+
+
+def test_proxycommand_host_key_is_still_verified(sshlab: SshLab, tmp_path: Path) -> None:
+    n2 = sshlab.nodes["n2"]
+    script, log = _proxy_script(tmp_path)
+    cfg = _config(sshlab, tmp_path, f"Host viacmd\n  HostName n2.behind.tunnel\n  Port {n2.port}\n"
+                                     f"  ProxyCommand {script} %h %p\n")
+    before = n2.accepted()
+    with Cluster(["viacmd"], cfg, connect_timeout=5) as cluster:
+        err = cluster.run_all(["true"])["viacmd"]
+    assert isinstance(err, NodeError) and err.kind == "hostkey-unknown", err
+    assert f"[n2.behind.tunnel]:{n2.port}" in err.reason and "trust viacmd" in (err.fix or "")
+    assert log.exists() and n2.accepted() == before  # it went through the command, and no further
+
+
+def test_proxycommand_none_means_direct_and_a_failing_command_says_why(
+        sshlab: SshLab, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ProxyCommand none` first wins over a later ProxyCommand (ssh takes the first value); a command
+    that fails is the node's `proxy` error with its exit status and what it said on stderr, which
+    also reached our stderr as it came (as under ssh: a tunnel's login prompt must be seen)."""
+    canary = tmp_path / "canary"
+    n1 = sshlab.nodes["n1"]
+    cfg = _config(sshlab, tmp_path, f"Host direct\n  ProxyCommand none\n"
+                                     f"Host direct failing\n  HostName 127.0.0.1\n  Port {n1.port}\n"
+                                     f"  ProxyCommand sh -c 'touch {canary}; echo tunnel refused by policy >&2; exit 3'\n")
+    with Cluster(["direct"], cfg, connect_timeout=5) as cluster:
+        assert cluster.node("direct").run(["true"]).ok
+    assert not canary.exists()
+    with Cluster(["failing"], cfg, connect_timeout=5) as cluster:
+        err = cluster.run_all(["true"])["failing"]
+    assert canary.exists()
+    assert isinstance(err, NodeError) and err.kind == "proxy", err
+    assert "exited with status 3" in err.reason and "tunnel refused by policy" in err.reason, err
+    assert "ProxyCommand" in (err.fix or "")
+    assert "failing: ProxyCommand: tunnel refused by policy" in capsys.readouterr().err
+
+
+def test_proxycommand_with_a_token_ssh_does_not_expand_is_refused_unrun(
+        sshlab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # were it run, `touch … %C` would leave a file named %C here
+    canary = tmp_path / "canary"
+    cfg = _config(sshlab, tmp_path, f"Host badtok\n  HostName 127.0.0.1\n  ProxyCommand touch {canary} %C\n")
+    with Cluster(["badtok"], cfg, connect_timeout=5) as cluster:
+        err = cluster.run_all(["true"])["badtok"]
+    assert isinstance(err, NodeError) and err.kind == "config", err
+    assert "ProxyCommand" in err.reason and "'%C'" in err.reason and not canary.exists()
+    # the real ssh refuses it too
+    r = subprocess.run(["ssh", "-F", str(_config(sshlab, tmp_path, "")), "-o", f"ProxyCommand=touch {canary} %C",
+                        "n1", "true"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, check=False)
+    assert r.returncode != 0 and "%C" in r.stderr and not canary.exists()
+
+
+def test_a_proxyjump_hop_reached_through_its_own_proxycommand(sshlab: SshLab, tmp_path: Path) -> None:
+    """`ProxyJump hop` where the hop itself needs a ProxyCommand (a bastion behind a tunnel): the hop
+    through its command, the node through the hop, each host key judged."""
+    n1, n2 = sshlab.nodes["n1"], sshlab.nodes["n2"]
+    script, log = _proxy_script(tmp_path)
+    known = _known(sshlab, tmp_path, f"[bastion.behind.tunnel]:{n1.port} {n1.host_pub}\n")
+    cfg = _config(sshlab, tmp_path, f"Host bastion\n  HostName bastion.behind.tunnel\n  Port {n1.port}\n"
+                                     f"  ProxyCommand {script} %h %p\n"
+                                     f"Host inner\n  HostName 127.0.0.1\n  Port {n2.port}\n  ProxyJump bastion\n",
+                  known=known)
+    with Cluster(["inner"], cfg, connect_timeout=5) as cluster:
+        r = cluster.run_all(["sh", "-c", "echo $SPARKCTL_TEST_NODE"])["inner"]
+    assert not isinstance(r, NodeError) and r.stdout.strip() == "n2", r
+    assert log.read_text().split()[1:] == ["bastion.behind.tunnel", str(n1.port)]
+
+
+def test_resolve_target_expands_proxycommand_tokens(sshlab: SshLab, tmp_path: Path) -> None:
+    cfg = _config(sshlab, tmp_path, "Host tok\n  HostName Tok.Example\n  Port 2201\n  User alice\n"
+                                     "  HostKeyAlias tokkey\n  ProxyCommand nc -X connect %h:%p %r %n %k %%h\n")
+    t = cl.resolve_target("tok", *cl.load_ssh_config(cfg))
+    assert t.proxy_command == "nc -X connect tok.example:2201 alice tok tokkey %h"
+    assert cl.resolve_target("n1", *cl.load_ssh_config(cfg)).proxy_command is None
