@@ -13,14 +13,16 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from sparkctl import cluster as cl
-from sparkctl.cluster import Cluster, NodeError
+from sparkctl.cluster import Cluster, NodeError, RunResult
 from tests.unit import test_cluster
-from tests.unit.test_cluster import SshLab, _config
+from tests.unit.test_cluster import SSHD, Sshd, SshLab, _config, _free_port, _keygen
 
 sshlab = test_cluster.sshlab  # the fixture: real OpenSSH servers
 
@@ -161,3 +163,137 @@ def test_resolve_target_expands_proxycommand_tokens(sshlab: SshLab, tmp_path: Pa
     t = cl.resolve_target("tok", *cl.load_ssh_config(cfg))
     assert t.proxy_command == "nc -X connect tok.example:2201 alice tok tokkey %h"
     assert cl.resolve_target("n1", *cl.load_ssh_config(cfg)).proxy_command is None
+
+
+# ----------------------------------------------------------------------------------------- certificates
+
+
+@dataclass
+class CertLab:
+    dir: Path
+    sshd: Sshd
+    user_ca: Path  # signs user certificates (sshd's TrustedUserCAKeys)
+    key: Path  # the client's key: NOT in any authorized_keys; only a certificate opens the door
+
+    def sign_user(self, key: Path, *, principals: str = "root", validity: str = "-5m:+1h", ca: Path | None = None,
+                  out: Path | None = None) -> Path:
+        """`ssh-keygen -s CA` on key.pub: the certificate next to the key (`KEY-cert.pub`) or at `out`."""
+        cert = key.parent / f"{key.name}-cert.pub"
+        subprocess.run(["ssh-keygen", "-q", "-s", str(ca or self.user_ca), "-I", f"test-{key.name}", "-n", principals,
+                        "-V", validity, f"{key}.pub"], check=True, timeout=20, capture_output=True)
+        if out is not None:
+            cert.rename(out)
+            return out
+        return cert
+
+    def config(self, tmp_path: Path, extra: str = "", known: str | None = None, name: str = "ssh_config") -> Path:
+        """An ssh config whose alias `certnode` is this sshd; known_hosts: `known` (default: its host key)."""
+        kh = tmp_path / f"{name}.known_hosts"
+        kh.write_text(known if known is not None else f"[127.0.0.1]:{self.sshd.port} {self.sshd.host_pub}\n")
+        cfg = tmp_path / name
+        cfg.write_text(f"Host certnode\n  HostName 127.0.0.1\n  Port {self.sshd.port}\n  User root\n"
+                       f"  IdentitiesOnly yes\n  UserKnownHostsFile {kh}\n  GlobalKnownHostsFile /dev/null\n{extra}")
+        return cfg
+
+
+def _pub(key: Path) -> str:
+    return " ".join(Path(f"{key}.pub").read_text().split()[:2])
+
+
+@pytest.fixture(scope="module")
+def certlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CertLab]:
+    """One sshd that accepts users by certificate only (TrustedUserCAKeys, no authorized_keys)."""
+    if not os.path.exists(SSHD):
+        pytest.skip("needs OpenSSH's sshd")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    base = tmp_path_factory.mktemp("certlab")
+    for name in ("user_ca", "id_ed25519", "host_ed25519"):
+        _keygen(base / name)
+    port = _free_port()
+    (base / "sshd_config").write_text(
+        f"""Port {port}
+ListenAddress 127.0.0.1
+HostKey {base}/host_ed25519
+TrustedUserCAKeys {base}/user_ca.pub
+AuthorizedKeysFile none
+PidFile {base}/sshd.pid
+StrictModes no
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+LogLevel VERBOSE
+SetEnv SPARKCTL_TEST_NODE=certnode
+"""
+    )
+    sshd = Sshd("certnode", port, base, _pub(base / "host_ed25519"))
+    try:
+        sshd.start()
+    except RuntimeError as exc:
+        sshd.stop()
+        pytest.skip(f"cannot run a private sshd here: {exc}")
+    yield CertLab(base, sshd, base / "user_ca", base / "id_ed25519")
+    sshd.stop()
+
+
+def _run(cfg: Path, alias: str = "certnode") -> RunResult | NodeError:
+    with Cluster([alias], cfg, connect_timeout=5) as cluster:
+        return cluster.run_all(["sh", "-c", "echo $SPARKCTL_TEST_NODE"])[alias]
+
+
+def _real_ssh(cfg: Path, alias: str = "certnode") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ssh", "-F", str(cfg), "-o", "BatchMode=yes", alias, "true"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_a_user_certificate_opens_the_door_its_plain_key_does_not(certlab: CertLab, tmp_path: Path) -> None:
+    """The key is in no authorized_keys: sshd lets it in only with a certificate of the user CA. Named by
+    CertificateFile (tokens expanded), or found as the key's own `-cert.pub` (as ssh finds it)."""
+    key = tmp_path / "id_ed25519"
+    shutil.copy(certlab.key, key)
+    shutil.copy(f"{certlab.key}.pub", f"{key}.pub")
+    plain = certlab.config(tmp_path, f"  IdentityFile {key}\n", name="plain")
+    err = _run(plain)
+    assert isinstance(err, NodeError) and err.kind == "auth", err  # the plain key alone: refused
+    certlab.sign_user(key, out=tmp_path / "user-root.cert")
+    named = certlab.config(tmp_path, f"  IdentityFile {key}\n  CertificateFile {tmp_path}/user-%r.cert\n", name="named")
+    before = certlab.sshd.accepted()
+    r = _run(named)
+    assert isinstance(r, RunResult) and r.stdout.strip() == "certnode", r
+    assert certlab.sshd.accepted() == before + 1
+    assert "Accepted publickey for root" in certlab.sshd.log.read_text() and "ED25519-CERT" in certlab.sshd.log.read_text()
+    assert _real_ssh(named).returncode == 0
+    (tmp_path / "user-root.cert").rename(f"{key}-cert.pub")  # no CertificateFile: the key's own -cert.pub
+    r = _run(plain)
+    assert not isinstance(r, NodeError), r
+    assert _real_ssh(plain).returncode == 0
+    # a CertificateFile is named (here one that is missing): ssh then does not look for -cert.pub; nor do we
+    err = _run(named)
+    assert isinstance(err, NodeError) and "user-root.cert: no such file" in err.reason, err
+    assert _real_ssh(named).returncode == 255
+
+
+def test_a_certificate_for_another_user_or_expired_is_said_so(certlab: CertLab, tmp_path: Path) -> None:
+    key = tmp_path / "id_ed25519"
+    shutil.copy(certlab.key, key)
+    shutil.copy(f"{certlab.key}.pub", f"{key}.pub")
+    cert = certlab.sign_user(key, principals="alice", out=tmp_path / "alice.cert")
+    err = _run(certlab.config(tmp_path, f"  IdentityFile {key}\n  CertificateFile {cert}\n"))
+    assert isinstance(err, NodeError) and err.kind == "auth", err
+    assert f"with {cert} (certificate 'test-id_ed25519' for alice): refused" in err.reason, err
+    assert "TrustedUserCAKeys" in (err.fix or "")
+    certlab.sign_user(key, validity="20000101:20010101", out=cert)
+    err = _run(certlab.config(tmp_path, f"  IdentityFile {key}\n  CertificateFile {cert}\n"))
+    assert isinstance(err, NodeError) and "expired 2001-01-01" in err.reason, err
+
+
+def test_a_certificate_file_for_another_key_is_named_not_offered(certlab: CertLab, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    _keygen(other)
+    cert = certlab.sign_user(other, out=tmp_path / "other.cert")
+    err = _run(certlab.config(tmp_path, f"  IdentityFile {certlab.key}\n  CertificateFile {cert}\n"
+                                        f"  CertificateFile {tmp_path}/missing.cert\n"))
+    assert isinstance(err, NodeError) and err.kind == "auth", err
+    assert f"CertificateFile {cert}: certifies ssh-ed25519" in err.reason and "which none of the keys is" in err.reason
+    assert f"CertificateFile {tmp_path}/missing.cert: no such file" in err.reason
+    assert f"{certlab.key}: refused" in err.reason  # the key went plain, not with another key's certificate

@@ -8,7 +8,7 @@ Every sparkctl command that touches nodes goes through here:
         version = cluster.node("spark1").docker_json(["version", "--format", "{{json .}}"])
 
 - A node name is an SSH alias, resolved exactly as OpenSSH resolves it (`ssh -G`: Include, Match,
-  ProxyJump, ProxyCommand, IdentityFile, UserKnownHostsFile, HostKeyAlias, HashKnownHosts...).
+  ProxyJump, ProxyCommand, IdentityFile, CertificateFile, UserKnownHostsFile, HostKeyAlias, HashKnownHosts...).
 - Each node gets ONE SSH transport per Cluster; every command, file upload (SFTP), stream and docker
   CLI call is a channel on it. (Benchmarks count sshd's "Accepted publickey" lines: N nodes, N lines.)
 - Host keys are verified against known_hosts. An unknown, changed or revoked key fails that node
@@ -23,6 +23,7 @@ The package, by seam (each module imports only those above it):
 
     node_error.py  NodeError: the one failure type
     sshconfig.py   an alias -> SshTarget, via `ssh -G`
+    certs.py       OpenSSH certificates read (user certificates paired with their keys)
     hostkeys.py    the known_hosts policy: judge, explain, record (`trust`)
     proxycommand.py  a ProxyCommand run as ssh runs it, its pipes as the transport's socket
     transport.py   TCP / ProxyJump hops / ProxyCommand, handshake, host key check, authentication

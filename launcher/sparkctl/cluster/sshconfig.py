@@ -34,6 +34,7 @@ class SshTarget:
     ssh_config: str | None = None  # the file it came from, for fix hints
     jumps: tuple[SshTarget, ...] = ()  # ProxyJump hops, in order (each resolved as its own alias)
     proxy_command: str | None = None  # ProxyCommand, its %-tokens expanded (run by the shell, as ssh does)
+    certificate_files: tuple[str, ...] = ()  # CertificateFile, tokens and ~ expanded (missing ones kept: said so)
 
     @property
     def known_hosts_name(self) -> str:
@@ -165,6 +166,7 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
     # ssh -G lists the default identity files when none is set: only those that exist are candidates
     # (ssh itself skips the missing ones).
     identities = tuple(p for p in _split_paths(" ".join(opts.get("identityfile", [])), tokens) if os.path.exists(p))
+    certificates = _split_paths(" ".join(opts.get("certificatefile", [])), tokens)
     known = _split_paths(_one(opts, "userknownhostsfile"), tokens) or (os.path.expanduser("~/.ssh/known_hosts"),)
     global_known = _split_paths(_one(opts, "globalknownhostsfile"), tokens) or _GLOBAL_KNOWN_HOSTS
     host_key_alias = _one(opts, "hostkeyalias")
@@ -182,6 +184,7 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
         ssh_config=config_path,
         jumps=tuple(jumps),
         proxy_command=proxy_command,
+        certificate_files=certificates,
     )
 
 

@@ -4,6 +4,8 @@ per distinct hop chain (Jumps)."""
 
 from __future__ import annotations
 
+import base64
+import copy
 import logging
 import os
 import socket
@@ -13,7 +15,8 @@ from collections.abc import Sequence
 import paramiko
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from .hostkeys import host_key_error, judge_host_key, read_known_hosts
+from .certs import Cert, parse_cert
+from .hostkeys import fingerprint, host_key_error, judge_host_key, read_known_hosts
 from .node_error import NodeError
 from .proxycommand import ProxyCommandSocket
 from .sshconfig import SshTarget
@@ -159,7 +162,11 @@ class _KeyCache:
         with self._lock:
             if path not in self._keys:
                 try:
-                    self._keys[path] = paramiko.PKey.from_path(path)
+                    key = paramiko.PKey.from_path(path)
+                    # from_path also loads a `-cert.pub` beside the key, whatever the config says: the
+                    # key is kept plain, and _with_certificates pairs certificates as ssh does
+                    key.public_blob = None
+                    self._keys[path] = key
                 except FileNotFoundError:
                     self._keys[path] = f"{path}: no such file"
                 except paramiko.PasswordRequiredException:
@@ -169,23 +176,67 @@ class _KeyCache:
             return self._keys[path]
 
 
+def _read_cert(path: str) -> Cert | str:
+    """A `-cert.pub` file's certificate, or why it cannot be used."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = f.read().split()
+        return parse_cert(base64.b64decode(fields[1], validate=True))
+    except FileNotFoundError:
+        return "no such file"
+    except (OSError, IndexError, ValueError) as exc:  # CertError is a ValueError
+        return f"not an OpenSSH certificate ({exc})"
+
+
+def _cert_label(cert: Cert) -> str:
+    why = cert.validity()
+    return (f"certificate {cert.key_id!r} for {','.join(cert.principals) or 'any user'}"
+            + (f", {why}" if why else ""))
+
+
+def _with_certificates(label: str, key: paramiko.PKey, path: str | None, certs: list[tuple[str, Cert | str]],
+                       used: set[str]) -> list[tuple[str, paramiko.PKey]]:
+    """The key offered with each certificate that certifies it, each before the plain key: as ssh pairs
+    them, the CertificateFile ones; without any CertificateFile, the key file's own `-cert.pub`."""
+    own_path = f"{path}-cert.pub"
+    own = [(own_path, _read_cert(own_path))] if path and not certs and os.path.exists(own_path) else []
+    out: list[tuple[str, paramiko.PKey]] = []
+    for cpath, cert in [*certs, *own]:
+        if isinstance(cert, str) or cert.key_blob != key.asbytes():
+            continue
+        used.add(cpath)
+        certified = copy.copy(key)  # the cached key stays plain for the nodes that take it plain
+        certified.load_certificate(cpath)
+        out.append((f"{label} with {cpath} ({_cert_label(cert)})", certified))
+    return [*out, (label, key)]
+
+
 def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCache) -> None:
     tried: list[str] = []
     paths = target.identity_files or tuple(
         p for p in (os.path.expanduser(d) for d in _DEFAULT_IDENTITIES) if os.path.exists(p)
     )
+    certs = [(p, _read_cert(p)) for p in target.certificate_files]
+    used: set[str] = set()
     candidates: list[tuple[str, paramiko.PKey]] = []
     for path in paths:
         key = keys.get(path)
         if isinstance(key, str):
             tried.append(key)
         else:
-            candidates.append((path, key))
+            candidates += _with_certificates(path, key, path, certs, used)
     if not target.identities_only and os.environ.get("SSH_AUTH_SOCK"):
         try:
-            candidates += [(f"agent key {k.fingerprint}", k) for k in paramiko.Agent().get_keys()]
+            for k in paramiko.Agent().get_keys():
+                candidates += _with_certificates(f"agent key {k.fingerprint}", k, None, certs, used)
         except paramiko.SSHException:
             tried.append("ssh-agent: not reachable")
+    for cpath, cert in certs:
+        if isinstance(cert, str):
+            tried.append(f"CertificateFile {cpath}: {cert}")
+        elif cpath not in used:
+            tried.append(f"CertificateFile {cpath}: certifies {cert.key_type} {fingerprint(cert.key_blob)}, "
+                         "which none of the keys is")
     for label, key in candidates:
         try:
             transport.auth_publickey(target.user, key)
@@ -205,7 +256,9 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
         target.alias,
         "auth",
         f"no key was accepted for {target.user}@{target.hostname} ({'; '.join(tried) or 'no keys found'})",
-        f"add your public key to ~{target.user}/.ssh/authorized_keys on {target.alias}, "
+        (f"check that sshd on {target.alias} trusts your certificate's CA (TrustedUserCAKeys), that the "
+         f"certificate names {target.user} and is valid now; " if any(not isinstance(c, str) for _, c in certs) else "")
+        + f"add your public key to ~{target.user}/.ssh/authorized_keys on {target.alias}, "
         f"or set IdentityFile for {target.alias!r} in the ssh config",
     )
 
