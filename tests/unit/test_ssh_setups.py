@@ -173,6 +173,7 @@ class CertLab:
     dir: Path
     sshd: Sshd
     user_ca: Path  # signs user certificates (sshd's TrustedUserCAKeys)
+    host_ca: Path  # signed the host's certificate (sshd's HostCertificate)
     key: Path  # the client's key: NOT in any authorized_keys; only a certificate opens the door
 
     def sign_user(self, key: Path, *, principals: str = "root", validity: str = "-5m:+1h", ca: Path | None = None,
@@ -187,9 +188,10 @@ class CertLab:
         return cert
 
     def config(self, tmp_path: Path, extra: str = "", known: str | None = None, name: str = "ssh_config") -> Path:
-        """An ssh config whose alias `certnode` is this sshd; known_hosts: `known` (default: its host key)."""
+        """An ssh config whose alias `certnode` is this sshd; known_hosts: `known` (default: the host CA
+        trusted for [127.0.0.1]:*)."""
         kh = tmp_path / f"{name}.known_hosts"
-        kh.write_text(known if known is not None else f"[127.0.0.1]:{self.sshd.port} {self.sshd.host_pub}\n")
+        kh.write_text(known if known is not None else f"@cert-authority [127.0.0.1]:* {_pub(self.host_ca)}\n")
         cfg = tmp_path / name
         cfg.write_text(f"Host certnode\n  HostName 127.0.0.1\n  Port {self.sshd.port}\n  User root\n"
                        f"  IdentitiesOnly yes\n  UserKnownHostsFile {kh}\n  GlobalKnownHostsFile /dev/null\n{extra}")
@@ -202,18 +204,22 @@ def _pub(key: Path) -> str:
 
 @pytest.fixture(scope="module")
 def certlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CertLab]:
-    """One sshd that accepts users by certificate only (TrustedUserCAKeys, no authorized_keys)."""
+    """One sshd that accepts users by certificate only (TrustedUserCAKeys, no authorized_keys) and offers
+    a host certificate signed by the host CA for the principal 127.0.0.1."""
     if not os.path.exists(SSHD):
         pytest.skip("needs OpenSSH's sshd")
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     base = tmp_path_factory.mktemp("certlab")
-    for name in ("user_ca", "id_ed25519", "host_ed25519"):
+    for name in ("user_ca", "host_ca", "id_ed25519", "host_ed25519"):
         _keygen(base / name)
+    subprocess.run(["ssh-keygen", "-q", "-s", str(base / "host_ca"), "-I", "certnode-host", "-h", "-n", "127.0.0.1",
+                    "-V", "-5m:+1h", str(base / "host_ed25519.pub")], check=True, timeout=20, capture_output=True)
     port = _free_port()
     (base / "sshd_config").write_text(
         f"""Port {port}
 ListenAddress 127.0.0.1
 HostKey {base}/host_ed25519
+HostCertificate {base}/host_ed25519-cert.pub
 TrustedUserCAKeys {base}/user_ca.pub
 AuthorizedKeysFile none
 PidFile {base}/sshd.pid
@@ -232,7 +238,7 @@ SetEnv SPARKCTL_TEST_NODE=certnode
     except RuntimeError as exc:
         sshd.stop()
         pytest.skip(f"cannot run a private sshd here: {exc}")
-    yield CertLab(base, sshd, base / "user_ca", base / "id_ed25519")
+    yield CertLab(base, sshd, base / "user_ca", base / "host_ca", base / "id_ed25519")
     sshd.stop()
 
 
@@ -297,3 +303,90 @@ def test_a_certificate_file_for_another_key_is_named_not_offered(certlab: CertLa
     assert f"CertificateFile {cert}: certifies ssh-ed25519" in err.reason and "which none of the keys is" in err.reason
     assert f"CertificateFile {tmp_path}/missing.cert: no such file" in err.reason
     assert f"{certlab.key}: refused" in err.reason  # the key went plain, not with another key's certificate
+
+
+def _user_cert_config(certlab: CertLab, tmp_path: Path, extra: str = "", known: str | None = None) -> Path:
+    key = tmp_path / "id_ed25519"
+    shutil.copy(certlab.key, key)
+    shutil.copy(f"{certlab.key}.pub", f"{key}.pub")
+    certlab.sign_user(key)  # id_ed25519-cert.pub
+    return certlab.config(tmp_path, f"  IdentityFile {key}\n{extra}", known=known)
+
+
+def test_a_host_certificate_is_trusted_through_a_cert_authority_line(certlab: CertLab, tmp_path: Path) -> None:
+    """known_hosts holds no key of the host, only `@cert-authority [127.0.0.1]:* CA`: the host's
+    certificate (asked for first, as ssh asks) is checked and accepted; the real ssh agrees."""
+    cfg = _user_cert_config(certlab, tmp_path)
+    assert "@cert-authority" in (tmp_path / "ssh_config.known_hosts").read_text()
+    with Cluster(["certnode"], cfg, connect_timeout=5) as cluster:
+        assert cluster.node("certnode").run(["true"]).ok
+    assert _real_ssh(cfg).returncode == 0
+
+
+def test_a_cert_authority_line_for_other_hosts_or_another_ca_trusts_nothing(certlab: CertLab, tmp_path: Path) -> None:
+    ca = _pub(certlab.host_ca)
+    other_ca = tmp_path / "other_ca"
+    _keygen(other_ca)
+    for known, said in ((f"@cert-authority other.example {ca}\n", ""),
+                        (f"@cert-authority [127.0.0.1]:* {_pub(other_ca)}\n", "offered a host certificate signed by CA"),
+                        # the host's CA, but for other hosts; another CA for this one (its certificate is asked for)
+                        (f"@cert-authority other.example {ca}\n@cert-authority [127.0.0.1]:* {_pub(other_ca)}\n",
+                         "which no @cert-authority line trusts for [127.0.0.1]:")):
+        cfg = _user_cert_config(certlab, tmp_path, known=known)
+        err = _run(cfg)
+        assert isinstance(err, NodeError) and err.kind == "hostkey-unknown", err
+        assert said in err.reason and "trust certnode" in (err.fix or ""), err
+        assert _real_ssh(cfg).returncode == 255
+
+
+def test_a_host_certificate_that_does_not_name_the_host_is_refused(certlab: CertLab, tmp_path: Path) -> None:
+    """HostKeyAlias is the name the certificate must carry (ssh checks the principals against it): the
+    host's certificate names 127.0.0.1, so under the alias `spark-a` it is refused, loudly; ssh agrees."""
+    cfg = _user_cert_config(certlab, tmp_path, "  HostKeyAlias spark-a\n",
+                            known=f"@cert-authority spark-a {_pub(certlab.host_ca)}\n")
+    err = _run(cfg)
+    assert isinstance(err, NodeError) and err.kind == "hostkey-cert", err
+    assert "it names 127.0.0.1, not spark-a" in err.reason and "'certnode-host'" in err.reason, err
+    assert "ssh-keygen -s CA_KEY -h -n spark-a" in (err.fix or "")
+    assert _real_ssh(cfg).returncode == 255
+
+
+def test_a_revoked_ca_is_revoked(certlab: CertLab, tmp_path: Path) -> None:
+    ca = _pub(certlab.host_ca)
+    cfg = _user_cert_config(certlab, tmp_path, known=f"@cert-authority [127.0.0.1]:* {ca}\n@revoked * {ca}\n")
+    err = _run(cfg)
+    assert isinstance(err, NodeError) and err.kind == "hostkey-revoked", err
+    assert _real_ssh(cfg).returncode == 255
+
+
+def _cert_of(tmp_path: Path, ca: Path, *args: str) -> cl.certs.Cert:
+    key = tmp_path / f"k{len(list(tmp_path.iterdir()))}"
+    _keygen(key)
+    subprocess.run(["ssh-keygen", "-q", "-s", str(ca), "-I", "c", *args, f"{key}.pub"], check=True, timeout=20,
+                   capture_output=True)
+    import base64
+    return cl.certs.parse_cert(base64.b64decode(Path(f"{key}-cert.pub").read_text().split()[1]))
+
+
+def test_host_certificate_checks_as_ssh_makes_them(certlab: CertLab, tmp_path: Path) -> None:
+    """Certificates made by ssh-keygen, judged by the checks ssh makes (sshconnect.c check_host_cert)."""
+    from dataclasses import replace
+
+    from sparkctl.cluster.certs import host_cert_problem
+
+    ca = certlab.host_ca
+    good = _cert_of(tmp_path, ca, "-h", "-n", "spark1,spark1.lab", "-V", "-5m:+1h")
+    assert good.principals == ("spark1", "spark1.lab") and good.key_id == "c"
+    assert good.ca_blob == __import__("base64").b64decode(_pub(ca).split()[1])
+    assert host_cert_problem(good, "spark1") is None and host_cert_problem(good, "spark1.lab") is None
+    assert host_cert_problem(good, "spark2") == "it names spark1, spark1.lab, not spark2"
+    anyone = _cert_of(tmp_path, ca, "-h", "-V", "-5m:+1h")  # no principals: any host
+    assert host_cert_problem(anyone, "whatever") is None
+    assert host_cert_problem(_cert_of(tmp_path, ca, "-n", "spark1"), "spark1") == \
+        "it is a user certificate, not a host certificate"
+    assert "expired 2001-01-01" in (host_cert_problem(_cert_of(tmp_path, ca, "-h", "-V", "20000101:20010101"), "x") or "")
+    assert "not valid before 2200" in (host_cert_problem(_cert_of(tmp_path, ca, "-h", "-V", "22000101:22010101"), "x") or "")
+    assert host_cert_problem(_cert_of(tmp_path, ca, "-h", "-O", "force-command=true"), "x") == \
+        "it has critical options (ssh accepts none in a host certificate)"
+    forged = replace(good, principals=("spark2",), signed=good.signed.replace(b"spark1.lab", b"spark2.lab"))
+    assert host_cert_problem(forged, "spark2") == "its CA signature does not verify"

@@ -1,7 +1,10 @@
-"""OpenSSH certificates (PROTOCOL.certkeys): read one (which key it certifies, for whom, until when).
+"""OpenSSH certificates (PROTOCOL.certkeys): read one, and check a host's against a CA the way ssh(1) does.
 
-paramiko offers a user certificate with its key (PKey.load_certificate) but checks nothing in it, not
-even that it certifies that key: transport pairs them (a certificate goes with the key it certifies).
+paramiko carries certificates (a user's, offered with its key; a host's, received in the key exchange)
+but checks nothing in them: its own docs say the server decides. For a host certificate the client
+decides, so the checks ssh makes are made here: the CA's signature over the certificate, that it is a
+host certificate, its validity period, that its principals name the host (HostKeyAlias, else HostName),
+and that it has no critical options (ssh refuses a host certificate with any).
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
+
+import paramiko
 
 USER_CERT, HOST_CERT = 1, 2
 CERT_SUFFIX = "-cert-v01@openssh.com"
@@ -50,6 +55,13 @@ class Cert:
         if now >= self.valid_before:
             return f"expired {_when(self.valid_before)}"
         return None
+
+    def signature_ok(self) -> bool:
+        try:
+            ca = paramiko.PKey.from_type_string(self.ca_type, self.ca_blob)
+            return bool(ca.verify_ssh_sig(self.signed, paramiko.Message(self.signature)))
+        except Exception:  # a CA of a type paramiko lacks, a malformed key or signature: not verified
+            return False
 
 
 def _when(t: int) -> str:
@@ -110,3 +122,21 @@ def parse_cert(blob: bytes) -> Cert:
     signature = r.string()
     return Cert(plain, key_blob, serial, cert_type, key_id, tuple(principals), valid_after, valid_before, critical,
                 ca_blob, signature, signed)
+
+
+def host_cert_problem(cert: Cert, name: str) -> str | None:
+    """Why ssh would not accept this host certificate for `name` (HostKeyAlias, else HostName), once
+    its CA is one known_hosts trusts for the host; None when it would."""
+    if cert.cert_type != HOST_CERT:
+        return "it is a user certificate, not a host certificate"
+    if _Reader(cert.signature).string() == b"ssh-rsa":
+        return "its CA signed it with SHA-1 (ssh-rsa), which ssh no longer accepts (CASignatureAlgorithms)"
+    if not cert.signature_ok():
+        return "its CA signature does not verify"
+    if (why := cert.validity()) is not None:
+        return f"it is {why}"
+    if cert.principals and name not in cert.principals:
+        return f"it names {', '.join(cert.principals)}, not {name}"
+    if cert.critical_options:
+        return "it has critical options (ssh accepts none in a host certificate)"
+    return None

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import paramiko
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from .certs import Cert, parse_cert
-from .hostkeys import fingerprint, host_key_error, judge_host_key, read_known_hosts
+from .certs import CERT_SUFFIX, Cert, CertError, parse_cert
+from .hostkeys import fingerprint, host_key_error, judge_host_key, knows_a_ca_for, read_known_hosts
 from .node_error import NodeError
 from .proxycommand import ProxyCommandSocket
 from .sshconfig import SshTarget
@@ -75,6 +75,21 @@ def _host_key_algorithms(current: Sequence[str], known_types: set[str]) -> list[
     return known + [a for a in current if a not in known]
 
 
+class _Transport(paramiko.Transport):
+    """paramiko's Transport, asking for the host's certificate first when known_hosts has a CA for it
+    (paramiko always lists the certificate algorithms after every plain one, so a host that has both
+    would never show its certificate; ssh asks for it first)."""
+
+    certs_first = False
+
+    @property
+    def preferred_keys(self) -> tuple[str, ...]:
+        keys = tuple(super().preferred_keys)
+        if not self.certs_first:
+            return keys
+        return tuple(k for k in keys if k.endswith(CERT_SUFFIX)) + tuple(k for k in keys if not k.endswith(CERT_SUFFIX))
+
+
 def _through(jump: paramiko.Transport, target: SshTarget, timeout: float) -> paramiko.Channel:
     """A `direct-tcpip` channel on the jump host's connection to target's host:port: the socket of
     the next hop, as `ssh -J` opens it (the jump host makes the TCP connection)."""
@@ -121,9 +136,10 @@ def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | 
         # Nagle on, the second waits for the peer's delayed ACK -- 40 ms per command on Linux. OpenSSH's
         # own client turns Nagle off for interactive sessions for the same reason.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    transport = paramiko.Transport(sock)
+    transport = _Transport(sock)
     transport.banner_timeout = transport.handshake_timeout = transport.auth_timeout = timeout
     known = read_known_hosts([*target.known_hosts_files, *target.global_known_hosts_files])
+    transport.certs_first = knows_a_ca_for(target, known)
     opts = transport.get_security_options()
     # AES-GCM first: its tag is checked inside `cryptography`, where paramiko's CTR+HMAC path compares
     # every packet's MAC byte by byte in Python (4-5 ms of client CPU per node per command).
@@ -335,7 +351,7 @@ def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None,
     transport = _handshake(target, timeout, attempts=3, via=via)
     try:
         server_key = transport.get_remote_server_key()
-        verdict = judge_host_key(target, server_key.get_name(), server_key.asbytes())
+        verdict = judge_host_key(target, server_key.get_name(), server_key.asbytes(), _host_cert(target, server_key))
         if verdict.status != "trusted":
             raise host_key_error(target, verdict)
         _authenticate(transport, target, keys)
@@ -344,6 +360,18 @@ def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None,
     except BaseException:
         transport.close()
         raise
+
+
+def _host_cert(target: SshTarget, server_key: paramiko.PKey) -> Cert | None:
+    """The certificate the host offered with its key (paramiko keeps it as the key's public_blob)."""
+    blob = getattr(server_key, "public_blob", None)
+    if blob is None or not blob.key_type.endswith(CERT_SUFFIX):
+        return None
+    try:
+        return parse_cert(blob.key_blob)
+    except CertError as exc:
+        raise NodeError(target.alias, "protocol", f"its host certificate cannot be read: {exc}",
+                        f"check the HostCertificate of sshd on {target.alias}") from None
 
 
 def fetch_host_key(target: SshTarget, *, timeout: float = DEFAULT_CONNECT_TIMEOUT,
