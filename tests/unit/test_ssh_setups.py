@@ -390,3 +390,71 @@ def test_host_certificate_checks_as_ssh_makes_them(certlab: CertLab, tmp_path: P
         "it has critical options (ssh accepts none in a host certificate)"
     forged = replace(good, principals=("spark2",), signed=good.signed.replace(b"spark1.lab", b"spark2.lab"))
     assert host_cert_problem(forged, "spark2") == "its CA signature does not verify"
+
+
+# ------------------------------------------------------------------------- what stays unsupported, by name
+
+
+def _security_key_file(path: Path) -> None:
+    """A FIDO `sk-ssh-ed25519@openssh.com` private key file, laid out as ssh-keygen -t ed25519-sk writes one
+    (openssh-key-v1; the key handle is what the authenticator needs, here random bytes)."""
+    import base64
+    import struct
+
+    def s(b: bytes) -> bytes:
+        return struct.pack(">I", len(b)) + b
+
+    kt = b"sk-ssh-ed25519@openssh.com"
+    pub = s(kt) + s(os.urandom(32)) + s(b"ssh:")
+    private = struct.pack(">II", 7, 7) + pub + b"\x01" + s(os.urandom(64)) + s(b"") + s(b"test")
+    private += bytes(range(1, 1 + (-len(private)) % 8))  # padded to the block size, 1 2 3 ...
+    blob = b"openssh-key-v1\0" + s(b"none") + s(b"none") + s(b"") + struct.pack(">I", 1) + s(pub) + s(private)
+    b64 = base64.b64encode(blob).decode()
+    path.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n"
+                    + "".join(b64[i:i + 70] + "\n" for i in range(0, len(b64), 70))
+                    + "-----END OPENSSH PRIVATE KEY-----\n")
+    path.chmod(0o600)
+
+
+def _only_key(sshlab: SshLab, tmp_path: Path, identity_lines: str, alias: str = "n1") -> Path:
+    lab = sshlab.ssh_config.read_text().replace(f"  IdentityFile {sshlab.dir}/id_ed25519\n", "")
+    cfg = tmp_path / "only_key_config"
+    cfg.write_text(f"Host {alias}\n{identity_lines}\n" + lab)
+    return cfg
+
+
+def test_a_fido_security_key_is_named_with_what_to_do(sshlab: SshLab, tmp_path: Path) -> None:
+    sk = tmp_path / "id_ed25519_sk"
+    _security_key_file(sk)
+    said = subprocess.run(["ssh-keygen", "-y", "-f", str(sk)], capture_output=True, text=True, timeout=20, check=True)
+    assert said.stdout.startswith("sk-ssh-ed25519@openssh.com ")  # OpenSSH reads it as a security key
+    with Cluster(["n1"], _only_key(sshlab, tmp_path, f"  IdentityFile {sk}\n"), connect_timeout=5) as cluster:
+        err = cluster.run_all(["true"])["n1"]
+    assert isinstance(err, NodeError) and err.kind == "unsupported", err
+    assert f"IdentityFile {sk} is a FIDO security key (sk-ssh-ed25519@openssh.com)" in err.reason, err
+    assert "no key was accepted" not in err.reason and "ssh-keygen -t ed25519" in (err.fix or "")
+    # beside a key that works, it is no obstacle
+    cfg = _only_key(sshlab, tmp_path, f"  IdentityFile {sk}\n  IdentityFile {sshlab.dir}/id_ed25519\n")
+    with Cluster(["n1"], cfg, connect_timeout=5) as cluster:
+        assert cluster.node("n1").run(["true"]).ok
+
+
+def test_pkcs11_provider_is_named_when_no_other_key_opens(sshlab: SshLab, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong"
+    _keygen(wrong)
+    cfg = _only_key(sshlab, tmp_path, f"  PKCS11Provider {tmp_path}/opensc-pkcs11.so\n  IdentityFile {wrong}\n")
+    with Cluster(["n1"], cfg, connect_timeout=5) as cluster:
+        err = cluster.run_all(["true"])["n1"]
+    assert isinstance(err, NodeError) and err.kind == "unsupported", err
+    assert f"PKCS11Provider {tmp_path}/opensc-pkcs11.so" in err.reason and f"{wrong}: refused" in err.reason, err
+    assert "ssh-add -s" in (err.fix or "")
+
+
+def test_proxy_use_fdpass_is_refused_by_name(sshlab: SshLab, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    cfg = _config(sshlab, tmp_path, f"Host fdpass\n  HostName 127.0.0.1\n  ProxyCommand touch {canary}\n"
+                                     "  ProxyUseFdpass yes\n")
+    with Cluster(["fdpass"], cfg, connect_timeout=5) as cluster:
+        err = cluster.run_all(["true"])["fdpass"]
+    assert isinstance(err, NodeError) and err.kind == "config" and "ProxyUseFdpass yes is not supported" in err.reason
+    assert "ProxyUseFdpass no" in (err.fix or "") and not canary.exists()

@@ -35,6 +35,7 @@ class SshTarget:
     jumps: tuple[SshTarget, ...] = ()  # ProxyJump hops, in order (each resolved as its own alias)
     proxy_command: str | None = None  # ProxyCommand, its %-tokens expanded (run by the shell, as ssh does)
     certificate_files: tuple[str, ...] = ()  # CertificateFile, tokens and ~ expanded (missing ones kept: said so)
+    pkcs11_provider: str | None = None  # PKCS11Provider: not usable here; named if no other key is accepted
 
     @property
     def known_hosts_name(self) -> str:
@@ -152,6 +153,11 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
     # of ProxyCommand and ProxyJump it prints only the one that came first, as ssh uses only that one.
     written = _one(opts, "proxycommand", "none")
     proxy_command = None if written.lower() == "none" else _expand_proxy_command(alias, written, tokens)
+    if proxy_command is not None and _one(opts, "proxyusefdpass", "no").lower() == "yes":
+        raise NodeError(alias, "config", "ProxyUseFdpass yes is not supported: sparkctl reads and writes the "
+                        "ProxyCommand's stdin and stdout, it does not take a socket from it",
+                        f"set `ProxyUseFdpass no` for {alias!r} (with a ProxyCommand that carries the bytes, "
+                        "e.g. `nc %h %p`), or use ProxyJump")
     proxy_jump = _one(opts, "proxyjump", "none")
     jumps: list[SshTarget] = []
     if proxy_jump.lower() != "none":
@@ -185,6 +191,7 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
         jumps=tuple(jumps),
         proxy_command=proxy_command,
         certificate_files=certificates,
+        pkcs11_provider=None if _one(opts, "pkcs11provider", "none").lower() == "none" else _one(opts, "pkcs11provider"),
     )
 
 

@@ -27,6 +27,7 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _DEFAULT_IDENTITIES = ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
+_UNSUPPORTED = "unsupported: "  # a _KeyCache reason that names an option sparkctl cannot honour
 
 
 class _Retryable(Exception):
@@ -166,6 +167,26 @@ def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | 
     return transport
 
 
+def _security_key_type(path: str) -> str | None:
+    """The key type when `path` holds a FIDO security-key private key (`sk-…@openssh.com`), which
+    paramiko cannot sign with: it needs the authenticator (ssh's SecurityKeyProvider)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(16384)
+        body = "".join(ln for ln in text.splitlines() if ln and not ln.startswith("-----"))
+        blob = base64.b64decode(body)
+        if not blob.startswith(b"openssh-key-v1\0"):
+            return None
+        msg = paramiko.Message(blob[len(b"openssh-key-v1\0"):])
+        for _ in range(3):  # cipher, kdf, kdf options
+            msg.get_string()
+        msg.get_int()  # number of keys
+        key_type = paramiko.Message(msg.get_string()).get_text()
+    except (OSError, ValueError, UnicodeError, IndexError, TypeError):
+        return None
+    return key_type if key_type.startswith("sk-") else None
+
+
 class _KeyCache:
     """Private keys loaded once per Cluster (the same key usually opens every node)."""
 
@@ -188,7 +209,9 @@ class _KeyCache:
                 except paramiko.PasswordRequiredException:
                     self._keys[path] = f"{path}: encrypted (load it into ssh-agent)"
                 except Exception as exc:  # unknown key type, corrupt file, permissions
-                    self._keys[path] = f"{path}: {exc}"
+                    sk = _security_key_type(path)
+                    self._keys[path] = (f"{_UNSUPPORTED}IdentityFile {path} is a FIDO security key ({sk}), which "
+                                        "sparkctl's SSH client (paramiko) cannot sign with" if sk else f"{path}: {exc}")
             return self._keys[path]
 
 
@@ -253,6 +276,11 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
         elif cpath not in used:
             tried.append(f"CertificateFile {cpath}: certifies {cert.key_type} {fingerprint(cert.key_blob)}, "
                          "which none of the keys is")
+    unsupported = [t.removeprefix(_UNSUPPORTED) for t in tried if t.startswith(_UNSUPPORTED)]
+    if target.pkcs11_provider:
+        unsupported.append(f"PKCS11Provider {target.pkcs11_provider} is set, and sparkctl's SSH client (paramiko) "
+                           "has no PKCS#11")
+    tried = [t for t in tried if not t.startswith(_UNSUPPORTED)]
     for label, key in candidates:
         try:
             transport.auth_publickey(target.user, key)
@@ -268,6 +296,17 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
             ) from None
         if transport.is_authenticated():
             return
+    if unsupported:  # what could have opened the door is what sparkctl cannot use: say that, not "no key"
+        raise NodeError(
+            target.alias,
+            "unsupported",
+            f"{'; '.join(unsupported)}; no other key was accepted for {target.user}@{target.hostname}"
+            + (f" ({'; '.join(tried)})" if tried else ""),
+            "give these nodes a key sparkctl can use: an ed25519/ECDSA/RSA key without a security key or "
+            "token (`ssh-keygen -t ed25519 -f ~/.ssh/id_sparkctl`), its .pub in ~/.ssh/authorized_keys on each "
+            f"node, `IdentityFile ~/.ssh/id_sparkctl` for {target.alias!r}; or hold the token's keys in ssh-agent "
+            "(`ssh-add -s PROVIDER` for PKCS#11)",
+        )
     raise NodeError(
         target.alias,
         "auth",
