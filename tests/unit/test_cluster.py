@@ -454,15 +454,6 @@ def test_a_proxyjump_hop_with_an_unknown_host_key_fails_naming_the_hop(sshlab: S
     assert sshlab.nodes["n2"].accepted() == before  # never reached past the unverified hop
 
 
-def test_proxycommand_is_refused_not_ignored(sshlab: SshLab, tmp_path: Path) -> None:
-    canary = tmp_path / "canary"
-    cfg = _config(sshlab, tmp_path, f"Host viacmd\n  HostName 127.0.0.1\n  ProxyCommand touch {canary}\n")
-    with Cluster(["viacmd"], cfg, connect_timeout=3) as cluster:
-        err = cluster.run_all(["true"])["viacmd"]
-    assert isinstance(err, NodeError) and err.kind == "config" and "ProxyCommand is not supported" in err.reason
-    assert "ProxyJump" in (err.fix or "") and not canary.exists()
-
-
 def test_run_all_answers_with_results_split_into_ok_and_failed(sshlab: SshLab) -> None:
     from sparkctl.errors import CheckFailed
 

@@ -8,10 +8,10 @@ Every sparkctl command that touches nodes goes through here:
         version = cluster.node("spark1").docker_json(["version", "--format", "{{json .}}"])
 
 - A node name is an SSH alias, resolved exactly as OpenSSH resolves it (`ssh -G`: Include, Match,
-  ProxyJump, IdentityFile, UserKnownHostsFile, HostKeyAlias, HashKnownHosts...).
+  ProxyJump, ProxyCommand, IdentityFile, CertificateFile, UserKnownHostsFile, HostKeyAlias, HashKnownHosts...).
 - Each node gets ONE SSH transport per Cluster; every command, file upload (SFTP), stream and docker
   CLI call is a channel on it. (Benchmarks count sshd's "Accepted publickey" lines: N nodes, N lines.)
-- Host keys are verified against known_hosts. An unknown, changed or revoked key fails that node
+- Host keys are verified against known_hosts (host certificates against its @cert-authority lines). An unknown, changed or revoked key fails that node
   with the key type, the SHA256 fingerprint and the command that trusts it (`sparkctl trust NODE`).
   Nothing here accepts a key silently; there is no switch to turn that off.
 - argv is joined with shlex.join, so every value is one quoted word on the remote shell: a value
@@ -23,8 +23,10 @@ The package, by seam (each module imports only those above it):
 
     node_error.py  NodeError: the one failure type
     sshconfig.py   an alias -> SshTarget, via `ssh -G`
+    certs.py       OpenSSH certificates: read, and a host's checked as ssh checks it
     hostkeys.py    the known_hosts policy: judge, explain, record (`trust`)
-    transport.py   TCP / ProxyJump hops, handshake, host key check, authentication
+    proxycommand.py  a ProxyCommand run as ssh runs it, its pipes as the transport's socket
+    transport.py   TCP / ProxyJump hops / ProxyCommand, handshake, host key check, authentication
     channel.py     Node: run, start (Session), open_stream (Stream), SFTP, docker
     fanout.py      Cluster, Results (per-node answers), parallel (a node's jobs side by side)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from .certs import Cert, host_cert_problem
 from .node_error import NodeError
 from .sshconfig import SshTarget
 
@@ -32,7 +33,7 @@ class KnownHost:
     key_blob: bytes
     path: str
     line: int
-    marker: str | None = None  # "revoked" or "cert-authority" (the latter is not used for plain keys)
+    marker: str | None = None  # "revoked" or "cert-authority" (a CA: trusted for the host certificates it signs)
 
     def matches(self, name: str) -> bool:
         return host_matches(self.patterns, name)
@@ -127,26 +128,44 @@ def hash_hostname(name: str) -> str:
 
 @dataclass(frozen=True)
 class HostKeyVerdict:
-    status: str  # "trusted" | "unknown" | "changed" | "revoked"
+    status: str  # "trusted" | "unknown" | "changed" | "revoked" | "cert-invalid"
     key_type: str
     fingerprint: str
-    known: tuple[KnownHost, ...] = ()  # for "changed": the entries that disagree
+    known: tuple[KnownHost, ...] = ()  # for "changed": the entries that disagree; "cert-invalid": the CA's
+    cert: Cert | None = None  # the host certificate it offered, if it offered one
+    problem: str = ""  # for "cert-invalid": why ssh would not accept the certificate
 
 
-def judge_host_key(target: SshTarget, key_type: str, key_blob: bytes) -> HostKeyVerdict:
-    """Compare the key a host offered with what known_hosts says about target.known_hosts_name."""
+def knows_a_ca_for(target: SshTarget, entries: Sequence[KnownHost]) -> bool:
+    """Whether known_hosts has an @cert-authority line for this host (then its certificate is asked for)."""
+    return any(e.marker == "cert-authority" and e.matches(target.known_hosts_name) for e in entries)
+
+
+def judge_host_key(target: SshTarget, key_type: str, key_blob: bytes, cert: Cert | None = None) -> HostKeyVerdict:
+    """Compare the key a host offered with what known_hosts says about target.known_hosts_name, as ssh
+    does: a certificate signed by a CA that an @cert-authority line trusts for the host is judged by
+    its CA signature, type, validity and principals; any other certificate by its plain key."""
     name = target.known_hosts_name
     entries = [e for e in read_known_hosts([*target.known_hosts_files, *target.global_known_hosts_files])]
     fp = fingerprint(key_blob)
-    if any(e.marker == "revoked" and e.key_blob == key_blob for e in entries):
-        return HostKeyVerdict("revoked", key_type, fp)
+    revoked = {e.key_blob for e in entries if e.marker == "revoked"}
+    if key_blob in revoked or (cert is not None and cert.ca_blob in revoked):
+        return HostKeyVerdict("revoked", key_type, fp, cert=cert)
+    if cert is not None:
+        cas = tuple(e for e in entries if e.marker == "cert-authority" and e.key_blob == cert.ca_blob
+                    and e.matches(name))
+        if cas:
+            problem = host_cert_problem(cert, target.host_key_alias or target.hostname)
+            if problem is None:
+                return HostKeyVerdict("trusted", key_type, fp, cas, cert)
+            return HostKeyVerdict("cert-invalid", key_type, fp, cas, cert, problem)
     mine = [e for e in entries if e.marker is None and e.matches(name)]
     if any(e.key_blob == key_blob and e.key_type == key_type for e in mine):
-        return HostKeyVerdict("trusted", key_type, fp)
+        return HostKeyVerdict("trusted", key_type, fp, cert=cert)
     same_type = tuple(e for e in mine if e.key_type == key_type)
     if same_type:
-        return HostKeyVerdict("changed", key_type, fp, same_type)
-    return HostKeyVerdict("unknown", key_type, fp, tuple(mine))
+        return HostKeyVerdict("changed", key_type, fp, same_type, cert)
+    return HostKeyVerdict("unknown", key_type, fp, tuple(mine), cert)
 
 
 def host_key_error(target: SshTarget, verdict: HostKeyVerdict) -> NodeError:
@@ -173,11 +192,27 @@ def host_key_error(target: SshTarget, verdict: HostKeyVerdict) -> NodeError:
             key_type=verdict.key_type,
             fingerprint=verdict.fingerprint,
         )
+    if verdict.status == "cert-invalid" and verdict.cert is not None:
+        ca = verdict.known[0]
+        return NodeError(
+            target.alias,
+            "hostkey-cert",
+            f"host certificate of {where} is not accepted: {verdict.problem} (key {verdict.key_type} "
+            f"{verdict.fingerprint}, id {verdict.cert.key_id!r}, signed by the CA of @cert-authority at {ca.path}:{ca.line})",
+            f"have the host's certificate reissued (`ssh-keygen -s CA_KEY -h -n "
+            f"{target.host_key_alias or target.hostname} ...` on its host key) and installed as sshd's HostCertificate",
+            key_type=verdict.key_type,
+            fingerprint=verdict.fingerprint,
+        )
     other = (
         f" (known_hosts has only {', '.join(sorted({e.key_type for e in verdict.known}))} for it)"
         if verdict.known
         else ""
     )
+    if verdict.cert is not None:
+        ca_fp = fingerprint(verdict.cert.ca_blob)
+        other += (f"; it also offered a host certificate signed by CA {verdict.cert.ca_type} {ca_fp}, which no "
+                  f"@cert-authority line trusts for {target.known_hosts_name}")
     return NodeError(
         target.alias,
         "hostkey-unknown",

@@ -10,8 +10,8 @@ from ..errors import CheckFailed
 class NodeError(CheckFailed):
     """One node failed; `kind` says how (for rules and tests), `reason` and `fix` say it to a person.
 
-    kinds: config dns refused timeout unreachable protocol auth hostkey-unknown hostkey-changed
-           hostkey-revoked lost command-timeout docker output sftp error
+    kinds: config dns refused timeout unreachable proxy protocol auth hostkey-unknown hostkey-changed
+           hostkey-revoked hostkey-cert unsupported lost command-timeout docker output sftp error
     """
 
     def __init__(

@@ -33,6 +33,9 @@ class SshTarget:
     hash_known_hosts: bool = False
     ssh_config: str | None = None  # the file it came from, for fix hints
     jumps: tuple[SshTarget, ...] = ()  # ProxyJump hops, in order (each resolved as its own alias)
+    proxy_command: str | None = None  # ProxyCommand, its %-tokens expanded (run by the shell, as ssh does)
+    certificate_files: tuple[str, ...] = ()  # CertificateFile, tokens and ~ expanded (missing ones kept: said so)
+    pkcs11_provider: str | None = None  # PKCS11Provider: not usable here; named if no other key is accepted
 
     @property
     def known_hosts_name(self) -> str:
@@ -80,12 +83,13 @@ _MULTI = {"identityfile", "certificatefile"}
 SSH_G_TIMEOUT = 10.0
 
 
-def ssh_g(alias: str, config: SshConfig) -> dict[str, list[str]]:
+def ssh_g(alias: str, config: SshConfig, flags: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """OpenSSH's own resolution of `alias` (`ssh -G`): Include, Match, Host patterns, canonicalisation,
-    defaults — exactly what `ssh alias` would use. Raises NodeError when ssh cannot resolve it."""
+    defaults — exactly what `ssh alias` would use (`flags`: `-l USER`, `-p PORT` of a ProxyJump spec,
+    as `ssh -J` passes them). Raises NodeError when ssh cannot resolve it."""
     import subprocess
 
-    argv = ["ssh", "-G", *config.ssh_argv(), "--", alias]  # `--`: an alias is never an option
+    argv = ["ssh", "-G", *config.ssh_argv(), *flags, "--", alias]  # `--`: an alias is never an option
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=SSH_G_TIMEOUT, stdin=subprocess.DEVNULL,
                            check=False)
@@ -132,10 +136,9 @@ def _jump_specs(value: str) -> list[tuple[str | None, str, int | None]]:
 
 
 def resolve_target(alias: str, config: SshConfig, config_path: str | None = None, *,
-                   _depth: int = 0) -> SshTarget:
-    """Resolve one alias exactly as ssh(1) does (`ssh -G`), ProxyJump hops included. What sparkctl
-    cannot honour is refused, never ignored: ProxyCommand (each hop's host key is verified here)."""
-    opts = ssh_g(alias, config)
+                   _depth: int = 0, _flags: tuple[str, ...] = ()) -> SshTarget:
+    """Resolve one alias exactly as ssh(1) does (`ssh -G`), ProxyJump hops and ProxyCommand included."""
+    opts = ssh_g(alias, config, _flags)
     try:
         port = int(_one(opts, "port", "22"))
     except ValueError:
@@ -143,23 +146,33 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
                         "fix its Port line") from None
     user = _one(opts, "user") or getpass.getuser()
     hostname = _one(opts, "hostname", alias)
+    # %k: HostKeyAlias, else the alias as given (not the HostName): what ssh substitutes
     tokens = {"%d": os.path.expanduser("~"), "%u": getpass.getuser(), "%h": hostname, "%n": alias,
-              "%p": str(port), "%r": user, "%k": _one(opts, "hostkeyalias", hostname)}
-    proxy_command = _one(opts, "proxycommand", "none")
+              "%p": str(port), "%r": user, "%k": _one(opts, "hostkeyalias", alias)}
+    # `ssh -G` prints ProxyCommand as written (tokens unexpanded) and omits it for `ProxyCommand none`;
+    # of ProxyCommand and ProxyJump it prints only the one that came first, as ssh uses only that one.
+    written = _one(opts, "proxycommand", "none")
+    proxy_command = None if written.lower() == "none" else _expand_proxy_command(alias, written, tokens)
+    if proxy_command is not None and _one(opts, "proxyusefdpass", "no").lower() == "yes":
+        raise NodeError(alias, "config", "ProxyUseFdpass yes is not supported: sparkctl reads and writes the "
+                        "ProxyCommand's stdin and stdout, it does not take a socket from it",
+                        f"set `ProxyUseFdpass no` for {alias!r} (with a ProxyCommand that carries the bytes, "
+                        "e.g. `nc %h %p`), or use ProxyJump")
     proxy_jump = _one(opts, "proxyjump", "none")
-    if proxy_command.lower() != "none" and proxy_jump.lower() == "none":
-        raise NodeError(alias, "config", f"ProxyCommand is not supported ({proxy_command!r}): sparkctl opens and "
-                        "verifies every hop itself", f"use ProxyJump for {alias!r} in the ssh config")
     jumps: list[SshTarget] = []
     if proxy_jump.lower() != "none":
         if _depth > 8:
             raise NodeError(alias, "config", "ProxyJump chain too deep (a loop?)", "fix the ssh config")
         for juser, jhost, jport in _jump_specs(proxy_jump):
-            hop = resolve_target(jhost, config, config_path, _depth=_depth + 1)
-            jumps += [*hop.jumps, replace(hop, user=juser or hop.user, port=jport or hop.port, jumps=())]
+            # a hop's user and port from the spec reach `ssh -G` as `ssh -J` passes them (-l, -p), so a
+            # hop's own ProxyCommand sees them as %r and %p
+            flags = (*(("-l", juser) if juser else ()), *(("-p", str(jport)) if jport else ()))
+            hop = resolve_target(jhost, config, config_path, _depth=_depth + 1, _flags=flags)
+            jumps += [*hop.jumps, replace(hop, jumps=())]
     # ssh -G lists the default identity files when none is set: only those that exist are candidates
     # (ssh itself skips the missing ones).
     identities = tuple(p for p in _split_paths(" ".join(opts.get("identityfile", [])), tokens) if os.path.exists(p))
+    certificates = _split_paths(" ".join(opts.get("certificatefile", [])), tokens)
     known = _split_paths(_one(opts, "userknownhostsfile"), tokens) or (os.path.expanduser("~/.ssh/known_hosts"),)
     global_known = _split_paths(_one(opts, "globalknownhostsfile"), tokens) or _GLOBAL_KNOWN_HOSTS
     host_key_alias = _one(opts, "hostkeyalias")
@@ -176,7 +189,37 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
         hash_known_hosts=_one(opts, "hashknownhosts", "no").lower() == "yes",
         ssh_config=config_path,
         jumps=tuple(jumps),
+        proxy_command=proxy_command,
+        certificate_files=certificates,
+        pkcs11_provider=None if _one(opts, "pkcs11provider", "none").lower() == "none" else _one(opts, "pkcs11provider"),
     )
+
+
+# The tokens ssh(1) expands in ProxyCommand (any other `%x` makes ssh refuse the command:
+# "unknown key %x"); checked against OpenSSH 9.2's ssh.
+_PROXY_TOKENS = ("%h", "%k", "%n", "%p", "%r")
+
+
+def _expand_proxy_command(alias: str, command: str, tokens: Mapping[str, str]) -> str:
+    """ProxyCommand with %h %k %n %p %r and %% replaced, as ssh replaces them before `exec`-ing the
+    command with the user's shell; the rest (quotes, $VARS, ~) is that shell's."""
+    out, i = [], 0
+    while i < len(command):
+        c = command[i]
+        if c != "%":
+            out.append(c)
+            i += 1
+            continue
+        tok = command[i:i + 2]
+        if tok == "%%":
+            out.append("%")
+        elif tok in _PROXY_TOKENS:
+            out.append(tokens[tok])
+        else:
+            raise NodeError(alias, "config", f"ProxyCommand {command!r}: ssh does not expand {tok!r} there "
+                            f"(only {' '.join(_PROXY_TOKENS)} and %%)", "fix the ProxyCommand line in the ssh config")
+        i += 2
+    return "".join(out)
 
 
 def _split_paths(value: str | None, tokens: Mapping[str, str]) -> tuple[str, ...]:

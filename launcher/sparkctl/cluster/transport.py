@@ -1,9 +1,11 @@
-"""Connecting: TCP (or a channel through the ProxyJump hops), the SSH handshake, the host key judged
+"""Connecting: TCP (or a channel through the ProxyJump hops, or a ProxyCommand's pipes), the SSH handshake, the host key judged
 against known_hosts (hostkeys.py), public-key authentication. One verified transport per node, one
 per distinct hop chain (Jumps)."""
 
 from __future__ import annotations
 
+import base64
+import copy
 import logging
 import os
 import socket
@@ -13,8 +15,10 @@ from collections.abc import Sequence
 import paramiko
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from .hostkeys import host_key_error, judge_host_key, read_known_hosts
+from .certs import CERT_SUFFIX, Cert, CertError, parse_cert
+from .hostkeys import fingerprint, host_key_error, judge_host_key, knows_a_ca_for, read_known_hosts
 from .node_error import NodeError
+from .proxycommand import ProxyCommandSocket
 from .sshconfig import SshTarget
 
 # paramiko logs transport failures at ERROR; with no handler Python would print them (and
@@ -23,6 +27,7 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _DEFAULT_IDENTITIES = ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
+_UNSUPPORTED = "unsupported: "  # a _KeyCache reason that names an option sparkctl cannot honour
 
 
 class _Retryable(Exception):
@@ -71,6 +76,21 @@ def _host_key_algorithms(current: Sequence[str], known_types: set[str]) -> list[
     return known + [a for a in current if a not in known]
 
 
+class _Transport(paramiko.Transport):
+    """paramiko's Transport, asking for the host's certificate first when known_hosts has a CA for it
+    (paramiko always lists the certificate algorithms after every plain one, so a host that has both
+    would never show its certificate; ssh asks for it first)."""
+
+    certs_first = False
+
+    @property
+    def preferred_keys(self) -> tuple[str, ...]:
+        keys = tuple(super().preferred_keys)
+        if not self.certs_first:
+            return keys
+        return tuple(k for k in keys if k.endswith(CERT_SUFFIX)) + tuple(k for k in keys if not k.endswith(CERT_SUFFIX))
+
+
 def _through(jump: paramiko.Transport, target: SshTarget, timeout: float) -> paramiko.Channel:
     """A `direct-tcpip` channel on the jump host's connection to target's host:port: the socket of
     the next hop, as `ssh -J` opens it (the jump host makes the TCP connection)."""
@@ -83,13 +103,31 @@ def _through(jump: paramiko.Transport, target: SshTarget, timeout: float) -> par
                         "(and that its sshd allows TCP forwarding)") from None
 
 
+def _proxy_failed(target: SshTarget, proxy: ProxyCommandSocket, status: int, exc: BaseException) -> NodeError:
+    said = proxy.why()
+    return NodeError(
+        target.alias,
+        "proxy",
+        f"its ProxyCommand ({target.proxy_command}) exited with status {status} before the SSH handshake "
+        f"was done ({exc or type(exc).__name__})" + (f": {said}" if said else ""),
+        f"run that ProxyCommand by hand to see why it cannot reach {target.hostname} port {target.port}; "
+        f"or fix the ProxyCommand of {target.alias!r} in the ssh config",
+    )
+
+
 def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | None = None) -> paramiko.Transport:
-    """TCP connect (or a channel through `via`, the last ProxyJump hop) + SSH key exchange, with the
-    host key offered in the order ssh would ask. Does NOT verify the host key and does not
-    authenticate: see connect()."""
-    sock: socket.socket | paramiko.Channel
+    """TCP connect (or a channel through `via`, the last ProxyJump hop, or the target's ProxyCommand)
+    + SSH key exchange, with the host key offered in the order ssh would ask. Does NOT verify the host
+    key and does not authenticate: see connect()."""
+    sock: socket.socket | paramiko.Channel | ProxyCommandSocket
     if via is not None:
         sock = _through(via, target, timeout)
+    elif target.proxy_command is not None:
+        try:
+            sock = ProxyCommandSocket(target.proxy_command, target.alias)
+        except OSError as exc:  # no shell to run it with
+            raise NodeError(target.alias, "proxy", f"cannot start its ProxyCommand ({target.proxy_command}): {exc}",
+                            "check $SHELL and the ProxyCommand in the ssh config") from None
     else:
         try:
             sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
@@ -99,9 +137,10 @@ def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | 
         # Nagle on, the second waits for the peer's delayed ACK -- 40 ms per command on Linux. OpenSSH's
         # own client turns Nagle off for interactive sessions for the same reason.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    transport = paramiko.Transport(sock)
+    transport = _Transport(sock)
     transport.banner_timeout = transport.handshake_timeout = transport.auth_timeout = timeout
     known = read_known_hosts([*target.known_hosts_files, *target.global_known_hosts_files])
+    transport.certs_first = knows_a_ca_for(target, known)
     opts = transport.get_security_options()
     # AES-GCM first: its tag is checked inside `cryptography`, where paramiko's CTR+HMAC path compares
     # every packet's MAC byte by byte in Python (4-5 ms of client CPU per node per command).
@@ -111,16 +150,41 @@ def open_transport(target: SshTarget, timeout: float, via: paramiko.Transport | 
     )
     try:
         transport.start_client(timeout=timeout)
-    except (paramiko.SSHException, EOFError, ConnectionResetError) as exc:
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        # a ProxyCommand that failed says why (its exit status, its last stderr lines); asked before the
+        # close below, which ends one that still runs
+        status = sock.exited() if isinstance(sock, ProxyCommandSocket) else None
         transport.close()
+        sock.close()  # Transport.close() skips it once the handshake has ended the transport
+        if isinstance(sock, ProxyCommandSocket) and status:
+            raise _proxy_failed(target, sock, status, exc) from None
+        if isinstance(exc, OSError) and not isinstance(exc, ConnectionResetError):
+            raise _classify_socket_error(target, exc) from None
         # sshd drops connections over MaxStartups during its banner: worth one more try.
         raise _Retryable(
             f"SSH handshake with {target.hostname}:{target.port} failed: {exc or type(exc).__name__}"
         ) from None
-    except OSError as exc:
-        transport.close()
-        raise _classify_socket_error(target, exc) from None
     return transport
+
+
+def _security_key_type(path: str) -> str | None:
+    """The key type when `path` holds a FIDO security-key private key (`sk-…@openssh.com`), which
+    paramiko cannot sign with: it needs the authenticator (ssh's SecurityKeyProvider)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(16384)
+        body = "".join(ln for ln in text.splitlines() if ln and not ln.startswith("-----"))
+        blob = base64.b64decode(body)
+        if not blob.startswith(b"openssh-key-v1\0"):
+            return None
+        msg = paramiko.Message(blob[len(b"openssh-key-v1\0"):])
+        for _ in range(3):  # cipher, kdf, kdf options
+            msg.get_string()
+        msg.get_int()  # number of keys
+        key_type = paramiko.Message(msg.get_string()).get_text()
+    except (OSError, ValueError, UnicodeError, IndexError, TypeError):
+        return None
+    return key_type if key_type.startswith("sk-") else None
 
 
 class _KeyCache:
@@ -135,14 +199,55 @@ class _KeyCache:
         with self._lock:
             if path not in self._keys:
                 try:
-                    self._keys[path] = paramiko.PKey.from_path(path)
+                    key = paramiko.PKey.from_path(path)
+                    # from_path also loads a `-cert.pub` beside the key, whatever the config says: the
+                    # key is kept plain, and _with_certificates pairs certificates as ssh does
+                    key.public_blob = None
+                    self._keys[path] = key
                 except FileNotFoundError:
                     self._keys[path] = f"{path}: no such file"
                 except paramiko.PasswordRequiredException:
                     self._keys[path] = f"{path}: encrypted (load it into ssh-agent)"
                 except Exception as exc:  # unknown key type, corrupt file, permissions
-                    self._keys[path] = f"{path}: {exc}"
+                    sk = _security_key_type(path)
+                    self._keys[path] = (f"{_UNSUPPORTED}IdentityFile {path} is a FIDO security key ({sk}), which "
+                                        "sparkctl's SSH client (paramiko) cannot sign with" if sk else f"{path}: {exc}")
             return self._keys[path]
+
+
+def _read_cert(path: str) -> Cert | str:
+    """A `-cert.pub` file's certificate, or why it cannot be used."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = f.read().split()
+        return parse_cert(base64.b64decode(fields[1], validate=True))
+    except FileNotFoundError:
+        return "no such file"
+    except (OSError, IndexError, ValueError) as exc:  # CertError is a ValueError
+        return f"not an OpenSSH certificate ({exc})"
+
+
+def _cert_label(cert: Cert) -> str:
+    why = cert.validity()
+    return (f"certificate {cert.key_id!r} for {','.join(cert.principals) or 'any user'}"
+            + (f", {why}" if why else ""))
+
+
+def _with_certificates(label: str, key: paramiko.PKey, path: str | None, certs: list[tuple[str, Cert | str]],
+                       used: set[str]) -> list[tuple[str, paramiko.PKey]]:
+    """The key offered with each certificate that certifies it, each before the plain key: as ssh pairs
+    them, the CertificateFile ones; without any CertificateFile, the key file's own `-cert.pub`."""
+    own_path = f"{path}-cert.pub"
+    own = [(own_path, _read_cert(own_path))] if path and not certs and os.path.exists(own_path) else []
+    out: list[tuple[str, paramiko.PKey]] = []
+    for cpath, cert in [*certs, *own]:
+        if isinstance(cert, str) or cert.key_blob != key.asbytes():
+            continue
+        used.add(cpath)
+        certified = copy.copy(key)  # the cached key stays plain for the nodes that take it plain
+        certified.load_certificate(cpath)
+        out.append((f"{label} with {cpath} ({_cert_label(cert)})", certified))
+    return [*out, (label, key)]
 
 
 def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCache) -> None:
@@ -150,18 +255,32 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
     paths = target.identity_files or tuple(
         p for p in (os.path.expanduser(d) for d in _DEFAULT_IDENTITIES) if os.path.exists(p)
     )
+    certs = [(p, _read_cert(p)) for p in target.certificate_files]
+    used: set[str] = set()
     candidates: list[tuple[str, paramiko.PKey]] = []
     for path in paths:
         key = keys.get(path)
         if isinstance(key, str):
             tried.append(key)
         else:
-            candidates.append((path, key))
+            candidates += _with_certificates(path, key, path, certs, used)
     if not target.identities_only and os.environ.get("SSH_AUTH_SOCK"):
         try:
-            candidates += [(f"agent key {k.fingerprint}", k) for k in paramiko.Agent().get_keys()]
+            for k in paramiko.Agent().get_keys():
+                candidates += _with_certificates(f"agent key {k.fingerprint}", k, None, certs, used)
         except paramiko.SSHException:
             tried.append("ssh-agent: not reachable")
+    for cpath, cert in certs:
+        if isinstance(cert, str):
+            tried.append(f"CertificateFile {cpath}: {cert}")
+        elif cpath not in used:
+            tried.append(f"CertificateFile {cpath}: certifies {cert.key_type} {fingerprint(cert.key_blob)}, "
+                         "which none of the keys is")
+    unsupported = [t.removeprefix(_UNSUPPORTED) for t in tried if t.startswith(_UNSUPPORTED)]
+    if target.pkcs11_provider:
+        unsupported.append(f"PKCS11Provider {target.pkcs11_provider} is set, and sparkctl's SSH client (paramiko) "
+                           "has no PKCS#11")
+    tried = [t for t in tried if not t.startswith(_UNSUPPORTED)]
     for label, key in candidates:
         try:
             transport.auth_publickey(target.user, key)
@@ -177,11 +296,24 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
             ) from None
         if transport.is_authenticated():
             return
+    if unsupported:  # what could have opened the door is what sparkctl cannot use: say that, not "no key"
+        raise NodeError(
+            target.alias,
+            "unsupported",
+            f"{'; '.join(unsupported)}; no other key was accepted for {target.user}@{target.hostname}"
+            + (f" ({'; '.join(tried)})" if tried else ""),
+            "give these nodes a key sparkctl can use: an ed25519/ECDSA/RSA key without a security key or "
+            "token (`ssh-keygen -t ed25519 -f ~/.ssh/id_sparkctl`), its .pub in ~/.ssh/authorized_keys on each "
+            f"node, `IdentityFile ~/.ssh/id_sparkctl` for {target.alias!r}; or hold the token's keys in ssh-agent "
+            "(`ssh-add -s PROVIDER` for PKCS#11)",
+        )
     raise NodeError(
         target.alias,
         "auth",
         f"no key was accepted for {target.user}@{target.hostname} ({'; '.join(tried) or 'no keys found'})",
-        f"add your public key to ~{target.user}/.ssh/authorized_keys on {target.alias}, "
+        (f"check that sshd on {target.alias} trusts your certificate's CA (TrustedUserCAKeys), that the "
+         f"certificate names {target.user} and is valid now; " if any(not isinstance(c, str) for _, c in certs) else "")
+        + f"add your public key to ~{target.user}/.ssh/authorized_keys on {target.alias}, "
         f"or set IdentityFile for {target.alias!r} in the ssh config",
     )
 
@@ -214,13 +346,13 @@ class Jumps:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[tuple[tuple[str, int, str], ...], paramiko.Transport | NodeError] = {}
+        self._open: dict[tuple[tuple[str, int, str, str | None], ...], paramiko.Transport | NodeError] = {}
 
     def via(self, hops: Sequence[SshTarget], *, timeout: float, keys: _KeyCache) -> paramiko.Transport | None:
         """The transport of the last hop (None without hops); a hop that fails fails every node behind it."""
         via: paramiko.Transport | None = None
         for i, hop in enumerate(hops):
-            key = tuple((h.hostname, h.port, h.user) for h in hops[: i + 1])
+            key = tuple((h.hostname, h.port, h.user, h.proxy_command) for h in hops[: i + 1])
             with self._lock:  # one connect per chain, even when many nodes ask at once
                 got = self._open.get(key)
                 if got is None or (isinstance(got, paramiko.Transport) and not got.is_active()):
@@ -258,7 +390,7 @@ def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None,
     transport = _handshake(target, timeout, attempts=3, via=via)
     try:
         server_key = transport.get_remote_server_key()
-        verdict = judge_host_key(target, server_key.get_name(), server_key.asbytes())
+        verdict = judge_host_key(target, server_key.get_name(), server_key.asbytes(), _host_cert(target, server_key))
         if verdict.status != "trusted":
             raise host_key_error(target, verdict)
         _authenticate(transport, target, keys)
@@ -267,6 +399,18 @@ def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None,
     except BaseException:
         transport.close()
         raise
+
+
+def _host_cert(target: SshTarget, server_key: paramiko.PKey) -> Cert | None:
+    """The certificate the host offered with its key (paramiko keeps it as the key's public_blob)."""
+    blob = getattr(server_key, "public_blob", None)
+    if blob is None or not blob.key_type.endswith(CERT_SUFFIX):
+        return None
+    try:
+        return parse_cert(blob.key_blob)
+    except CertError as exc:
+        raise NodeError(target.alias, "protocol", f"its host certificate cannot be read: {exc}",
+                        f"check the HostCertificate of sshd on {target.alias}") from None
 
 
 def fetch_host_key(target: SshTarget, *, timeout: float = DEFAULT_CONNECT_TIMEOUT,
