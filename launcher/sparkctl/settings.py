@@ -11,6 +11,7 @@ Secrets (anything named *TOKEN*, *KEY*, *SECRET*, *PASSWORD*) are never shown.
 from __future__ import annotations
 
 import difflib
+import io
 import ipaddress
 import os
 import re
@@ -516,6 +517,22 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return {k: ("" if v is None else v) for k, v in raw.items()}
 
 
+def _duplicate_keys(path: Path) -> dict[str, list[int]]:
+    """Keys the env file sets more than once, with their line numbers (python-dotenv's own parser: the
+    same lines dotenv_values reads, where the last one silently wins)."""
+    from dotenv.parser import parse_stream
+
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError):
+        return {}  # _read_env_file has said why
+    lines: dict[str, list[int]] = {}
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.key is not None:
+            lines.setdefault(binding.key, []).append(binding.original.line)
+    return {k: v for k, v in lines.items() if len(v) > 1}
+
+
 def _convert(key: str, raw: str, source: str) -> Any:
     knob = KNOBS.get(key)
     m = RANK_KEY_RE.match(key)
@@ -567,6 +584,15 @@ def load_settings(
             raise UsageError("\n".join(w.replace("; it is ignored", "") for w in warnings),
                              fix="correct or remove the key(s) (commands that change the cluster refuse unknown "
                                  "keys; read-only ones only warn; every knob: env/env.tp4.example)")
+        dups = _duplicate_keys(path) if file_values else {}
+        if dups:
+            said = [f"{key} is set {len(at)} times in env file {path} (lines {', '.join(map(str, at))}): "
+                    f"the last one is used" for key, at in sorted(dups.items())]
+            if strict_keys:  # which NODES= did the operator mean? the one another operator's file has?
+                raise UsageError("\n".join(line.replace(": the last one is used", "") for line in said),
+                                 fix="keep one line per key (commands that change the cluster refuse a key set "
+                                     "twice; read-only ones only warn)")
+            warnings.extend(said)
 
     # The recipe decides the defaults, so find it first, by the same precedence.
     recipe_raw, recipe_src = DEFAULT_RECIPE, "default"

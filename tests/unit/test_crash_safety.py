@@ -335,6 +335,36 @@ def test_cli_refuses_unknown_keys_for_commands_that_change_the_cluster(tmp_path:
     assert "MAX_MODEL_LENGTH" in r.stderr and "did you mean MAX_MODEL_LEN" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_key_set_twice_is_an_error_only_when_strict(tmp_path: Path) -> None:
+    """Issue 31: a second NODES= line (the last one won, silently) made two operators take two locks."""
+    env = tmp_path / "env"
+    env.write_text('NODES="a b c d"\nMODEL=/m\n# reordered\nNODES="b a c d"\nHF_TOKEN=hf_one\nHF_TOKEN=hf_two\n')
+    s = load_settings(env_file=str(env), environ={})
+    assert s.get("NODES") == ["b", "a", "c", "d"]  # what python-dotenv reads: the last line
+    assert f"NODES is set 2 times in env file {env} (lines 1, 4): the last one is used" in s.warnings
+    assert any(w.startswith("HF_TOKEN is set 2 times") for w in s.warnings)
+    assert not any("hf_one" in w or "hf_two" in w for w in s.warnings)  # values never said: one may be a secret
+    with pytest.raises(UsageError) as exc:
+        load_settings(env_file=str(env), environ={}, strict_keys=True)
+    assert f"NODES is set 2 times in env file {env} (lines 1, 4)" in exc.value.message
+    assert "keep one line per key" in (exc.value.fix or "")
+    env.write_text('NODES="a b c d"\nMODEL=/m\n')
+    assert load_settings(env_file=str(env), environ={}, strict_keys=True).warnings == []
+
+
+@pytest.mark.parametrize("command, code", [("up", 2), ("down", 2), ("config", 0)])
+def test_cli_refuses_a_key_set_twice_for_commands_that_change_the_cluster(tmp_path: Path, command: str,
+                                                                           code: int) -> None:
+    env = tmp_path / "env"
+    env.write_text("NODES=a b c d\nMODEL=/m\nNODES=d c b a\n")
+    r = subprocess.run([sys.executable, "-m", "sparkctl", "--env-file", str(env), command],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "SPARKCTL_SSH_CONFIG": str(tmp_path / "none")})
+    assert r.returncode == code, r.stderr
+    assert "NODES is set 2 times" in r.stderr and "Traceback" not in r.stderr
+    assert ("keep one line per key" in r.stderr) == (code == 2)  # refused for that reason, not another
+
+
 def _disk(avail_gb: int, mount: str) -> F.DiskUsage:
     return F.DiskUsage("/dev/x", 10**12, 0, avail_gb * 10**9, mount)
 
