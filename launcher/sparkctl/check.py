@@ -36,6 +36,7 @@ from .findings import unknown as _unknown
 from .pins import discover_fabric
 from .plan import (
     GB,
+    GIB,
     CheckpointInfo,
     Plan,
     checkpoint_from_scan,
@@ -165,12 +166,107 @@ def rule_gpu(node: str, facts: F.NodeFacts, needs: Needs, head: F.NodeFacts | No
     return _f(node, "gpu", OK, (gpu.name or "GPU").replace("NVIDIA ", ""), f"{node}: {desc}")
 
 
-def rule_memory(node: str, facts: F.NodeFacts) -> Finding:
+DROP_CACHES_BY_HAND = "sync; echo 3 > /proc/sys/vm/drop_caches"
+SWAP_WARN_BYTES = 1 * GIB  # a few MB swapped out is normal; a GB on a serving node slows it and hides a squeeze
+
+
+def _apps_text(apps: Sequence[F.GpuApp], containers: Mapping[str, str]) -> str:
+    """'pid 446 python3 (10.5 GiB, container sparkctl-x-rank0)' per process, the largest first."""
+    def where(a: F.GpuApp) -> str:
+        if a.container_id is None:
+            return ""
+        return f", container {containers.get(a.container_id, a.container_id[:12])}"
+
+    ordered = sorted(apps, key=lambda a: -(a.used_bytes or 0))
+    return ", ".join(
+        f"pid {a.pid} {a.name or '?'} ({gb(a.used_bytes) if a.used_bytes is not None else 'size not reported'}"
+        f"{where(a)})"
+        for a in ordered
+    )
+
+
+def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: Needs | None = None) -> Finding:
+    """What the engine can get on this node now, against what the plan needs there (per rank total x
+    GPUS_PER_NODE). Unified memory (a GB10: nvidia-smi reports no memory.total): MemFree is what it
+    gets now; the page cache (Cached − Shmem + Buffers + SReclaimable) only once dropped (WARN: the
+    field's NV_ERR_NO_MEMORY after the weights load); anything else -- other processes, other GPU
+    contexts -- is held (FAIL, naming the GPU processes). Discrete GPUs: the other GPU processes'
+    memory against the GPU's. This cluster's own containers are given back by `up`: not counted."""
     m = facts.meminfo
     if m is None:
         return _unknown(node, "memory", facts, "meminfo")
-    avail = f", {gb(m.available_bytes)} available" if m.available_bytes is not None else ""
-    return _f(node, "memory", OK, gb(m.total_bytes), f"{node}: MemTotal {gb(m.total_bytes)}{avail}")
+    ours = {c.id: c.names for c in facts.containers or []}  # docker-ps lists this cluster's alone
+    apps = facts.gpu_apps or []
+    mine = [a for a in apps if a.container_id in ours]
+    others = [a for a in apps if a.container_id not in ours]
+    ours_running = any(c.state == "running" for c in facts.containers or [])
+    unified = bool(facts.gpus) and all(g.memory_total_mib is None for g in facts.gpus or [])
+    cache = m.cache_bytes or 0
+    free = m.free_bytes if m.free_bytes is not None else m.available_bytes
+    parts = [f"MemTotal {gb(m.total_bytes)}"]
+    if free is not None:
+        parts.append(f"{gb(free)} free")
+    if m.cache_bytes is not None:
+        parts.append(f"{gb(cache)} page cache")
+    if m.available_bytes is not None:
+        parts.append(f"{gb(m.available_bytes)} available")
+    if others:
+        parts.append(f"other GPU processes: {_apps_text(others, ours)}")
+    elif facts.gpu_apps is None:
+        parts.append(f"other GPU processes unknown ({facts.problems.get('gpu-apps', 'not reported')})")
+    numbers = ", ".join(parts)
+    warnings: list[str] = []
+    if m.swap_used_bytes is not None and m.swap_used_bytes >= SWAP_WARN_BYTES:
+        warnings.append(f"{gb(m.swap_used_bytes)} of swap in use (memory was short here; a serving node "
+                        "that swaps stalls, and the engine's memory cannot be swapped)")
+    fix_others = (f"stop what holds the memory on {node} ({_apps_text(others, ours)}); sparkctl does not stop "
+                  "processes it did not start") if others else (
+                  f"free memory on {node}: see what holds it (ps aux --sort=-rss | head; nvidia-smi)")
+    if plan is None or free is None:
+        short = gb(m.total_bytes)
+        why = "" if plan is not None else " (not judged: no memory plan, see the plan row)"
+        if warnings:
+            return _f(node, "memory", WARN, "swap in use", f"{node}: {numbers}; " + "; ".join(warnings),
+                      f"find what pushed {node} into swap and stop it")
+        return _f(node, "memory", OK, short, f"{node}: {numbers}{why}")
+    need = plan.per_rank_total * (needs.gpus_per_node if needs else 1)
+    given_back = sum(a.used_bytes or 0 for a in mine)
+    if unified:
+        have = free + given_back
+        short = f"{gb(need)}/{gb(have)} free"
+        if need > have + cache:
+            held = f"held by {_apps_text(others, ours)}" if others else "held by other processes (no other GPU process)"
+            text = (f"{node}: the plan needs {gb(need)} here but only {gb(have)} is free and {gb(cache)} page "
+                    f"cache could be dropped ({numbers}); the rest is {held}")
+            if ours_running and not mine:
+                return _f(node, "memory", WARN, short, text + "; this cluster's engine runs here and holds "
+                          "memory nvidia-smi does not itemize: judged again when up has stopped it",
+                          fix_others)
+            return _f(node, "memory", FAIL, short, text, fix_others)
+        if need > have:
+            return _f(node, "memory", WARN, f"{short} (cache {gb(cache)})",
+                      f"{node}: the plan needs {gb(need)} here and only {gb(have)} is free: it fits only after "
+                      f"dropping the {gb(cache)} page cache, which a GB10 does not give CUDA back in time "
+                      f"(the KV cache allocation fails after the weights load: NV_ERR_NO_MEMORY / OOM) "
+                      f"({numbers})",
+                      f"drop the page cache on {node} as root: {DROP_CACHES_BY_HAND} (or set DROP_CACHES=1 "
+                      "and up drops it before starting)")
+    else:
+        gpu_total = min((g.memory_total_mib or 0) for g in facts.gpus or []) * 1024 * 1024 if facts.gpus else 0
+        held_gpu = sum(a.used_bytes or 0 for a in others)
+        have = gpu_total - held_gpu
+        short = f"{gb(need)}/{gb(have)} GPU" if gpu_total else gb(m.total_bytes)
+        if gpu_total and others and need > have:
+            return _f(node, "memory", FAIL, short,
+                      f"{node}: the plan needs {gb(need)} per GPU, other processes hold {gb(held_gpu)} of "
+                      f"{gb(gpu_total)} ({numbers})", fix_others)
+        if others:
+            return _f(node, "memory", WARN, short,
+                      f"{node}: other processes hold GPU memory ({numbers})", fix_others)
+    if warnings:
+        return _f(node, "memory", WARN, "swap in use", f"{node}: {numbers}; " + "; ".join(warnings),
+                  f"find what pushed {node} into swap and stop it")
+    return _f(node, "memory", OK, short, f"{node}: {numbers}; the plan needs {gb(need)} here")
 
 
 def rule_limits(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
@@ -839,7 +935,7 @@ def evaluate(
         findings += [
             docker,
             rule_gpu(n, facts, needs, good.get(head)),
-            rule_memory(n, facts),
+            rule_memory(n, facts, plan, needs),
             rule_limits(n, facts, needs),
             fabric,
             rule_ports(n, facts, needs, is_head=n in heads),

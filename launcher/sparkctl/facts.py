@@ -189,6 +189,11 @@ def parse_nvidia_smi_list(text: str) -> list[GpuListEntry]:
 class MemInfo:
     total_bytes: int
     available_bytes: int | None  # absent on very old kernels
+    free_bytes: int | None = None  # MemFree: what an allocation gets without reclaiming anything
+    # The page cache the kernel can drop (drop_caches): Cached − Shmem (tmpfs is not dropped) + Buffers
+    # + SReclaimable. MemAvailable counts it as available; on a GB10 CUDA does not get it back in time.
+    cache_bytes: int | None = None
+    swap_used_bytes: int | None = None  # SwapTotal − SwapFree
 
 
 _MEMINFO_LINE = re.compile(r"(\w+(?:\(\w+\))?):\s+(\d{1,18})(?:\s+kB)?\s*")
@@ -204,7 +209,75 @@ def parse_meminfo(text: str) -> MemInfo:
             values[m.group(1)] = int(m.group(2)) * (1024 if line.rstrip().endswith("kB") else 1)
     if "MemTotal" not in values:
         raise ParseError("no MemTotal line in /proc/meminfo")
-    return MemInfo(values["MemTotal"], values.get("MemAvailable"))
+    cache = None
+    if "Cached" in values:
+        cache = max(0, values["Cached"] - values.get("Shmem", 0))
+        cache += values.get("Buffers", 0) + values.get("SReclaimable", 0)
+    swap = None
+    if "SwapTotal" in values and "SwapFree" in values:
+        swap = max(0, values["SwapTotal"] - values["SwapFree"])
+    return MemInfo(values["MemTotal"], values.get("MemAvailable"), values.get("MemFree"), cache, swap)
+
+
+# ---------------------------------------------------------------------------- other GPU processes
+
+COMPUTE_APPS_FIELDS: Final = ("pid", "process_name", "used_memory")
+"""The fields `check` asks `nvidia-smi --query-compute-apps=` for, in this order."""
+
+
+@dataclass(frozen=True)
+class GpuApp:
+    """A process holding a compute context on a GPU (`nvidia-smi --query-compute-apps`)."""
+
+    pid: int
+    name: str | None
+    used_mib: int | None  # None: "[N/A]" (a GB10 may not say)
+    container_id: str | None = None  # the Docker container whose cgroup holds the pid (64 hex), if any
+
+    @property
+    def used_bytes(self) -> int | None:
+        return None if self.used_mib is None else self.used_mib * 1024 * 1024
+
+
+_CGROUP_LINE = re.compile(r"@@cgroup (\d{1,10}) ([0-9a-f]{64})")
+
+
+@guard
+def parse_compute_apps(text: str, fields: Iterable[str] = COMPUTE_APPS_FIELDS) -> list[GpuApp]:
+    """`nvidia-smi --query-compute-apps=FIELDS --format=csv[,noheader][,nounits]` (no rows: no
+    process), then the probe's `@@cgroup PID CONTAINER_ID` lines (gpu_apps in node_facts.sh).
+
+    With a header row (format=csv) the columns are taken from it ("used_gpu_memory [MiB]"); without
+    one, `fields` says what they are. A process name may hold commas: the surplus columns are its.
+    """
+    names = [f.strip() for f in fields]
+    rows: list[tuple[int, str | None, int | None]] = []
+    containers: dict[int, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        m = _CGROUP_LINE.fullmatch(line.strip())
+        if m:
+            containers[int(m.group(1))] = m.group(2)
+            continue
+        raw = line.split(",")
+        cols = [c.strip() for c in raw]
+        if cols[0] == "pid" and not rows:
+            names = [re.sub(r"\s*\[.*\]$", "", c) for c in cols]
+            continue
+        names = [{"name": "process_name", "used_gpu_memory": "used_memory"}.get(n, n) for n in names]
+        extra = len(cols) - len(names)
+        if extra > 0 and "process_name" in names:
+            i = names.index("process_name")
+            cols[i : i + extra + 1] = [",".join(raw[i : i + extra + 1]).strip()]
+        if len(cols) != len(names) or "pid" not in names:
+            raise ParseError(f"unexpected line from nvidia-smi --query-compute-apps: {line[:80]!r}")
+        row = dict(zip(names, cols, strict=True))
+        if not re.fullmatch(r"\d{1,10}", row["pid"]):
+            raise ParseError(f"not a pid: {row['pid'][:20]!r}")
+        name = _str_or_none(row.get("process_name", ""))
+        rows.append((int(row["pid"]), name[:200] if name else None, _int_or_none(row.get("used_memory", ""))))
+    return [GpuApp(pid, name, used, containers.get(pid)) for pid, name, used in rows]
 
 
 @guard
@@ -671,6 +744,8 @@ class NodeFacts:
     gpu_banner: NvidiaSmiBanner | None = fact(
         "gpu-banner", parse_nvidia_smi_banner, "$T nvidia-smi", switch="banner"
     )
+    # Other processes' GPU memory counts against what the engine can get (on a GB10, against MemFree).
+    gpu_apps: list[GpuApp] | None = fact("gpu-apps", parse_compute_apps, "gpu_apps")
     netdevs: list[NetDev] | None = fact("ip-addr", parse_ip_addr, "ip -j addr show")
     hcas: list[Hca] | None = fact("infiniband", parse_infiniband, "ib_walk")
     # Only the head's ports matter (the API, the rendezvous): check asks the head alone.

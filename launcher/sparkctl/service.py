@@ -10,6 +10,7 @@ container, a Ctrl-C — it removes every container of this cluster it can reach 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -164,6 +165,8 @@ def up(
         for s in specs:
             if container_name(name, s.rank) not in expected[s.node]:
                 expected[s.node].append(f"{container_name(name, s.rank)} (rank {s.rank}, being started)")
+        if int(settings.get("DROP_CACHES", 0)):
+            drop_caches(cluster, settings, sorted({sp.node for sp in specs}), say)
         _start(cluster, settings, workers, cfg_hash, started, say, ids)
         _start(cluster, settings, [by_rank[0]], cfg_hash, started, say, ids)
         _confirm_running(cluster, settings, specs, settle_s)
@@ -233,6 +236,71 @@ def settled(call: Callable[[], T]) -> T:
 _WRITE_AND_RUN = r'''d="$1"; f="$2"; shift 2
 umask 077 && mkdir -p -- "$d" && chmod 700 -- "${d%/*}" "$d" && cat > "$f" || exit 97
 exec "$@"'''
+
+
+# DROP_CACHES (issue 26): a GB10's CUDA does not get the page cache back in time, so the KV cache
+# allocation fails after the weights load. Dropped as root, or through `sudo -n` writing only that
+# file; never otherwise. Prints "dropped HOW MEMFREE_KB_BEFORE MEMFREE_KB_AFTER"; exit 4: no right.
+_DROP_CACHES = r"""
+free_kb() { awk '/^MemFree:/ {print $2; exit}' /proc/meminfo; }
+before=$(free_kb)
+sync
+if [ "$(id -u)" -eq 0 ]; then
+    how=root
+    echo 3 > /proc/sys/vm/drop_caches || exit 3
+elif printf '3\n' | sudo -n tee /proc/sys/vm/drop_caches >/dev/null 2>&1; then
+    how=sudo
+else
+    echo "not root, and sudo -n cannot write /proc/sys/vm/drop_caches" >&2
+    exit 4
+fi
+printf 'dropped %s %s %s\n' "$how" "$before" "$(free_kb)"
+"""
+DROP_CACHES_SUDOERS = "USER ALL=(root) NOPASSWD: /usr/bin/tee /proc/sys/vm/drop_caches"
+
+
+@dataclass(frozen=True)
+class Dropped:
+    how: str  # root | sudo
+    freed_bytes: int  # MemFree after − before (0 when it did not grow)
+
+
+def parse_dropped(text: str) -> Dropped | None:
+    """The script's last line 'dropped HOW BEFORE_KB AFTER_KB', or None when it is not there."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    m = re.fullmatch(r"dropped (root|sudo) (\d{1,18}) (\d{1,18})", lines[-1].strip()) if lines else None
+    if not m:
+        return None
+    return Dropped(m.group(1), max(0, int(m.group(3)) - int(m.group(2))) * 1024)
+
+
+def drop_caches(cluster: Cluster, settings: Settings, nodes: Sequence[str], say: Callable[[str], None]) -> None:
+    """`sync` and drop the page cache on each node (DROP_CACHES=1), audited per node with what it
+    freed. A node where sparkctl has no right to (not root, `sudo -n` refused) is said and audited,
+    not forced: the start goes on, as `check`'s memory row warned."""
+    name = settings.cluster_name
+
+    def one(node: Node) -> Dropped | str:
+        r = node.run(["sh", "-c", _DROP_CACHES, "sparkctl-drop-caches"], timeout=300)
+        got = parse_dropped(r.stdout) if r.ok else None
+        if got is None:
+            first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
+            return first[:200]
+        return got
+
+    results = cluster.run_all(one, nodes=list(nodes))
+    lines: dict[str, list[str]] = {}
+    for n, res in results.ok.items():
+        if isinstance(res, Dropped):
+            say(f"dropped the page cache on {n} ({res.how}): {res.freed_bytes / 1e9:.1f} GB freed")
+            lines[n] = [audit_line(action="drop-caches", detail=f"{res.how}, {res.freed_bytes} B freed")]
+        else:
+            say(f"DROP_CACHES: could not drop the page cache on {n}: {res}; starting anyway. Run sparkctl as "
+                f"root there, or allow exactly that write with a sudoers line: {DROP_CACHES_SUDOERS}")
+            lines[n] = [audit_line(action="drop-caches-refused", detail=res)]
+    for n, err in results.failed.items():
+        say(f"DROP_CACHES: could not drop the page cache on {n}: {err}")
+    audit(cluster, list(lines), name, lines)
 
 
 def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash: str, started: list[str],

@@ -266,6 +266,9 @@ KNOBS: dict[str, Knob] = {
              minimum=0, maximum=10**6),
         Knob("WATCH_READY_TIMEOUT_S", "float", "watch: how long a restarted group may take to serve (default "
              "3600).", minimum=1, maximum=10**6),
+        Knob("DROP_CACHES", "int", "1: `up` (and watch's restart, rollback) syncs and drops each rank node's "
+             "page cache before starting the containers, as root or through `sudo -n` only (said and audited "
+             "when it cannot); 0 (default): never.", minimum=0, maximum=1),
         Knob("MODEL_REPO", "str", "Hub repo id `model pull` downloads (org/name); the recipe names it.",
              check=_regex(_REPO_RE, "a Hub repo id like org/name")),
         Knob("MODEL_REVISION", "str", "Hub revision `model pull` downloads: a 40-hex commit id (pinned), or a "

@@ -161,6 +161,110 @@ def test_memory_from_meminfo_and_unreadable() -> None:
     fails_with_fix(C.rule_memory("spark1", facts), "spark1", "no MemTotal")
 
 
+# Issue 26: memory judged against the plan. The numbers are the real meminfo of a host whose page
+# cache holds ~5.3 GiB (tests/fixtures/host/proc-meminfo-cache.txt): 17.3 GiB free.
+CACHE_MEMINFO = "host/proc-meminfo-cache.txt"
+OTHER_CID = "c0" * 32
+OURS_CID = "0a" * 32
+
+
+def _mem_facts(apps: str = "", containers: list[F.Container] | None = None, meminfo: str = CACHE_MEMINFO) -> F.NodeFacts:
+    facts = healthy()
+    facts.meminfo = F.parse_meminfo(fixture(meminfo))
+    facts.gpu_apps = F.parse_compute_apps(apps)
+    facts.containers = containers or []
+    return facts
+
+
+def _needing(need: int) -> Plan:
+    """A real plan whose per-rank total is `need` bytes."""
+    p = _plan()
+    return replace(p, weights_per_rank=need - p.kv_cache_memory_bytes - p.overhead_bytes)
+
+
+def _ours(state: str = "running") -> F.Container:
+    return F.Container(OURS_CID, "sparkctl-sparkctl-rank0", "img", state, "Up", {"sparkctl.cluster": "sparkctl"})
+
+
+def test_memory_ok_when_the_plan_fits_in_free_memory() -> None:
+    facts = _mem_facts()
+    free = facts.meminfo.free_bytes  # type: ignore[union-attr]
+    f = C.rule_memory("spark1", facts, _needing(free - GB), needs())
+    assert f.status == OK, f
+    assert "page cache" in f.text and "free" in f.text
+
+
+def test_memory_warns_when_only_the_page_cache_stands_in_the_way() -> None:
+    facts = _mem_facts()
+    free = facts.meminfo.free_bytes  # type: ignore[union-attr]
+    f = C.rule_memory("spark2", facts, _needing(free + 2 * GB), needs())
+    assert f.status == WARN, f
+    assert "spark2" in f.text and "5.7 GB page cache" in f.text and "NV_ERR_NO_MEMORY" in f.text
+    assert "echo 3 > /proc/sys/vm/drop_caches" in f.fix and "DROP_CACHES" in f.fix and "spark2" in f.fix
+
+
+def test_memory_fails_naming_the_other_gpu_process_in_its_container() -> None:
+    """GB10: a foreign container's process holds memory ([N/A] size, as a GB10 prints): nothing the
+    cache can give back covers the plan -> FAIL, the pid, name and container named in the fix."""
+    apps = fixture("nvidia-smi-gb10/compute-apps-noheader-nounits.csv") + f"@@cgroup 446 {OTHER_CID}\n"
+    facts = _mem_facts(apps)
+    m = facts.meminfo
+    assert m is not None and m.free_bytes is not None and m.cache_bytes is not None
+    f = C.rule_memory("spark3", facts, _needing(m.free_bytes + m.cache_bytes + GB), needs())
+    fails_with_fix(f, "spark3", "pid 446 python3", OTHER_CID[:12])
+    assert "pid 446" in f.fix and "spark3" in f.fix
+
+
+def test_memory_this_clusters_engine_is_given_back_not_counted() -> None:
+    """A GPU process in this cluster's own container: up stops it, so its memory counts as free;
+    the same process in a foreign container is a failure."""
+    facts = _mem_facts(f"446, python3, 10758\n@@cgroup 446 {OURS_CID}\n", [_ours()])
+    m = facts.meminfo
+    assert m is not None and m.free_bytes is not None and m.cache_bytes is not None
+    need = m.free_bytes + 10758 * 2**20 + 2 * GB  # the 10.5 GiB the engine gives back, then 2 GB of cache
+    assert C.rule_memory("n", facts, _needing(need), needs()).status == WARN  # the cache still in the way
+    ok = C.rule_memory("n", facts, _needing(m.free_bytes + 5 * GB), needs())
+    assert ok.status == OK and "other GPU processes" not in ok.text  # its own engine is not "other"
+    foreign = _mem_facts(f"446, python3, 10758\n@@cgroup 446 {OTHER_CID}\n")
+    assert C.rule_memory("n", foreign, _needing(need), needs()).status == FAIL
+
+
+def test_memory_own_engine_running_unitemized_is_a_warning() -> None:
+    """This cluster's engine runs but nvidia-smi does not list it: not judged a failure (up stops it)."""
+    facts = _mem_facts("", [_ours()])
+    m = facts.meminfo
+    assert m is not None and m.free_bytes is not None and m.cache_bytes is not None
+    f = C.rule_memory("n", facts, _needing(m.free_bytes + m.cache_bytes + GB), needs())
+    assert f.status == WARN and "this cluster's engine" in f.text
+    facts.containers = [_ours("exited")]
+    assert C.rule_memory("n", facts, _needing(m.free_bytes + m.cache_bytes + GB), needs()).status == FAIL
+
+
+def test_memory_discrete_gpu_other_process() -> None:
+    """H200 (memory.total known): page cache is host memory and does not matter; the other process's
+    10.5 GiB counts against the GPU's 140 GiB."""
+    facts = _mem_facts(fixture("nvidia-smi-h200-process/compute-apps.csv"))
+    facts.gpus = F.parse_nvidia_smi_query(fixture("nvidia-smi-h200/query.csv"))
+    fails_with_fix(C.rule_memory("h1", facts, _needing(145 * GB), needs()), "h1", "pid 446 python3", "11.3 GB")
+    assert C.rule_memory("h1", facts, _needing(50 * GB), needs()).status == WARN
+    facts.gpu_apps = []
+    free = facts.meminfo.free_bytes  # type: ignore[union-attr]
+    assert C.rule_memory("h1", facts, _needing(free + 50 * GB), needs()).status == OK  # page cache irrelevant
+
+
+def test_memory_swap_in_use_warns_and_no_plan_is_not_judged() -> None:
+    facts = _mem_facts()
+    facts.meminfo = replace(facts.meminfo, swap_used_bytes=2 * GB)  # type: ignore[type-var]
+    f = C.rule_memory("n", facts, _needing(GB), needs())
+    assert f.status == WARN and "swap" in f.text
+    facts = _mem_facts()
+    f = C.rule_memory("n", facts, None, needs())
+    assert f.status == OK and "not judged" in f.text
+    facts.gpu_apps = None
+    facts.problems["gpu-apps"] = "command not found (nvidia-smi)"
+    assert "other GPU processes unknown" in C.rule_memory("n", facts, _needing(GB), needs()).text
+
+
 def test_limits_ok_with_unlimited_memlock() -> None:
     assert C.rule_limits("spark1", healthy(), needs()).status == OK
 
@@ -576,6 +680,18 @@ def test_engine_down_is_one_failure_not_three() -> None:
     assert failed == [("spark2", "docker")]  # (these facts have no fabric at all)
     by = {(f.node, f.check): f for f in findings}
     assert by[("spark2", "image")].status == SKIP and by[("spark2", "containers")].status == SKIP
+
+
+def test_evaluate_judges_each_nodes_memory_against_its_plan() -> None:
+    """Issue 26: check's memory row gets the node's plan: a node whose page cache stands in the way
+    warns, a node with room is OK, in one evaluation."""
+    tight, roomy = _mem_facts(), _mem_facts()
+    free = tight.meminfo.free_bytes  # type: ignore[union-attr]
+    roomy.meminfo = replace(roomy.meminfo, free_bytes=free + 10 * GB)  # type: ignore[type-var]
+    gathered: dict[str, Any] = {"spark1": (tight, None), "spark2": (roomy, None)}
+    findings, _ = C.evaluate(["spark1", "spark2"], needs(), gathered, {}, lambda f: (_needing(free + 2 * GB), ""), None)
+    by = {(f.node, f.check): f.status for f in findings}
+    assert by[("spark1", "memory")] == WARN and by[("spark2", "memory")] == OK
 
 
 

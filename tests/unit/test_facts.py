@@ -85,6 +85,45 @@ def test_meminfo_real() -> None:
     assert mem.total_bytes == 24684096 * 1024 and mem.available_bytes == 24325384 * 1024
 
 
+def test_meminfo_free_cache_and_swap_on_real_output() -> None:
+    """Issue 26: the page cache the kernel can drop is Cached − Shmem + Buffers + SReclaimable, apart
+    from MemFree (MemAvailable counts it as available; a GB10's CUDA does not get it back in time)."""
+    mem = f.parse_meminfo(fixture("host/proc-meminfo-cache.txt"))
+    assert mem.free_bytes == 18140048 * 1024
+    assert mem.cache_bytes == (4563948 - 9512 + 124948 + 896276) * 1024
+    assert mem.swap_used_bytes == 0
+    swapped = f.parse_meminfo("MemTotal: 100 kB\nSwapTotal: 50 kB\nSwapFree: 20 kB\n")
+    assert swapped.swap_used_bytes == 30 * 1024 and swapped.cache_bytes is None and swapped.free_bytes is None
+
+
+def test_compute_apps_real_captures() -> None:
+    """Real nvidia-smi output (an H200 with a python3 holding 10 GiB), with and without header and
+    units, the idle answer, and the GB10 derivation where used_memory reads [N/A]."""
+    want = [f.GpuApp(446, "python3", 10758)]
+    assert f.parse_compute_apps(fixture("nvidia-smi-h200-process/compute-apps.csv")) == want
+    four = ("pid", "process_name", "used_memory", "gpu_uuid")
+    assert f.parse_compute_apps(fixture("nvidia-smi-h200-process/compute-apps-noheader-nounits.csv"), four) == want
+    assert f.parse_compute_apps(fixture("nvidia-smi-h200-process/compute-apps-idle.csv")) == []
+    assert f.parse_compute_apps("") == []
+    assert f.parse_compute_apps(fixture("nvidia-smi-gb10/compute-apps-noheader-nounits.csv")) == [
+        f.GpuApp(446, "python3", None)
+    ]
+    assert want[0].used_bytes == 10758 * 1024 * 1024
+
+
+def test_compute_apps_container_and_odd_names() -> None:
+    """The probe's @@cgroup lines name the container holding a pid; a name with commas stays one name;
+    a line that is not a process is refused, not guessed."""
+    cid = "ab" * 32
+    text = f"446, python3, 10758\n9, vllm, serve,x, [N/A]\n@@cgroup 446 {cid}\n@@cgroup 12 {cid}\n"
+    assert f.parse_compute_apps(text) == [f.GpuApp(446, "python3", 10758, cid), f.GpuApp(9, "vllm, serve,x", None)]
+    with pytest.raises(f.ParseError, match="not a pid"):
+        f.parse_compute_apps("-1, python3, 1\n")
+    for bad in ("No running processes found\n", "x, python3, 1\n", "446, 10758\n", "446, p, lots\n"):
+        with pytest.raises(f.ParseError):
+            f.parse_compute_apps(bad)
+
+
 def test_meminfo_without_memtotal() -> None:
     with pytest.raises(f.ParseError):
         f.parse_meminfo("MemFree: 1 kB\n")
@@ -343,6 +382,7 @@ PARSERS: list[Callable[[str], Any]] = [
     f.parse_nvidia_smi_banner,
     f.parse_nvidia_smi_list,
     f.parse_meminfo,
+    f.parse_compute_apps,
     f.parse_ulimit,
     f.parse_ip_addr,
     f.parse_listening_ports,
@@ -419,6 +459,9 @@ REAL = [
     (f.parse_nvidia_smi_banner, "nvidia-smi-h200/plain.txt"),
     (f.parse_nvidia_smi_list, "nvidia-smi-h200/L.txt"),
     (f.parse_meminfo, "host/proc-meminfo.txt"),
+    (f.parse_meminfo, "host/proc-meminfo-cache.txt"),
+    (f.parse_compute_apps, "nvidia-smi-h200-process/compute-apps.csv"),
+    (f.parse_compute_apps, "nvidia-smi-gb10/compute-apps-noheader-nounits.csv"),
     (f.parse_ip_addr, "host/ip-j-addr.json"),
     (f.parse_listening_ports, "host/ss-Hltn.txt"),
     (f.parse_df, "host/df-PB1.txt"),

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.realpath(__file__))
 DRIVER = "580.95.05"
@@ -144,6 +145,36 @@ def query(spec: str, fmt: str) -> int:
     return 0
 
 
+def compute_apps(spec: str, fmt: str, cfg: dict[str, Any]) -> int:
+    """`--query-compute-apps=pid,process_name,used_memory`: the processes a test set in the host's
+    nvidia-smi.json ("compute_apps": [{"pid": .., "process_name": .., "used_memory": MiB or "[N/A]"}]);
+    none by default. The header and units as the real one prints them
+    (../shared/captures/nvidia-smi-h200-process/compute-apps*.csv)."""
+    opts = {o.strip() for o in fmt.split(",")}
+    if "csv" not in opts or not opts <= {"csv", "noheader", "nounits"}:
+        print(f'"{fmt}" is not a valid format. Please run \'nvidia-smi -h\' for help.')
+        return 2
+    aliases = {"name": "process_name", "used_gpu_memory": "used_memory"}
+    names = [aliases.get(n.strip(), n.strip()) for n in spec.split(",") if n.strip()]
+    known = {"pid", "process_name", "used_memory", "gpu_uuid"}
+    for name in names:
+        if name not in known:
+            print(f'Field "{name}" is not a valid field to query.')
+            print()
+            return 2
+    if "noheader" not in opts:
+        print(", ".join("used_gpu_memory [MiB]" if n == "used_memory" else n for n in names))
+    for app in cfg.get("compute_apps") or []:
+        row = []
+        for n in names:
+            value = str(app.get(n, cfg["uuid"] if n == "gpu_uuid" else NA))
+            if n == "used_memory" and value != NA and "nounits" not in opts:
+                value += " MiB"
+            row.append(value)
+        print(", ".join(row))
+    return 0
+
+
 def table(cfg: dict[str, str]) -> str:
     stamp = time.strftime("%a %b %d %H:%M:%S %Y")
     return stamp + "       \n" + f"""+-----------------------------------------------------------------------------------------+
@@ -170,6 +201,7 @@ def table(cfg: dict[str, str]) -> str:
 def main(argv: list[str]) -> int:
     cfg = host_config()
     query_spec: str | None = None
+    apps_spec: str | None = None
     fmt: str | None = None
     flags: set[str] = set()
     i = 0
@@ -184,6 +216,9 @@ def main(argv: list[str]) -> int:
         arg = argv[i]
         if arg.startswith("--query-gpu"):
             query_spec, used = value(arg)
+            i += used
+        elif arg.startswith("--query-compute-apps"):
+            apps_spec, used = value(arg)
             i += used
         elif arg.startswith("--format"):
             fmt, used = value(arg)
@@ -205,6 +240,11 @@ def main(argv: list[str]) -> int:
     if "-h" in flags or "--help" in flags:
         print(f"NVIDIA System Management Interface -- v{DRIVER} (lab seam: a GB10)")
         return 0
+    if apps_spec is not None:
+        if fmt is None:
+            print("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.")
+            return 2
+        return compute_apps(apps_spec, fmt, cfg)
     if query_spec is not None:
         if fmt is None:
             print("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.")

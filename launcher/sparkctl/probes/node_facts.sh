@@ -61,6 +61,22 @@ section() {
     printf '\n@@sparkctl %s end %s %d\n' "$NONCE" "$_name" "$_rc"
 }
 
+# The processes holding GPU memory (pid, name, MiB), then "@@cgroup PID ID" for each pid a Docker
+# container's cgroup holds (parsed by sparkctl.facts.parse_compute_apps); nvidia-smi's status is the section's.
+gpu_apps() {
+    # shellcheck disable=SC2086 # $T is a command prefix (timeout) or nothing
+    _apps=$($T nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader,nounits) || return $?
+    [ -n "$_apps" ] || return 0
+    printf '%s\n' "$_apps"
+    printf '%s\n' "$_apps" | while IFS=, read -r _pid _rest; do
+        _pid=$(printf '%s' "$_pid" | tr -d ' ')
+        case $_pid in '' | *[!0-9]*) continue ;; esac
+        _cid=$(sed -n 's/.*[/-]\([0-9a-f]\{64\}\)\(\.scope\)\{0,1\}$/\1/p' "/proc/$_pid/cgroup" 2>/dev/null | head -n 1)
+        [ -n "$_cid" ] && printf '@@cgroup %s %s\n' "$_pid" "$_cid"
+    done
+    return 0
+}
+
 # One record per line, tab-separated (parsed by sparkctl.facts.parse_infiniband).
 ib_walk() {
     root=${SPARKCTL_SYSFS_ROOT:-/sys/class/infiniband}
@@ -214,6 +230,7 @@ facts() {
     section memlock ulimit -Hl
     section gpu $T nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,count --format=csv,noheader,nounits
     on banner && section gpu-banner $T nvidia-smi
+    section gpu-apps gpu_apps
     section ip-addr ip -j addr show
     section infiniband ib_walk
     on listening && section listening ss -Hltn
