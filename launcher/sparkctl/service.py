@@ -276,8 +276,9 @@ def parse_dropped(text: str) -> Dropped | None:
 
 def drop_caches(cluster: Cluster, settings: Settings, nodes: Sequence[str], say: Callable[[str], None]) -> None:
     """`sync` and drop the page cache on each node (DROP_CACHES=1), audited per node with what it
-    freed. A node where sparkctl has no right to (not root, `sudo -n` refused) is said and audited,
-    not forced: the start goes on, as `check`'s memory row warned."""
+    freed. A node where sparkctl has no right to (not root, `sudo -n` refused) is audited and refuses
+    the start (CheckFailed: `up` rolls back, nothing of this release starts): the operator asked for
+    the cache to be dropped, and a start on a full cache is the failure the knob exists to prevent."""
     name = settings.cluster_name
 
     def one(node: Node) -> Dropped | str:
@@ -290,17 +291,22 @@ def drop_caches(cluster: Cluster, settings: Settings, nodes: Sequence[str], say:
 
     results = cluster.run_all(one, nodes=list(nodes))
     lines: dict[str, list[str]] = {}
+    refused: dict[str, str] = {}
     for n, res in results.ok.items():
         if isinstance(res, Dropped):
             say(f"dropped the page cache on {n} ({res.how}): {res.freed_bytes / 1e9:.1f} GB freed")
             lines[n] = [audit_line(action="drop-caches", detail=f"{res.how}, {res.freed_bytes} B freed")]
         else:
-            say(f"DROP_CACHES: could not drop the page cache on {n}: {res}; starting anyway. Run sparkctl as "
-                f"root there, or allow exactly that write with a sudoers line: {DROP_CACHES_SUDOERS}")
+            refused[n] = res
             lines[n] = [audit_line(action="drop-caches-refused", detail=res)]
     for n, err in results.failed.items():
-        say(f"DROP_CACHES: could not drop the page cache on {n}: {err}")
+        refused[n] = err.reason
     audit(cluster, list(lines), name, lines)
+    if refused:
+        raise CheckFailed("DROP_CACHES=1, but the page cache could not be dropped on "
+                          + "; ".join(f"{n} ({why})" for n, why in sorted(refused.items())),
+                          fix="run sparkctl as root there, or allow exactly that write with a sudoers line: "
+                              f"{DROP_CACHES_SUDOERS}; or set DROP_CACHES=0 to start on the cache as it is")
 
 
 def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash: str, started: list[str],

@@ -1,6 +1,6 @@
 """DROP_CACHES (issue 26): the real drop script, run here with `id` and `sudo` stand-ins on PATH (so
 this machine's page cache is never dropped): through `sudo -n` writing only drop_caches, or said and
-audited when sparkctl has no right to; never forced."""
+audited and the start refused when sparkctl has no right to; never forced."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sparkctl import service
 from sparkctl.cluster import Results, RunResult
+from sparkctl.errors import CheckFailed
 from sparkctl.settings import load_settings
 
 
@@ -50,8 +53,12 @@ class Cluster:
         return Results({n: fn(self.nodes[n]) for n in nodes})
 
 
+_LAST: dict[str, Node] = {}
+
+
 def _drop(tmp: Path, sudo_ok: bool) -> tuple[Node, list[str]]:
     node = Node(tmp, sudo_ok)
+    _LAST["node"] = node
     said: list[str] = []
     s = load_settings(environ={"NODES": "spark1", "TP": "1", "DCP": "1", "MODEL": "/models/x", "DROP_CACHES": "1"})
     service.drop_caches(Cluster(node), s, ["spark1"], said.append)  # type: ignore[arg-type]
@@ -67,11 +74,13 @@ def test_dropped_through_sudo_n_writing_only_that_file_and_audited(tmp_path: Pat
     assert json.loads(line)["action"] == "drop-caches" and "sudo" in json.loads(line)["detail"]
 
 
-def test_without_root_or_sudo_it_is_said_and_audited_not_forced(tmp_path: Path) -> None:
-    node, said = _drop(tmp_path, sudo_ok=False)
+def test_without_root_or_sudo_it_refuses_the_start_audited_not_forced(tmp_path: Path) -> None:
+    with pytest.raises(CheckFailed) as exc:
+        _drop(tmp_path, sudo_ok=False)
+    assert "could not be dropped on spark1" in exc.value.message
+    assert service.DROP_CACHES_SUDOERS in (exc.value.fix or "")
+    node = _LAST["node"]
     assert node.rc == 4
-    assert len(said) == 1 and "could not drop the page cache on spark1" in said[0]
-    assert service.DROP_CACHES_SUDOERS in said[0]
     (line,) = node.audit
     assert json.loads(line)["action"] == "drop-caches-refused" and "sudo -n" in json.loads(line)["detail"]
 
