@@ -37,6 +37,30 @@ if "SPARKCTL_TEST_CACHE" not in os.environ:
     os.environ["SPARKCTL_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = _cache
     atexit.register(shutil.rmtree, _cache, True)
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> object:
+    """Each test starts with the signal handlers and sparkctl.signals' state it found, whatever the
+    previous test ran in-process: a CLI run installs sparkctl's handler, and one that reached its point
+    of no return left it noting Ctrl-C instead of raising it, so a later test's `interrupt_main()` did
+    nothing (test_threads after test_json_failures, seen in a random-order run)."""
+    import signal as _signal
+
+    handled = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP)
+    before = {sig: _signal.getsignal(sig) for sig in handled}
+    try:
+        from sparkctl import signals as _sk_signals
+    except ImportError:  # the fidelity venv without sparkctl's dependencies
+        _sk_signals = None  # type: ignore[assignment]
+    if _sk_signals is not None:
+        _sk_signals.reset()
+    yield
+    for sig, handler in before.items():
+        if handler is not None:
+            _signal.signal(sig, handler)
+    if _sk_signals is not None:
+        _sk_signals.reset()
+
+
 GLM53_CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",
