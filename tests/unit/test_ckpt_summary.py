@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -228,6 +229,10 @@ def test_worker_processes_give_the_same_scan_and_fill_the_cache(tmp_path: Path,
     monkeypatch.setattr(ckpt_scan, "_summarize_uncached", _recording_summarize)  # fork: the workers see it
     monkeypatch.setattr(ckpt_scan._Summarizers, "MIN_SHARDS", 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    # The pool is used only when the caller is the process's one thread (a probe on a node is); a
+    # thread an earlier test left running (seen in a random-order run) must not turn this test into a
+    # serial scan that writes no pids. The workers here only read files, so the fork is safe.
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
     cache = str(tmp_path / "cache.json")
     pooled = ckpt_scan.scan(str(d), headers="summary", fingerprints=True, summary_cache=cache)
     assert pooled["shards"] == serial["shards"] and pooled["json"] == serial["json"]
