@@ -14,6 +14,12 @@ Exit status of an interrupted command: 128 + the signal number, the shell's conv
 SIGINT (Ctrl-C), 143 for SIGTERM, 129 for SIGHUP. A signal that arrives after a command's point of no
 return (`committed()`: the service is up and audited, or `down` has started removing) is noted and
 changes nothing: the command finishes and exits with its own status.
+
+`watch` runs for days and goes through `up`'s path (and its point of no return) at every restart:
+`end_on_first()` makes the first signal that is raised also the point of no return (the stop is
+under way: later signals are noted, so the stopped state is always published and the status is the
+first signal's), and `reopen()` after a restart makes signals count again, raising one that arrived
+meanwhile.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class _State:
         self.shield = 0  # >0: inside a cleanup; signals are noted, not raised
         self.committed = False
         self.pending: int | None = None  # the first signal that arrived while shielded
+        self.late: int | None = None  # the first signal noted after the point of no return
+        self.end_on_first = False  # `watch`: the first signal raised is also the point of no return
+        self.stopping = False  # end_on_first and one was raised: the command is stopping
 
 
 _state = _State()
@@ -83,16 +92,27 @@ def _handler(signum: int, frame: Any) -> None:
     _state.received.append(signum)
     name = signal.Signals(signum).name
     if _state.shield == 0 and not _state.committed:
-        raise Interrupted(signum)
+        _raise(signum)
     if _state.shield > 0 and len(_state.received) >= ABORT_AFTER:
         raise CleanupAborted(signum)
     if _state.committed:
-        _note(f"{name} received after the point of no return: finishing, nothing will be undone")
+        if _state.late is None:
+            _state.late = signum
+        if _state.end_on_first and _state.stopping:
+            _note(f"{name} received while stopping: finishing the stop")
+        else:
+            _note(f"{name} received after the point of no return: finishing, nothing will be undone")
         return
     if _state.pending is None:
         _state.pending = signum
     _note(f"{name} received while cleaning up: the cleanup continues "
           f"(signal {ABORT_AFTER - len(_state.received)} more time(s) to abort it)")
+
+
+def _raise(signum: int) -> None:
+    if _state.end_on_first:
+        _state.committed = _state.stopping = True
+    raise Interrupted(signum)
 
 
 def install() -> None:
@@ -111,6 +131,9 @@ def reset() -> None:
     _state.shield = 0
     _state.committed = False
     _state.pending = None
+    _state.late = None
+    _state.end_on_first = False
+    _state.stopping = False
 
 
 def received() -> list[int]:
@@ -130,13 +153,32 @@ def shielded(*, deliver: bool = True) -> Iterator[None]:
         _state.shield -= 1
     if deliver and _state.shield == 0 and _state.pending is not None and not _state.committed:
         signum, _state.pending = _state.pending, None
-        raise Interrupted(signum)
+        _raise(signum)
 
 
 def commit() -> None:
     """The point of no return: from here on a signal is noted and the command finishes normally."""
     _state.committed = True
     _state.pending = None
+
+
+def end_on_first() -> None:
+    """For a command that runs until stopped (`watch`): the first signal raised (as Interrupted) is
+    also its point of no return, so the code that ends it (publishing its stopped state) runs to its
+    end and the exit status is that first signal's, however many follow (`timeout` sends two)."""
+    _state.end_on_first = True
+
+
+def reopen() -> None:
+    """After a nested point of no return (`watch`'s restart went through `up`'s path): signals stop
+    the command again; the first one noted meanwhile is raised now."""
+    if _state.stopping:
+        return
+    late = _state.late
+    _state.committed = False
+    _state.pending = _state.late = None
+    if late is not None:
+        _raise(late)
 
 
 def is_committed() -> bool:

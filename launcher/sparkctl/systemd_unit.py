@@ -83,6 +83,7 @@ ExecStart={exec_line(argv)}
 Restart=on-failure
 RestartSec={restart_sec}
 KillSignal=SIGTERM
+SuccessExitStatus=143
 TimeoutStopSec=60
 
 [Install]

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from .. import service, watchstate
+from .. import service, signals, watchstate
 from ..builders import container_name
 from ..cli import Globals
 from ..cluster import Cluster, NodeError
@@ -30,7 +30,7 @@ from ..orchestrate import require_all
 from ..orchestrate.up import start_service
 from ..output import console, emit_json, warn
 from ..settings import Settings
-from ..supervisor import Observation, Policy, Supervisor
+from ..supervisor import STOPPED, Observation, Policy, Supervisor
 from .common import globals_of, one_replica, open_cluster, settings_of
 
 AUDIT_LOOKBACK = 500  # audit lines on the head the supervisor reads for a person's `down`
@@ -43,16 +43,23 @@ class WatchOps:
     """The supervisor's hands. Holds one Cluster; a node that was lost is reconnected next round."""
 
     def __init__(self, g: Globals, s: Settings, policy: Policy, say: Any) -> None:
-        from .. import readiness
-
         self.g, self.s, self.policy, self._say = g, s, policy, say
         self.nodes = s.nodes
         self.cluster: Cluster | None = None
         self._stale = False
         self.me = new_owner("watch")
         self.since = self.me.since
+        self.api: Any = None
+        self._baseline: set[str] | None = None
+
+    def start(self) -> None:
+        """Connect, and note the `down` lines already there (separate from __init__: a signal while
+        connecting still ends `watch` through its own ending, which publishes "stopped")."""
+        from .. import readiness
+
         self._connect()
-        self.api = readiness.HeadApi(service.head_base_url(self._c(), s), s.get("VLLM_API_KEY"), timeout=3)
+        self.api = readiness.HeadApi(service.head_base_url(self._c(), self.s), self.s.get("VLLM_API_KEY"),
+                                     timeout=3)
         self._baseline = self._downs()  # `down` lines that were there before we started (None: not read yet)
 
     # -- connections
@@ -172,18 +179,30 @@ class WatchOps:
                 if who:
                     raise WatchEnded(0, f"the service was stopped on purpose ({who}); the supervisor stops too")
                 start_service(c, self.s, recreate=True, say=self.say, source="sparkctl watch")
-            # The wait runs without the lock, so a person can still `down` a slow load.
-            readiness.wait_ready(c, self.s, self.api, timeout=self.policy.ready_timeout_s, prompt="ping")
         except WatchEnded:
             raise
         except BaseException as exc:
-            why = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-            self._audit("watch-restart-failed", f"attempt {attempt}: {why}")
-            if isinstance(exc, CheckFailed) and why.startswith("interrupted"):
-                raise KeyboardInterrupt from None  # SIGTERM/Ctrl-C during `up`: it rolled back; we end
+            self._restart_failed(attempt, exc)
+            raise
+        # `up`'s point of no return is behind us: signals stop `watch` again (one that arrived during
+        # the start is raised here), also during the wait, which may take an hour.
+        signals.reopen()
+        try:
+            # The wait runs without the lock, so a person can still `down` a slow load.
+            readiness.wait_ready(c, self.s, self.api, timeout=self.policy.ready_timeout_s, prompt="ping")
+        except BaseException as exc:
+            self._restart_failed(attempt, exc)
             raise
         self._audit("watch-restarted", f"attempt {attempt}: serving again after {time.monotonic() - t0:.1f}s")
         self.say(f"restarted: serving again after {time.monotonic() - t0:.1f}s")
+
+    def _restart_failed(self, attempt: int, exc: BaseException) -> None:
+        if isinstance(exc, KeyboardInterrupt):  # a signal: `up` rolled back what it started; watch ends
+            why = f"interrupted ({signals.signal_name(exc.signum)})" if isinstance(exc, signals.Interrupted) \
+                else "interrupted"
+        else:
+            why = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        self._audit("watch-restart-failed", f"attempt {attempt}: {why}")
 
     def give_up(self, reason: str) -> None:
         c = self._c()
@@ -201,6 +220,8 @@ class WatchOps:
         full = {**doc, "pid": os.getpid(), "who": whoami(), "since": self.since,
                 "updated": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "updated_epoch": time.time(),
                 "interval_s": self.policy.interval_s}
+        if self.cluster is None or self.s.head not in self.cluster.connected:
+            return  # not connected (yet): the next round writes
         try:
             watchstate.write_state(self._head(), self.s.cluster_name, full)
         except NodeError:
@@ -213,29 +234,33 @@ def watch_cmd(ctx: click.Context) -> None:
     """Supervise the service: a dead rank, a hung head or a lost node restarts the whole group.
 
     Runs in the foreground until a person runs `sparkctl down` (exit 0) or the restart budget is spent
-    (WATCH_MAX_RESTARTS within WATCH_RESTART_WINDOW_S: the cluster is left down, exit 1).
+    (WATCH_MAX_RESTARTS within WATCH_RESTART_WINDOW_S: the cluster is left down, exit 1). SIGINT,
+    SIGTERM and SIGHUP end it with 128 + the signal's number, after it has published "stopped".
     """
     g = globals_of(ctx)
     s = one_replica(settings_of(g), "watch")
     policy = Policy.from_settings(s)
     out = console(True)  # progress lines go to stderr (a log); --json prints the end as one document
     ops = WatchOps(g, s, policy, say=lambda m: out.print(m, markup=False))
-    ops.say(f"watching cluster {s.cluster_name} ({' '.join(s.nodes)}): every {policy.interval_s:g}s, canary every "
-            f"{policy.canary_every_s:g}s, at most {policy.max_restarts} restarts in {policy.window_s:g}s")
     sup = Supervisor(ops, policy)
-    terminated: list[int] = []
-
-    def on_term(signum: int, frame: Any) -> None:  # `systemctl stop`: end like Ctrl-C, but exit 0
-        terminated.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+    # The first signal is the stop: the first one decides the status and the ones after it (`timeout`
+    # sends SIGTERM twice: to the process and to its group) cannot cut the publish of "stopped" short.
+    signals.end_on_first()
     try:
+        ops.start()
+        ops.say(f"watching cluster {s.cluster_name} ({' '.join(s.nodes)}): every {policy.interval_s:g}s, canary "
+                f"every {policy.canary_every_s:g}s, at most {policy.max_restarts} restarts in {policy.window_s:g}s")
         code = sup.run()
-    except KeyboardInterrupt:
-        sup.state, sup.detail = "stopped", "terminated" if terminated else "interrupted"
-        ops.publish({"state": sup.state, "detail": sup.detail, "restarts": sup.restarts})
-        code = 0 if terminated else 130
+    except KeyboardInterrupt as exc:
+        signals.commit()  # already so for a signal (end_on_first); for any other KeyboardInterrupt too
+        got = signals.received()
+        signum = exc.signum if isinstance(exc, signals.Interrupted) else got[0] if got else signal.SIGINT
+        sup.state, sup.detail = STOPPED, f"stopped by {signals.signal_name(signum)}"
+        ops.say(f"{signals.signal_name(signum)}: stopping (publishing the stopped state; a further signal "
+                "changes nothing)")
+        ops.publish({"state": sup.state, "detail": sup.detail, "restarts": sup.restarts,
+                     "last_reason": sup.last_reason})
+        code = 128 + signum
     finally:
         ops.close()
     reason = sup.detail or sup.state

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import service, watchstate
+from .. import cleanup, service, watchstate
 from ..cluster import Cluster, NodeError
 from ..errors import CheckFailed, UsageError
 from ..settings import Settings
@@ -47,6 +47,15 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
         except Exception as exc:  # an odd answer is a finding, not a crash
             problems.append(f"/v1/models failed: {exc}"[:200])
     metrics = metrics_summary(api.metrics() if health == 200 else None)
+    # Orphans: containers labelled for this cluster that no successful `up` recorded (the audit `down`
+    # and `up` use to find them); `down` removes them, `up` replaces them.
+    seen = {n: st for n, st in states.items() if not isinstance(st, NodeError)}
+    records = cluster.run_all(lambda n: cleanup.up_records(n, s.cluster_name), nodes=list(seen)).ok
+    orphans = [{"node": n, "name": c.name, "rank": c.rank, "id": c.id, "state": c.status}
+               for n, st in seen.items() if n in records for c in cleanup.orphans(st, records[n])]
+    for o in orphans:
+        problems.append(f"{o['node']}: orphan container {o['name']} (rank {o['rank']}, {o['state']}): no successful "
+                        "`up` recorded it (`sparkctl down` removes it, `sparkctl up` replaces it)")
     supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
         if s.head in cluster.connected else None
     ranks: list[dict[str, Any]] = []
@@ -85,4 +94,5 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
         problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
     return {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
                                                                 "models": models, "metrics": metrics},
-            "current_config_hash": current, "supervisor": supervisor, "problems": problems, "ok": not problems}
+            "current_config_hash": current, "supervisor": supervisor, "orphans": orphans, "problems": problems,
+            "ok": not problems}
