@@ -276,7 +276,8 @@ def test_hostile_node_name_is_refused_as_input(lab: Lab, tmp_path: Path, value: 
     canary = tmp_path / "canary"
     name = value.replace("{canary}", str(canary))
     code, doc = run_check(lab, tmp_path, {"NODES": f"spark1 spark2 spark3 {name}"})
-    assert code == 2 and doc == {}
+    # bad input: exit 2 and --json's one failure document (no report: nothing was checked)
+    assert code == 2 and doc.get("ok") is False and "findings" not in doc, doc
     assert not canary.exists()
 
 
@@ -297,4 +298,4 @@ def test_hostile_model_path_is_data(lab: Lab, tmp_path: Path) -> None:
 def test_model_path_docker_cannot_mount_is_refused_as_input(lab: Lab, tmp_path: Path) -> None:
     canary = tmp_path / "canary"
     code, doc = run_check(lab, tmp_path, {"MODEL": f'/models/lab/"x",$(touch {canary})'})
-    assert code == 2 and doc == {} and not canary.exists()
+    assert code == 2 and doc.get("ok") is False and "findings" not in doc and not canary.exists(), doc
