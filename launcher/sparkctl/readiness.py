@@ -176,7 +176,7 @@ def rank_cut_off(rank: int, node: str, position: int, head: str, addr: str, port
     """Rank `rank` on `node` cannot reach the master ADDR:PORT on `head`: the path between the two."""
     return RankCutOff(
         f"rank {rank} on {node} cannot reach the master {addr}:{port} on {head} (rank 0): it has said so for "
-        f"{for_s:.0f}s while the master listens, in its own words: {words}",
+        f"{for_s:.1f}s while the master listens, in its own words: {words}",
         fix=(f"the network path from {node} to {head} is cut for TCP to {addr}:{port}: check the firewall and the "
              f"routes between {node} and {head} (from {node}: `nc -vz {addr} {port}`), and that rank {rank}'s pinned "
              f"interface (RANK{position}_CX7_IF, its GLOO_SOCKET_IFNAME) is the one that routes to {addr} "
