@@ -336,3 +336,27 @@ def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -
         nodes.docker(n, "pull", "sparkctl-lab/engine:latest")
     (root / "docker-calls.jsonl").unlink(missing_ok=True)
     yield nodes
+
+
+@contextmanager
+def served_scene(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nodes: list[str], env: dict[str, str],
+                 unset: tuple[str, ...] = ("SPARKCTL_ENV_FILE", "TP", "DCP", "VLLM_API_KEY")) -> Iterator[LocalNodes]:
+    """The scene the offline lifecycle tests start from: the working directory is tmp_path, a small
+    checkpoint with the lab's serving chain, the cluster's settings in the environment (`unset` removed
+    first, then NODES, MODEL, RECIPE=lab, CLUSTER_NAME=t, FABRIC_SUBNET, and `env` over them), and
+    local nodes whose engines already hold the chain's last image."""
+    from tests.conftest import write_model, write_serving
+
+    monkeypatch.chdir(tmp_path)
+    model = write_model(tmp_path / "model", 1_000_000, 2)
+    write_serving(model)
+    for k in unset:
+        monkeypatch.delenv(k, raising=False)
+    settings = {"NODES": " ".join(nodes), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
+                "FABRIC_SUBNET": "10.232.0.0/24", **env}
+    for k, v in settings.items():
+        monkeypatch.setenv(k, v)
+    with local_nodes(monkeypatch, tmp_path / "lab", nodes) as ln:
+        for n in nodes:
+            ln.docker(n, "pull", "sparkctl-lab/chain:keys3")
+        yield ln

@@ -11,26 +11,15 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_cli as run
-from tests.conftest import write_model, write_serving
-from tests.unit.localnodes import LocalNodes, local_nodes
+from tests.unit.localnodes import LocalNodes, served_scene
 
 NODES = [f"spark{i}" for i in range(1, 9)]
 
 
 @pytest.fixture
 def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
-    monkeypatch.chdir(tmp_path)
-    model = write_model(tmp_path / "model", 1_000_000, 2)
-    write_serving(model)
-    for k in ("SPARKCTL_ENV_FILE", "TP", "DCP", "VLLM_API_KEY", "REPLICAS"):
-        monkeypatch.delenv(k, raising=False)
-    env = {"NODES": " ".join(NODES), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
-           "FABRIC_SUBNET": "10.232.0.0/24", "SERVED_MODEL_NAME": "lab-model", "VLLM_API_KEY": "k-local"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with local_nodes(monkeypatch, tmp_path / "lab", NODES) as ln:
-        for n in NODES:
-            ln.docker(n, "pull", "sparkctl-lab/chain:keys3")
+    with served_scene(monkeypatch, tmp_path, NODES, {"SERVED_MODEL_NAME": "lab-model", "VLLM_API_KEY": "k-local"},
+                      unset=("SPARKCTL_ENV_FILE", "TP", "DCP", "VLLM_API_KEY", "REPLICAS")) as ln:
         (ln.root / "docker-calls.jsonl").unlink()
         yield ln
 

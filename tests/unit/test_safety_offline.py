@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_cli as run
-from tests.conftest import write_model, write_serving
-from tests.unit.localnodes import LocalNodes, local_nodes
+from tests.unit.localnodes import LocalNodes, served_scene
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 HF = "hf_SECRETzq81vX"
@@ -31,20 +30,10 @@ EVERY_COMMAND = [["config"], ["--json", "config"], ["verify-model"], ["check"], 
 
 @pytest.fixture
 def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
-    monkeypatch.chdir(tmp_path)
-    model = write_model(tmp_path / "model", 1_000_000, 2)
-    write_serving(model)
-    for k in ("SPARKCTL_ENV_FILE", "TP", "DCP"):
-        monkeypatch.delenv(k, raising=False)
     # Secrets come from an env file, as a user keeps them.
     (tmp_path / "cluster.env").write_text(f"HF_TOKEN={HF}\nVLLM_API_KEY={KEY}\n")
-    env = {"NODES": " ".join(NODES), "MODEL": str(model), "RECIPE": "lab", "CLUSTER_NAME": "t",
-           "FABRIC_SUBNET": "10.232.0.0/24", "SPARKCTL_ENV_FILE": str(tmp_path / "cluster.env")}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with local_nodes(monkeypatch, tmp_path / "lab", NODES) as ln:
-        for n in NODES:
-            ln.docker(n, "pull", "sparkctl-lab/chain:keys3")
+    with served_scene(monkeypatch, tmp_path, NODES, {"SPARKCTL_ENV_FILE": str(tmp_path / "cluster.env")},
+                      unset=("SPARKCTL_ENV_FILE", "TP", "DCP")) as ln:
         yield ln
 
 
