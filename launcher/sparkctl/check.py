@@ -27,6 +27,7 @@ from typing import Any
 
 from . import docker_parse as D
 from . import facts as F
+from . import memory
 from .builders import open_api_warning
 from .cluster import Cluster, Node, NodeError, Session, parallel
 from .errors import SparkctlError
@@ -170,19 +171,9 @@ DROP_CACHES_BY_HAND = "sync; echo 3 > /proc/sys/vm/drop_caches"
 SWAP_WARN_BYTES = 1 * GIB  # a few MB swapped out is normal; a GB on a serving node slows it and hides a squeeze
 
 
-def _apps_text(apps: Sequence[F.GpuApp], containers: Mapping[str, str]) -> str:
-    """'pid 446 python3 (10.5 GiB, container sparkctl-x-rank0)' per process, the largest first."""
-    def where(a: F.GpuApp) -> str:
-        if a.container_id is None:
-            return ""
-        return f", container {containers.get(a.container_id, a.container_id[:12])}"
-
-    ordered = sorted(apps, key=lambda a: -(a.used_bytes or 0))
-    return ", ".join(
-        f"pid {a.pid} {a.name or '?'} ({gb(a.used_bytes) if a.used_bytes is not None else 'size not reported'}"
-        f"{where(a)})"
-        for a in ordered
-    )
+def _apps_text(apps: Sequence[F.GpuApp], containers: Mapping[str, str] | None = None) -> str:
+    """'pid 446 python3 (10.5 GiB, container trainer)' per process, the largest first (memory.describe)."""
+    return memory.describe(apps)
 
 
 def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: Needs | None = None) -> Finding:
@@ -191,16 +182,20 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
     gets now; the page cache (Cached − Shmem + Buffers + SReclaimable) only once dropped (WARN: the
     field's NV_ERR_NO_MEMORY after the weights load); anything else -- other processes, other GPU
     contexts -- is held (FAIL, naming the GPU processes). Discrete GPUs: the other GPU processes'
-    memory against the GPU's. This cluster's own containers are given back by `up`: not counted."""
+    memory against the GPU's. This cluster's own containers are given back by `up`: not counted. A
+    live GPU process of anyone else (memory.foreign) is a FAIL whatever the numbers: `up` refuses
+    to start next to it; one that has ended is memory on its way back (`up` waits for it)."""
     m = facts.meminfo
     if m is None:
         return _unknown(node, "memory", facts, "meminfo")
     ours = {c.id: c.names for c in facts.containers or []}  # docker-ps lists this cluster's alone
     apps = facts.gpu_apps or []
-    mine = [a for a in apps if a.container_id in ours]
-    others = [a for a in apps if a.container_id not in ours]
+    cluster = needs.cluster if needs else ""
+    mine = [a for a in apps if not a.ended and (a.container_id in ours or (cluster and a.container_cluster == cluster))]
+    others = memory.foreign(apps, cluster, ours) if cluster else [a for a in apps if not a.ended and a not in mine]
+    ending = [a for a in apps if a.ended]
     ours_running = any(c.state == "running" for c in facts.containers or [])
-    unified = bool(facts.gpus) and all(g.memory_total_mib is None for g in facts.gpus or [])
+    unified = memory.unified(facts)
     cache = m.cache_bytes or 0
     free = m.free_bytes if m.free_bytes is not None else m.available_bytes
     parts = [f"MemTotal {gb(m.total_bytes)}"]
@@ -212,16 +207,21 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
         parts.append(f"{gb(m.available_bytes)} available")
     if others:
         parts.append(f"other GPU processes: {_apps_text(others, ours)}")
-    elif facts.gpu_apps is None:
+    if ending:
+        parts.append(f"not yet given back: {_apps_text(ending)}")
+    if facts.gpu_apps is None:
         parts.append(f"other GPU processes unknown ({facts.problems.get('gpu-apps', 'not reported')})")
     numbers = ", ".join(parts)
     warnings: list[str] = []
     if m.swap_used_bytes is not None and m.swap_used_bytes >= SWAP_WARN_BYTES:
         warnings.append(f"{gb(m.swap_used_bytes)} of swap in use (memory was short here; a serving node "
                         "that swaps stalls, and the engine's memory cannot be swapped)")
-    fix_others = (f"stop what holds the memory on {node} ({_apps_text(others, ours)}); sparkctl does not stop "
-                  "processes it did not start") if others else (
+    fix_others = memory.foreign_fix(node, others) if others else (
                   f"free memory on {node}: see what holds it (ps aux --sort=-rss | head; nvidia-smi)")
+    if others:  # up refuses to start next to a process it did not start (memory.foreign): so does check
+        return _f(node, "memory", FAIL, "other GPU processes",
+                  f"{node}: GPU memory is held by {_apps_text(others)}: `up` refuses to start next to it "
+                  f"({numbers})", fix_others)
     if plan is None or free is None:
         short = gb(m.total_bytes)
         why = "" if plan is not None else " (not judged: no memory plan, see the plan row)"
@@ -235,13 +235,16 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
         have = free + given_back
         short = f"{gb(need)}/{gb(have)} free"
         if need > have + cache:
-            held = f"held by {_apps_text(others, ours)}" if others else "held by other processes (no other GPU process)"
+            held = "held by other processes (no other GPU process)"
             text = (f"{node}: the plan needs {gb(need)} here but only {gb(have)} is free and {gb(cache)} page "
                     f"cache could be dropped ({numbers}); the rest is {held}")
             if ours_running and not mine:
                 return _f(node, "memory", WARN, short, text + "; this cluster's engine runs here and holds "
                           "memory nvidia-smi does not itemize: judged again when up has stopped it",
                           fix_others)
+            if ending:
+                return _f(node, "memory", WARN, short, text + "; processes that have ended still hold memory: "
+                          "up waits for it to come back (MEMORY_WAIT_S)", fix_others)
             return _f(node, "memory", FAIL, short, text, fix_others)
         if need > have:
             return _f(node, "memory", WARN, f"{short} (cache {gb(cache)})",
@@ -253,16 +256,7 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
                       "and up drops it before starting)")
     else:
         gpu_total = min((g.memory_total_mib or 0) for g in facts.gpus or []) * 1024 * 1024 if facts.gpus else 0
-        held_gpu = sum(a.used_bytes or 0 for a in others)
-        have = gpu_total - held_gpu
-        short = f"{gb(need)}/{gb(have)} GPU" if gpu_total else gb(m.total_bytes)
-        if gpu_total and others and need > have:
-            return _f(node, "memory", FAIL, short,
-                      f"{node}: the plan needs {gb(need)} per GPU, other processes hold {gb(held_gpu)} of "
-                      f"{gb(gpu_total)} ({numbers})", fix_others)
-        if others:
-            return _f(node, "memory", WARN, short,
-                      f"{node}: other processes hold GPU memory ({numbers})", fix_others)
+        short = f"{gb(need)}/{gb(gpu_total)} GPU" if gpu_total else gb(m.total_bytes)
     if warnings:
         return _f(node, "memory", WARN, "swap in use", f"{node}: {numbers}; " + "; ".join(warnings),
                   f"find what pushed {node} into swap and stop it")
@@ -437,7 +431,8 @@ def rule_plan(node: str, facts: F.NodeFacts, plan: Plan | None, why_no_plan: str
             f"{node}: {plan.problems()[0]}",
             "lower MAX_MODEL_LEN or MAX_FULL_SEQS, or use a smaller pack",
         )
-    return _f(node, "plan", OK, short, f"{node}: {short} per rank ({gb(plan.headroom)} headroom)")
+    return _f(node, "plan", OK, short, f"{node}: {short} per rank ({gb(plan.headroom)} headroom), planned "
+              f"against this node's MemTotal {gb(plan.node_memory_bytes)}")
 
 
 # -------------------------------------------------------------------------------- cross-node rules

@@ -233,6 +233,11 @@ class GpuApp:
     name: str | None
     used_mib: int | None  # None: "[N/A]" (a GB10 may not say)
     container_id: str | None = None  # the Docker container whose cgroup holds the pid (64 hex), if any
+    container_name: str | None = None  # that container's name (docker inspect), when the probe could read it
+    container_cluster: str | None = None  # its sparkctl.cluster label: another sparkctl cluster's container
+    # The process has exited (no /proc/PID, or a zombie) but nvidia-smi still lists it: the driver has
+    # not given its memory back yet (GB10: seconds to a minute after a kill). Not a foreign process.
+    ended: bool = False
 
     @property
     def used_bytes(self) -> int | None:
@@ -240,12 +245,16 @@ class GpuApp:
 
 
 _CGROUP_LINE = re.compile(r"@@cgroup (\d{1,10}) ([0-9a-f]{64})")
+_CONTAINER_LINE = re.compile(r"@@container ([0-9a-f]{64})\t/?([A-Za-z0-9][A-Za-z0-9_.-]{0,254})\t([^\t]{0,200})")
+_ENDED_LINE = re.compile(r"@@ended (\d{1,10})")
 
 
 @guard
 def parse_compute_apps(text: str, fields: Iterable[str] = COMPUTE_APPS_FIELDS) -> list[GpuApp]:
     """`nvidia-smi --query-compute-apps=FIELDS --format=csv[,noheader][,nounits]` (no rows: no
-    process), then the probe's `@@cgroup PID CONTAINER_ID` lines (gpu_apps in node_facts.sh).
+    process), then the probe's lines (gpu_apps in node_facts.sh): `@@ended PID` (the process has exited,
+    its memory not yet given back), `@@cgroup PID CONTAINER_ID` (a container's cgroup holds it) and
+    `@@container CONTAINER_ID<TAB>NAME<TAB>SPARKCTL_CLUSTER_LABEL` (docker inspect's name and label).
 
     With a header row (format=csv) the columns are taken from it ("used_gpu_memory [MiB]"); without
     one, `fields` says what they are. A process name may hold commas: the surplus columns are its.
@@ -253,12 +262,23 @@ def parse_compute_apps(text: str, fields: Iterable[str] = COMPUTE_APPS_FIELDS) -
     names = [f.strip() for f in fields]
     rows: list[tuple[int, str | None, int | None]] = []
     containers: dict[int, str] = {}
+    named: dict[str, tuple[str, str | None]] = {}
+    ended: set[int] = set()
     for line in text.splitlines():
         if not line.strip():
             continue
         m = _CGROUP_LINE.fullmatch(line.strip())
         if m:
             containers[int(m.group(1))] = m.group(2)
+            continue
+        m = _CONTAINER_LINE.fullmatch(line.strip(" \r\n"))
+        if m:
+            label = m.group(3).strip()
+            named[m.group(1)] = (m.group(2), None if label in ("", "<no value>") else label)
+            continue
+        m = _ENDED_LINE.fullmatch(line.strip())
+        if m:
+            ended.add(int(m.group(1)))
             continue
         raw = line.split(",")
         cols = [c.strip() for c in raw]
@@ -277,7 +297,12 @@ def parse_compute_apps(text: str, fields: Iterable[str] = COMPUTE_APPS_FIELDS) -
             raise ParseError(f"not a pid: {row['pid'][:20]!r}")
         name = _str_or_none(row.get("process_name", ""))
         rows.append((int(row["pid"]), name[:200] if name else None, _int_or_none(row.get("used_memory", ""))))
-    return [GpuApp(pid, name, used, containers.get(pid)) for pid, name, used in rows]
+    out = []
+    for pid, name, used in rows:
+        cid = containers.get(pid)
+        cname, ccluster = named.get(cid, (None, None)) if cid else (None, None)
+        out.append(GpuApp(pid, name, used, cid, cname, ccluster, pid in ended))
+    return out
 
 
 @guard

@@ -30,7 +30,9 @@ from .cluster import Cluster, Node, NodeError, Results, raise_failed
 from .docker_parse import ContainerState, parse_container_inspect, parse_format_value
 from .engine_lines import failure_in
 from .errors import CheckFailed
+from .facts import NodeFacts
 from .lock import audit_append_argv, audit_line, state_dir
+from .memory import DEFAULT_WAIT_S, NodeMemory, not_back
 from .parsing import ParseError
 from .settings import Settings
 
@@ -120,9 +122,14 @@ def up(
     say: Callable[[str], None] = lambda s: None,
     settle_s: float = 0.25,
     gathered: Mapping[str, tuple[list[ContainerState], str | None] | NodeError],
+    memory: Mapping[str, NodeMemory] | None = None,
+    look: Callable[[Node], NodeFacts] | None = None,
 ) -> UpOutcome:
     """Start the service (workers, then the head) or leave an identical one alone. gathered: each
-    node's node_state, read by the caller's preflight (orchestrate.up.start_service)."""
+    node's node_state, read by the caller's preflight (orchestrate.up.start_service). memory: each
+    rank node's need (memory.NodeMemory); with look (a node's facts now) `up` waits, after the old
+    containers are gone, until every rank node's memory is back (MEMORY_WAIT_S), then drops the
+    page cache where NodeMemory says so. Without them: DROP_CACHES=1 drops it on every rank node."""
     name = settings.cluster_name
     nodes = settings.nodes
     image = settings.image
@@ -165,8 +172,15 @@ def up(
         for s in specs:
             if container_name(name, s.rank) not in expected[s.node]:
                 expected[s.node].append(f"{container_name(name, s.rank)} (rank {s.rank}, being started)")
-        if int(settings.get("DROP_CACHES", 0)):
-            drop_caches(cluster, settings, sorted({sp.node for sp in specs}), say)
+        rank_nodes = sorted({sp.node for sp in specs})
+        if memory is not None and look is not None and float(settings.get("MEMORY_WAIT_S", DEFAULT_WAIT_S)) > 0:
+            wait_for_memory(cluster, settings, {n: memory[n] for n in rank_nodes if n in memory}, look, say)
+        if memory is not None:
+            drop_on = [n for n in rank_nodes if n in memory and memory[n].drop_caches]
+        else:
+            drop_on = rank_nodes if str(settings.get("DROP_CACHES", "auto")) == "1" else []
+        if drop_on:
+            drop_caches(cluster, settings, drop_on, say)
         _start(cluster, settings, workers, cfg_hash, started, say, ids)
         _start(cluster, settings, [by_rank[0]], cfg_hash, started, say, ids)
         _confirm_running(cluster, settings, specs, settle_s)
@@ -275,7 +289,7 @@ def parse_dropped(text: str) -> Dropped | None:
 
 
 def drop_caches(cluster: Cluster, settings: Settings, nodes: Sequence[str], say: Callable[[str], None]) -> None:
-    """`sync` and drop the page cache on each node (DROP_CACHES=1), audited per node with what it
+    """`sync` and drop the page cache on each node (DROP_CACHES on there), audited per node with what it
     freed. A node where sparkctl has no right to (not root, `sudo -n` refused) is audited and refuses
     the start (CheckFailed: `up` rolls back, nothing of this release starts): the operator asked for
     the cache to be dropped, and a start on a full cache is the failure the knob exists to prevent."""
@@ -303,10 +317,56 @@ def drop_caches(cluster: Cluster, settings: Settings, nodes: Sequence[str], say:
         refused[n] = err.reason
     audit(cluster, list(lines), name, lines)
     if refused:
-        raise CheckFailed("DROP_CACHES=1, but the page cache could not be dropped on "
+        raise CheckFailed(f"DROP_CACHES={settings.get('DROP_CACHES', 'auto')}, but the page cache could not be dropped on "
                           + "; ".join(f"{n} ({why})" for n, why in sorted(refused.items())),
                           fix="run sparkctl as root there, or allow exactly that write with a sudoers line: "
                               f"{DROP_CACHES_SUDOERS}; or set DROP_CACHES=0 to start on the cache as it is")
+
+
+def wait_for_memory(cluster: Cluster, settings: Settings, need: Mapping[str, NodeMemory],
+                    look: Callable[[Node], NodeFacts], say: Callable[[str], None], *,
+                    interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait until each node's memory is back (memory.not_back: no ended process still listed with
+    GPU memory; on unified memory, MemFree + page cache covers the plan), at most MEMORY_WAIT_S;
+    said once per node with what it waits for, and when it is back. On time-out: CheckFailed with
+    the numbers (the caller starts nothing). A node already back costs one look, nothing said."""
+    wait_s = float(settings.get("MEMORY_WAIT_S", DEFAULT_WAIT_S))
+    start = clock()
+    deadline = start + wait_s
+    pending = sorted(need)
+    waited: dict[str, str] = {}
+    lines: dict[str, list[str]] = {}
+    while pending:
+        looked = cluster.run_all(look, nodes=pending)
+        short = {n: f"its memory cannot be read: {e.reason}" for n, e in looked.failed.items()}
+        for n, facts in looked.ok.items():
+            why = not_back(facts, need[n])
+            if why:
+                short[n] = why
+        for n in pending:
+            if n in waited and n not in short:
+                say(f"memory back on {n} after {clock() - start:.1f} s")
+                lines[n] = [audit_line(action="memory-wait", detail=f"back after {clock() - start:.1f} s: "
+                                                                  f"{waited[n]}"[:400])]
+        for n, why in sorted(short.items()):
+            if n not in waited:
+                say(f"waiting up to {wait_s:g} s (MEMORY_WAIT_S) for the memory on {n} to come back: {why}")
+            waited[n] = why
+        pending = sorted(short)
+        if pending and clock() >= deadline:
+            for n in pending:
+                lines[n] = [audit_line(action="memory-wait-refused", detail=short[n][:400])]
+            audit(cluster, list(lines), settings.cluster_name, lines)
+            raise CheckFailed(
+                f"the memory did not come back within {wait_s:g} s (MEMORY_WAIT_S); nothing of this release "
+                "was started:\n  " + "\n  ".join(f"{n}: {short[n]}" for n in pending),
+                fix="see what holds it there (nvidia-smi; ps aux --sort=-rss | head) and free it, or raise "
+                    "MEMORY_WAIT_S if it is on its way back")
+        if pending:
+            sleep(max(0.0, min(interval_s, deadline - clock())))
+    if lines:
+        audit(cluster, list(lines), settings.cluster_name, lines)
 
 
 def _start(cluster: Cluster, settings: Settings, specs: list[RankSpec], cfg_hash: str, started: list[str],

@@ -266,9 +266,14 @@ KNOBS: dict[str, Knob] = {
              minimum=0, maximum=10**6),
         Knob("WATCH_READY_TIMEOUT_S", "float", "watch: how long a restarted group may take to serve (default "
              "3600).", minimum=1, maximum=10**6),
-        Knob("DROP_CACHES", "int", "1: `up` (and watch's restart, rollback) syncs and drops each rank node's "
-             "page cache before starting the containers, as root or through `sudo -n` only (said and audited "
-             "when it cannot); 0 (default): never.", minimum=0, maximum=1),
+        Knob("DROP_CACHES", "str", "auto (default): `up` (and watch's restart, rollback) syncs and drops the page "
+             "cache on each rank node with unified memory (GB10) before starting the containers; 1: on every rank "
+             "node; 0: never. As root or through `sudo -n` only (refuses the start, with the sudoers line, when "
+             "it cannot).", choices=("auto", "1", "0")),
+        Knob("MEMORY_WAIT_S", "float", "up (and watch's restart, rollback): how long to wait, per start, for a "
+             "node's memory to come back after its containers stopped (default 120: a killed engine's memory "
+             "is back within seconds to a minute); then it refuses with the numbers. 0: no wait, no judgement.",
+             minimum=0, maximum=3600),
         Knob("MODEL_REPO", "str", "Hub repo id `model pull` downloads (org/name); the recipe names it.",
              check=_regex(_REPO_RE, "a Hub repo id like org/name")),
         Knob("MODEL_REVISION", "str", "Hub revision `model pull` downloads: a 40-hex commit id (pinned), or a "

@@ -211,8 +211,8 @@ def test_memory_fails_naming_the_other_gpu_process_in_its_container() -> None:
     m = facts.meminfo
     assert m is not None and m.free_bytes is not None and m.cache_bytes is not None
     f = C.rule_memory("spark3", facts, _needing(m.free_bytes + m.cache_bytes + GB), needs())
-    fails_with_fix(f, "spark3", "pid 446 python3", OTHER_CID[:12])
-    assert "pid 446" in f.fix and "spark3" in f.fix
+    fails_with_fix(f, "spark3", "pid 446 python3", OTHER_CID[:12], "`up` refuses to start next to it")
+    assert f"docker stop {OTHER_CID[:12]}" in f.fix and "spark3" in f.fix
 
 
 def test_memory_this_clusters_engine_is_given_back_not_counted() -> None:
@@ -246,7 +246,8 @@ def test_memory_discrete_gpu_other_process() -> None:
     facts = _mem_facts(fixture("nvidia-smi-h200-process/compute-apps.csv"))
     facts.gpus = F.parse_nvidia_smi_query(fixture("nvidia-smi-h200/query.csv"))
     fails_with_fix(C.rule_memory("h1", facts, _needing(145 * GB), needs()), "h1", "pid 446 python3", "11.3 GB")
-    assert C.rule_memory("h1", facts, _needing(50 * GB), needs()).status == WARN
+    # Even where it would fit: up refuses to start next to a process it did not start, so check fails.
+    fails_with_fix(C.rule_memory("h1", facts, _needing(50 * GB), needs()), "h1", "pid 446 python3", "refuses")
     facts.gpu_apps = []
     free = facts.meminfo.free_bytes  # type: ignore[union-attr]
     assert C.rule_memory("h1", facts, _needing(free + 50 * GB), needs()).status == OK  # page cache irrelevant

@@ -92,6 +92,9 @@ def test_parse_dropped() -> None:
         assert service.parse_dropped(bad) is None
 
 
-def test_the_knob_is_off_by_default() -> None:
+def test_the_knob_is_auto_by_default_and_takes_only_auto_1_0() -> None:
+    """auto (unset): on for unified-memory nodes only (memory.drop_caches_on, tested in test_memory_wait)."""
     s = load_settings(environ={"NODES": "spark1", "TP": "1", "DCP": "1", "MODEL": "/models/x"})
-    assert not int(s.get("DROP_CACHES", 0))
+    assert s.get("DROP_CACHES", "auto") == "auto"
+    with pytest.raises(Exception, match="DROP_CACHES"):
+        load_settings(environ={"NODES": "spark1", "TP": "1", "DCP": "1", "MODEL": "/models/x", "DROP_CACHES": "yes"})

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import service
+from .. import memory, service
 from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed, SparkctlError
 from ..lock import cluster_lock
@@ -129,6 +129,7 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     node) runs after rendering and before anything starts (`up --fabric-test`); it raises to refuse.
     gathered: every node's preflight_all round, when the caller (`up` of several replicas) read it."""
     ok = preflight_all(cluster, s) if gathered is None else {n: gathered[n] for n in s.nodes}
+    refuse_foreign_gpu_processes(s, ok)
     plan = plan_for(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
     pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
     rendered = render_all(s, plan, pins, source=source)
@@ -140,7 +141,8 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     except OSError as exc:
         warn([f"could not write {env_tp4}: {exc}"])
     outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
-                         gathered={n: r[1] for n, r in ok.items()})
+                         gathered={n: r[1] for n, r in ok.items()}, memory=node_memory(s, plan, ok),
+                         look=lambda node: probe_node(node, s))
     if outcome.changed:
         from ..history import record_release  # only a started service is recorded
 
@@ -152,6 +154,37 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
 
 
 Preflight = tuple[Any, Any, "CheckpointInfo | None"]  # a node's fabric facts, node_state, checkpoint (heads)
+
+
+def refuse_foreign_gpu_processes(s: Settings, ok: dict[str, Preflight]) -> None:
+    """A live process outside this cluster's containers holding GPU memory on a rank node: up refuses
+    before anything changes, naming it (its container, another sparkctl cluster's); never stops it."""
+    problems, fixes = [], []
+    for n in s.nodes:
+        facts, state = ok[n][0], ok[n][1]
+        own = {c.id for c in (state[0] if state else [])}
+        held = memory.foreign(getattr(facts, "gpu_apps", None) or [], s.cluster_name, own)
+        if held:
+            problems.append(f"{n}: GPU memory is held by {memory.describe(held)}")
+            fixes.append(memory.foreign_fix(n, held))
+    if problems:
+        raise CheckFailed("up refused, nothing was changed: another process holds GPU memory on a rank node\n  "
+                          + "\n  ".join(problems), fix="; ".join(fixes))
+
+
+def node_memory(s: Settings, plan: Plan, ok: dict[str, Preflight]) -> dict[str, memory.NodeMemory]:
+    """Each rank node's memory need (the plan's per-GPU total × GPUS_PER_NODE, as check judges it),
+    whether it is unified
+    (GB10), and whether its page cache is dropped before the start (DROP_CACHES: auto = unified)."""
+    ranks: dict[str, int] = {}
+    for r in s.service.ranks:
+        ranks[r.node] = ranks.get(r.node, 0) + 1
+    out = {}
+    for n, count in ranks.items():
+        is_unified = memory.unified(ok[n][0]) if n in ok and ok[n][0] is not None else False
+        out[n] = memory.NodeMemory(plan.per_rank_total * s.topology.gpus_per_node * count, is_unified,
+                                   memory.drop_caches_on(str(s.get("DROP_CACHES", "auto")), is_unified))
+    return out
 
 
 def preflight_all(cluster: Cluster, s: Settings) -> dict[str, Preflight]:

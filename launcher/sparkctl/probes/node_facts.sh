@@ -61,8 +61,11 @@ section() {
     printf '\n@@sparkctl %s end %s %d\n' "$NONCE" "$_name" "$_rc"
 }
 
-# The processes holding GPU memory (pid, name, MiB), then "@@cgroup PID ID" for each pid a Docker
-# container's cgroup holds (parsed by sparkctl.facts.parse_compute_apps); nvidia-smi's status is the section's.
+# The processes holding GPU memory (pid, name, MiB), then per pid: "@@ended PID" when it has exited (no
+# /proc/PID, or a zombie) and the driver still lists it (its memory not given back yet), else "@@cgroup
+# PID ID" when a Docker container's cgroup holds it, and "@@container ID<TAB>NAME<TAB>CLUSTER" (its
+# name and sparkctl.cluster label, from docker inspect when it answers). Parsed by
+# sparkctl.facts.parse_compute_apps; nvidia-smi's status is the section's.
 gpu_apps() {
     # shellcheck disable=SC2086 # $T is a command prefix (timeout) or nothing
     _apps=$($T nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader,nounits) || return $?
@@ -71,8 +74,17 @@ gpu_apps() {
     printf '%s\n' "$_apps" | while IFS=, read -r _pid _rest; do
         _pid=$(printf '%s' "$_pid" | tr -d ' ')
         case $_pid in '' | *[!0-9]*) continue ;; esac
+        _state=$(sed -n 's/^State:[[:space:]]*\(.\).*/\1/p' "/proc/$_pid/status" 2>/dev/null)
+        if [ -z "$_state" ] || [ "$_state" = Z ]; then
+            printf '@@ended %s\n' "$_pid"
+            continue
+        fi
         _cid=$(sed -n 's/.*[/-]\([0-9a-f]\{64\}\)\(\.scope\)\{0,1\}$/\1/p' "/proc/$_pid/cgroup" 2>/dev/null | head -n 1)
-        [ -n "$_cid" ] && printf '@@cgroup %s %s\n' "$_pid" "$_cid"
+        [ -n "$_cid" ] || continue
+        printf '@@cgroup %s %s\n' "$_pid" "$_cid"
+        # shellcheck disable=SC2086
+        _who=$($T docker inspect --format '{{.Name}}	{{index .Config.Labels "sparkctl.cluster"}}' "$_cid" </dev/null 2>/dev/null) &&
+            printf '@@container %s\t%s\n' "$_cid" "$_who"
     done
     return 0
 }
