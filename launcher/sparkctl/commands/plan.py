@@ -11,6 +11,18 @@ from ..plan import GIB, gb, make_plan
 from ._checkpoint import checkpoint_for
 
 
+def memory_figure(s: object, node_memory: int | None) -> str:
+    """Which node-memory figure the plan used, in words: --node-memory, or NODE_MEMORY_BYTES and where
+    it came from. `plan` never reads a node's memory; `check` and `up` judge each node's own."""
+    from ..settings import Settings
+
+    assert isinstance(s, Settings)
+    if node_memory:
+        return "--node-memory"
+    return (f"{s.describe('NODE_MEMORY_BYTES')}, not read from the nodes (`check` plans against each node's "
+            "MemTotal and judges its free memory; `up` waits for it)")
+
+
 @click.command("plan")
 @click.option("--node-memory", type=int, metavar="BYTES", help="Plan for this node memory (default NODE_MEMORY_BYTES).")
 @click.option("--local", "local_only", is_flag=True, help="Read MODEL on this machine only (never over SSH).")
@@ -23,8 +35,10 @@ def command(g: object, node_memory: int | None, local_only: bool) -> None:
     s = g.settings()
     warn(s.warnings)
     plan = make_plan(s, checkpoint_for(g, s, local_only=local_only), node_memory)
+    memory_from = memory_figure(s, node_memory)
     if g.json:
-        emit_json({"model": str(s.model), "recipe": s.recipe.name, "plan": plan.to_dict()})
+        emit_json({"model": str(s.model), "recipe": s.recipe.name, "plan": plan.to_dict(),
+                   "node_memory": {"bytes": plan.node_memory_bytes, "from": memory_from}})
     else:
         c = console(False)
         t = Table(title=f"memory plan per rank — {s.model} (recipe {s.recipe.name})", title_justify="left")
@@ -55,6 +69,7 @@ def command(g: object, node_memory: int | None, local_only: bool) -> None:
         c.print(t)
         c.print(f"KV backend: {plan.kv_backend} on compute capability {plan.compute_capability} "
                 f"({plan.compute_capability_source}); {plan.kv_backend_why}", markup=False)
+        c.print(f"planned against node memory {gb(plan.node_memory_bytes)}: {memory_from}", markup=False)
         for note in plan.notes:
             c.print(f"note: {note}")
         c.print(f"--kv-cache-memory-bytes {plan.kv_cache_memory_bytes}")
