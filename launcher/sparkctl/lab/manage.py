@@ -142,6 +142,9 @@ def write_client_files(files: LabFiles, specs: list[HostSpec], tp: int | None = 
         f"TP={tp}\n"
         f"DCP={dcp}\n"
         f"FABRIC_SUBNET={FABRIC_NET}\n"
+        "# The hosts share this machine's one page cache: a lab `up` does not drop it for everyone (the\n"
+        "# memory tests turn it on themselves). A GB10 cluster drops it by default (DROP_CACHES=auto).\n"
+        "DROP_CACHES=0\n"
     )
 
 

@@ -9,13 +9,16 @@ what a GB10 differs in: the name "NVIDIA GB10", driver 580.95.05, compute capabi
 address 0000000F:01:00.0, ATS addressing, and memory: GB10 has unified memory, so every memory.*
 field reads "[N/A]" and the table says "Not Supported" under Memory-Usage.
 
-Per-host values (uuid) come from nvidia-smi.json next to this file, written by `sparkctl lab up`.
+Per-host values (uuid) come from nvidia-smi.json next to this file, written by `sparkctl lab up`;
+tests add what this machine cannot show there (seams.set_gpu_seam): "compute_apps" (processes holding
+GPU memory) and "release" (a killed engine whose memory a GB10 gives back only seconds later).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -164,7 +167,7 @@ def compute_apps(spec: str, fmt: str, cfg: dict[str, Any]) -> int:
             return 2
     if "noheader" not in opts:
         print(", ".join("used_gpu_memory [MiB]" if n == "used_memory" else n for n in names))
-    for app in cfg.get("compute_apps") or []:
+    for app in [*(cfg.get("compute_apps") or []), *released(cfg)]:
         row = []
         for n in names:
             value = str(app.get(n, cfg["uuid"] if n == "gpu_uuid" else NA))
@@ -173,6 +176,48 @@ def compute_apps(spec: str, fmt: str, cfg: dict[str, Any]) -> int:
             row.append(value)
         print(", ".join(row))
     return 0
+
+
+RELEASE_STATE = "nvidia-smi.release-state.json"
+
+
+def released(cfg: dict[str, Any], now: float | None = None) -> list[dict[str, Any]]:
+    """The "release" seam: {"cluster": C, "delay_s": D, "pid": P, "process_name": N, "used_memory": MiB}.
+    Once this host's engine has seen a container of sparkctl cluster C running and then none, the
+    dead engine's process P stays listed for D seconds from the first look that found none running,
+    as a GB10's driver holds a killed engine's memory for a while. P must be a pid no process has (the
+    probe then says it has ended). The state lives in RELEASE_STATE next to this file."""
+    rel = cfg.get("release")
+    if not rel:
+        return []
+    now = time.time() if now is None else now
+    path = os.path.join(HERE, RELEASE_STATE)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = {}
+    try:
+        r = subprocess.run(["docker", "ps", "-q", "--filter", f"label=sparkctl.cluster={rel['cluster']}",
+                            "--filter", "status=running"], capture_output=True, text=True, timeout=20)
+        running = bool(r.stdout.strip()) if r.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        running = None
+    if running:
+        state = {"seen_running": True}
+    elif running is False and state.get("seen_running") and "since" not in state:
+        state["since"] = now
+    listed = "since" in state and now < state["since"] + float(rel.get("delay_s", 0))
+    if "since" in state and not listed:
+        state = {}  # given back: listed again only after the next run-then-stop
+    try:
+        with open(path, "w") as f:
+            json.dump(state, f)
+    except OSError:
+        pass
+    if not listed:
+        return []
+    return [{k: rel[k] for k in ("pid", "process_name", "used_memory") if k in rel}]
 
 
 def table(cfg: dict[str, str]) -> str:

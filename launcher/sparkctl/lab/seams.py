@@ -13,6 +13,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 from .state import FABRIC_NET, PORT_HCAS, PORT_IFS, HostSpec
 
@@ -57,6 +58,24 @@ def write_nvidia_smi(bin_dir: Path, spec: HostSpec) -> None:
     target = bin_dir / "nvidia-smi"
     target.write_text(_WRAPPER.format(q=FAST_QUERY[0], f=FAST_QUERY[1]))
     target.chmod(0o755)
+
+
+def set_gpu_seam(bin_dir: Path, *, compute_apps: list[dict[str, Any]] | None = None,
+                 release: dict[str, Any] | None = None) -> None:
+    """What a lab host's nvidia-smi reports beyond an idle GB10 (tests set it, then set it back with no
+    arguments): compute_apps, processes holding GPU memory ({"pid", "process_name", "used_memory"
+    MiB}); release, a killed engine's memory given back only `delay_s` after its container stopped
+    (nvidia_smi.released). Keeps the host's uuid; forgets any earlier release state."""
+    path = bin_dir / "nvidia-smi.json"
+    cfg = json.loads(path.read_text())
+    cfg.pop("compute_apps", None)
+    cfg.pop("release", None)
+    if compute_apps:
+        cfg["compute_apps"] = compute_apps
+    if release:
+        cfg["release"] = release
+    (bin_dir / "nvidia-smi.release-state.json").unlink(missing_ok=True)
+    path.write_text(json.dumps(cfg) + "\n")
 
 
 def gid_text(addr: ipaddress.IPv6Address) -> str:
