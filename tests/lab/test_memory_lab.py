@@ -158,6 +158,7 @@ def test_memory_not_yet_back_after_a_kill_up_waits_then_starts(clean: Lab) -> No
     back = re.search(r"memory back on spark2 after ([\d.]+) s", out)
     assert back and float(back.group(1)) >= 4, out
     assert took >= 8, out
+    assert "dropped the page cache" not in out  # DROP_CACHES=0: never dropped
     assert all(len(v) == 1 and v[0].endswith("running") for v in ours(lab).values()), ours(lab)
     assert any(n == "spark2" and a == "memory-wait" for n, a, _ in audit_actions(lab))
 

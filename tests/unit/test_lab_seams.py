@@ -92,3 +92,51 @@ def test_the_lab_env_file_is_a_valid_cluster_input_with_replicas_where_hosts_spl
         topo = s.topology
         assert len(topo.replicas) == replicas, (n, files.env_file.read_text())
         assert topo.heads == tuple(f"spark{1 + i * (n // replicas)}" for i in range(replicas))
+
+
+def test_the_release_seam_lists_a_killed_engine_for_delay_s_after_its_container_stopped(tmp_path: Path) -> None:
+    """Issue 26's seam: the dead engine is listed only once a running container of the cluster was seen
+    and then none, for delay_s from the first look that found none, then never again until the next
+    run-then-stop. `docker ps` is a stand-in on PATH that prints what the test says runs."""
+    import json
+    import os
+
+    bin_dir = tmp_path / "bin"
+    seams.write_nvidia_smi(bin_dir, HostSpec.of(1))
+    seams.set_gpu_seam(bin_dir, release={"cluster": "c", "delay_s": 10, "pid": 4194303,
+                                         "process_name": "VLLM::Worker_TP", "used_memory": 60000})
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    (fake / "docker").write_text(f"#!/bin/sh\ncat {tmp_path}/running\n")
+    (fake / "docker").chmod(0o755)
+    running = tmp_path / "running"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    seam = str(bin_dir / "nvidia_smi.py")
+    query = ("--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits")
+
+    def look(now: float) -> str:
+        code = (f"import json, importlib.util as u; s = u.spec_from_file_location('smi', {seam!r}); "
+                "m = u.module_from_spec(s); s.loader.exec_module(m); "
+                f"print(json.dumps(m.released(m.host_config(), now={now!r})))")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    running.write_text("")
+    assert look(0) == "[]"  # never seen running: nothing to give back
+    running.write_text("abc123\n")
+    assert look(1) == "[]"  # running: its memory is its own
+    running.write_text("")
+    ghost = json.dumps([{"pid": 4194303, "process_name": "VLLM::Worker_TP", "used_memory": 60000}])
+    assert look(5) == ghost and look(14.9) == ghost  # stopped at 5: listed until 15
+    assert look(15) == "[]" and look(16) == "[]"  # given back, and stays so
+    # The real CLI answers with the ghost row the same way while it is listed.
+    running.write_text("abc123\n")
+    subprocess.run([sys.executable, seam, *query], env=env, capture_output=True, text=True, timeout=20)
+    running.write_text("")
+    r = subprocess.run([sys.executable, seam, *query], env=env, capture_output=True, text=True, timeout=20)
+    assert r.stdout == "4194303, VLLM::Worker_TP, 60000\n"
+    seams.set_gpu_seam(bin_dir)
+    assert "release" not in json.loads((bin_dir / "nvidia-smi.json").read_text())
+    r = subprocess.run([sys.executable, seam, *query], env=env, capture_output=True, text=True, timeout=20)
+    assert r.stdout == ""

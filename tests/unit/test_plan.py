@@ -226,3 +226,23 @@ def test_kv_per_rank_holds_every_full_sequence_at_lengths_dcp_does_not_divide(cl
     assert plan.tokens_per_rank < seqs * (per_seq + block)
     assert plan.tokens_per_rank % block == 0
     assert plan.kv_blocks_per_rank == plan.tokens_per_rank // block + 1  # and the null block
+
+
+def test_plan_says_which_node_memory_figure_it_planned_against(clean_env, model_308):
+    """Issue 26: `plan` never reads a node's memory; it says whether the figure is --node-memory or
+    NODE_MEMORY_BYTES (and where that came from), in its text and its JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ["PATH"], "NODES": "a b c d", "MODEL": str(model_308), "HOME": str(model_308.parent)}
+    base = [sys.executable, "-m", "sparkctl"]
+    r = subprocess.run([*base, "--json", "plan", "--local"], env=env, capture_output=True, text=True, timeout=60)
+    doc = json.loads(r.stdout)
+    assert doc["node_memory"]["bytes"] == doc["plan"]["node_memory_bytes"]
+    assert doc["node_memory"]["from"].startswith("NODE_MEMORY_BYTES=") and "not read from the nodes" in \
+        doc["node_memory"]["from"]
+    r = subprocess.run([*base, "plan", "--local", "--node-memory", "120000000000"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert "planned against node memory 120.0 GB: --node-memory" in r.stdout + r.stderr
