@@ -207,9 +207,8 @@ def released(cfg: dict[str, Any], now: float | None = None) -> list[dict[str, An
         state = {"seen_running": True}
     elif running is False and state.get("seen_running") and "since" not in state:
         state["since"] = now
+    # Given back once the delay has passed; listed again only after the next run-then-stop.
     listed = "since" in state and now < state["since"] + float(rel.get("delay_s", 0))
-    if "since" in state and not listed:
-        state = {}  # given back: listed again only after the next run-then-stop
     try:
         with open(path, "w") as f:
             json.dump(state, f)
