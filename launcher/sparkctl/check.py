@@ -252,8 +252,8 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
                       f"dropping the {gb(cache)} page cache, which a GB10 does not give CUDA back in time "
                       f"(the KV cache allocation fails after the weights load: NV_ERR_NO_MEMORY / OOM) "
                       f"({numbers})",
-                      f"drop the page cache on {node} as root: {DROP_CACHES_BY_HAND} (or set DROP_CACHES=1 "
-                      "and up drops it before starting)")
+                      f"drop the page cache on {node} as root: {DROP_CACHES_BY_HAND} (`up` drops it before "
+                      "starting on a GB10 unless DROP_CACHES=0; DROP_CACHES=1 on any node)")
     else:
         gpu_total = min((g.memory_total_mib or 0) for g in facts.gpus or []) * 1024 * 1024 if facts.gpus else 0
         short = f"{gb(need)}/{gb(gpu_total)} GPU" if gpu_total else gb(m.total_bytes)
