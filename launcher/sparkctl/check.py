@@ -171,11 +171,6 @@ DROP_CACHES_BY_HAND = "sync; echo 3 > /proc/sys/vm/drop_caches"
 SWAP_WARN_BYTES = 1 * GIB  # a few MB swapped out is normal; a GB on a serving node slows it and hides a squeeze
 
 
-def _apps_text(apps: Sequence[F.GpuApp], containers: Mapping[str, str] | None = None) -> str:
-    """'pid 446 python3 (10.5 GiB, container trainer)' per process, the largest first (memory.describe)."""
-    return memory.describe(apps)
-
-
 def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: Needs | None = None) -> Finding:
     """What the engine can get on this node now, against what the plan needs there (per rank total x
     GPUS_PER_NODE). Unified memory (a GB10: nvidia-smi reports no memory.total): MemFree is what it
@@ -206,9 +201,9 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
     if m.available_bytes is not None:
         parts.append(f"{gb(m.available_bytes)} available")
     if others:
-        parts.append(f"other GPU processes: {_apps_text(others, ours)}")
+        parts.append(f"other GPU processes: {memory.describe(others)}")
     if ending:
-        parts.append(f"not yet given back: {_apps_text(ending)}")
+        parts.append(f"not yet given back: {memory.describe(ending)}")
     if facts.gpu_apps is None:
         parts.append(f"other GPU processes unknown ({facts.problems.get('gpu-apps', 'not reported')})")
     numbers = ", ".join(parts)
@@ -220,7 +215,7 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
                   f"free memory on {node}: see what holds it (ps aux --sort=-rss | head; nvidia-smi)")
     if others:  # up refuses to start next to a process it did not start (memory.foreign): so does check
         return _f(node, "memory", FAIL, "other GPU processes",
-                  f"{node}: GPU memory is held by {_apps_text(others)}: `up` refuses to start next to it "
+                  f"{node}: GPU memory is held by {memory.describe(others)}: `up` refuses to start next to it "
                   f"({numbers})", fix_others)
     if plan is None or free is None:
         short = gb(m.total_bytes)

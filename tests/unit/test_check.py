@@ -969,3 +969,19 @@ def test_a_recipe_pin_that_names_another_nic_fails_on_that_node_only() -> None:
     gid = rule_pin_env("spark3", replace(spark3, gid_index=5), (("NCCL_IB_GID_INDEX", "3"),), "/r.toml")
     assert gid is not None and gid.status == FAIL and "(this node's is 5)" in gid.reason
     assert rule_pin_env("spark3", spark3, (), "/r.toml") is None  # the recipe pins nothing: nothing to say
+
+
+def test_memory_names_another_clusters_engine_and_waits_for_an_ended_one() -> None:
+    """Another sparkctl cluster's engine is named as such and fails (up refuses next to it); a process
+    that has ended but is still listed is memory on its way back: a warning that up waits for it."""
+    theirs = _mem_facts(f"446, python3, 10758\n@@cgroup 446 {OTHER_CID}\n"
+                        f"@@container {OTHER_CID}\t/sparkctl-prod-rank0\tprod\n")
+    f = C.rule_memory("spark2", theirs, _needing(GB), needs())
+    fails_with_fix(f, "spark2", "container sparkctl-prod-rank0 of sparkctl cluster 'prod'")
+    assert "CLUSTER_NAME=prod" in f.fix
+    ended = _mem_facts("77, VLLM::Worker_TP, 60000\n@@ended 77\n")
+    m = ended.meminfo
+    assert m is not None and m.free_bytes is not None and m.cache_bytes is not None
+    w = C.rule_memory("spark2", ended, _needing(m.free_bytes + m.cache_bytes + GB), needs())
+    assert w.status == WARN and "up waits for it to come back (MEMORY_WAIT_S)" in w.text, w
+    assert "not yet given back: pid 77 VLLM::Worker_TP (62.9 GB; it has exited)" in w.text
