@@ -8,7 +8,9 @@ from typing import Any
 from .. import cleanup, service, watchstate
 from ..cluster import Cluster, NodeError
 from ..errors import CheckFailed, UsageError
+from ..identity import swaps
 from ..settings import Settings
+from .locking import who_is_who
 from .up import render_now
 
 
@@ -56,6 +58,11 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
     for o in orphans:
         problems.append(f"{o['node']}: orphan container {o['name']} (rank {o['rank']}, {o['state']}): no successful "
                         "`up` recorded it (`sparkctl down` removes it, `sparkctl up` replaces it)")
+    # A node name that reaches another machine than at the last `up` (an ssh config whose HostNames were
+    # swapped: known_hosts is keyed by address, so the connection verifies): name it, as `down` does.
+    swapped = swaps(who_is_who(cluster, s.nodes, s.cluster_name))
+    for sw in swapped:
+        problems.append(sw.describe())
     supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
         if s.head in cluster.connected else None
     ranks: list[dict[str, Any]] = []
@@ -94,5 +101,6 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
         problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
     return {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
                                                                 "models": models, "metrics": metrics},
-            "current_config_hash": current, "supervisor": supervisor, "orphans": orphans, "problems": problems,
+            "current_config_hash": current, "supervisor": supervisor, "orphans": orphans,
+            "swapped": [sw.as_dict() for sw in swapped], "problems": problems,
             "ok": not problems}
