@@ -205,3 +205,28 @@ def test_two_aliases_of_one_machine_are_said_once_by_every_command(clean: Lab, t
         said = r.stdout + r.stderr if cmd[0] != "--json" else r.stderr
         assert said.count("reach the same machine") == 1, (cmd, said)
     assert containers(lab) == NONE
+
+
+# 5. before issue 31: with the path from spark3 to the head's master cut after the rendezvous, `status`
+# exited 0 (every container running, the head answering) and said nothing of it.
+def test_status_names_the_path_to_the_master_that_is_cut(clean: Lab) -> None:
+    from tests.lab.faults import path_dropped
+
+    lab = clean
+    assert sk(lab, "up").returncode == 0
+    assert sk(lab, "wait", "--timeout", "60", timeout=90).returncode == 0
+    r = sk(lab, "--json", "status")
+    assert r.returncode == 0, r.stdout + r.stderr  # the control
+    assert [(p["node"], p["ok"]) for p in json.loads(r.stdout)["master_paths"]] == \
+        [("spark2", True), ("spark3", True), ("spark4", True)]
+    with path_dropped(lab, "spark3", "spark1") as ip:
+        r = sk(lab, "--json", "status")
+        assert r.returncode == 1, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        assert [(p["node"], p["ok"]) for p in doc["master_paths"]] == \
+            [("spark2", True), ("spark3", False), ("spark4", True)]
+        want = f"rank 2 (spark3) cannot reach the head's master {ip}:{CLUSTER['MASTER_PORT']} on spark1"
+        assert any(p.startswith(want) and "the path spark3 → spark1 is cut" in p for p in doc["problems"]), \
+            doc["problems"]
+        r = sk(lab, "status")
+        assert r.returncode == 1 and "spark3 → spark1 is cut" in r.stdout + r.stderr

@@ -209,10 +209,17 @@ def plan_for(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None,
 
 def render_now(cluster: Cluster, s: Settings, source: str) -> Rendered:
     """What `up` would render now: the same probe per node (pins, GPU generation) and the same plan."""
+    return render_now_and_master(cluster, s, source)[0]
+
+
+def render_now_and_master(cluster: Cluster, s: Settings, source: str) -> tuple[Rendered, str]:
+    """render_now, and the master address the ranks meet at (the head's fabric address, or MASTER_ADDR)."""
+    from ..builders import master_addr
+
     facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
     pins = pins_from_facts(s, facts)
     plan = plan_for(cluster, s, facts=facts.ok)
-    return render_all(s, plan, pins, source=source)
+    return render_all(s, plan, pins, source=source), master_addr(s, pins)
 
 
 def fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any],
