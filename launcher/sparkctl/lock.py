@@ -1,9 +1,18 @@
 """The cluster lock and the audit trail (Kamal's idea: `mkdir` on the primary host is atomic).
 
-The lock is a directory on the head node, `~/.sparkctl/<cluster>/lock/`, holding an `owner` file
-(who, where, when, what) and a `heartbeat` file the holder touches every LEASE_S/4 seconds. Every
-mutating command takes it and always releases it (signals included: signals.py); a second `up`
-meanwhile is refused with the holder's name.
+The lock is a directory on every node of the cluster, `~/.sparkctl/<cluster>/lock/`, holding an
+`owner` file (who, where, when, what) and a `heartbeat` file the holder touches every LEASE_S/4
+seconds. Every mutating command takes it on every node it changes and always releases it (signals
+included: signals.py); a second command meanwhile is refused with the holder's name and node.
+
+Why every node, and in which order: two operators' env files may name the same nodes in another
+order, another head, or only some of the same nodes. A lock on "the head" would then be two locks.
+Taken on every node, any two commands of one cluster (CLUSTER_NAME) that share a node meet on it.
+`lock_nodes` takes the nodes one by one in one global order, by what each machine says it is
+(`/etc/machine-id`, then the host key, then the alias), whatever the env file's order: so of two
+commands that share nodes, the one that takes their first shared node first gets all of them, and the
+other is refused there (at the latest) -- never both refused, never both holding half. Nothing
+waits for a lock, so nothing can deadlock.
 
 A holder that crashed cannot release it. The owner file says which process holds it: the machine
 (machine-id, hostname, pid namespace), its boot id, the pid and the process's start time. A holder on
@@ -19,13 +28,14 @@ value is ever parsed by a shell.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as _dt
 import getpass
 import json
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -324,42 +334,83 @@ def _acquire(head: Runner, head_name: str, cluster: str, owner: LockOwner) -> No
 
 
 class _Heartbeat:
-    """Touch the lock's heartbeat every lease/4 seconds on the head, in the background."""
+    """Touch the lock's heartbeat every lease/4 seconds on every node that holds it, in the background."""
 
-    def __init__(self, head: Runner, cluster: str, owner: LockOwner) -> None:
+    def __init__(self, nodes: Sequence[Runner], cluster: str, owner: LockOwner) -> None:
         self._stop = threading.Event()
         self._argv = heartbeat_argv(cluster, owner.token)
-        self._head = head
+        self._nodes = list(nodes)
         self._every = max(1.0, owner.lease_s / 4)
         self._thread = threading.Thread(target=self._run, name="lock-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
-            try:
-                self._head.run(self._argv, timeout=min(20.0, self._every))
-            except Exception:  # a lost head fails the command's own steps; the lease just ages
-                pass
+            for node in self._nodes:
+                try:
+                    node.run(self._argv, timeout=min(20.0, self._every))
+                except Exception:  # a lost node fails the command's own steps; the lease just ages
+                    pass
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 
 
+def _release_all(nodes: Sequence[Runner], cluster: str, token: str) -> None:
+    """Release on every node at once (a node that is gone keeps it until its lease ages)."""
+    def one(node: Runner) -> None:
+        try:
+            node.run(release_argv(cluster, token), timeout=20)
+        except Exception:  # unreachable: `lock status` shows it, its holder dead, and the next command breaks it
+            pass
+
+    if len(nodes) == 1:
+        one(nodes[0])
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(nodes)) or 1,
+                                               thread_name_prefix="unlock") as pool:
+        list(pool.map(one, nodes))
+
+
 @contextmanager
-def cluster_lock(head: Runner, head_name: str, cluster: str, command: str) -> Iterator[LockOwner]:
-    """Hold the cluster lock on the head for the duration of a mutating command; always release it,
-    signals included (taking and releasing it are shielded: a signal meanwhile is delivered after)."""
+def nodes_lock(nodes: Sequence[tuple[str, Runner]], cluster: str, command: str) -> Iterator[LockOwner]:
+    """Hold the cluster lock on every one of `nodes` (name, node), taken one by one in the order given
+    (lock_order's), for the duration of a mutating command; always release it, signals included
+    (taking and releasing it are shielded: a signal meanwhile is delivered after). A node whose lock
+    another live command holds refuses the whole command, naming that node and the holder; what was
+    taken is given back first."""
     owner = new_owner(command)
+    held: list[Runner] = []
     beat: _Heartbeat | None = None
     try:
         # A signal while taking it is delivered when the lock is ours: inside this try, so released.
         with signals.shielded():
-            _acquire(head, head_name, cluster, owner)
-            beat = _Heartbeat(head, cluster, owner)
+            for name, node in nodes:
+                _acquire(node, name, cluster, owner)
+                held.append(node)
+            beat = _Heartbeat(held, cluster, owner)
         yield owner
     finally:
-        if beat is not None:
-            with signals.shielded():
+        with signals.shielded():
+            if beat is not None:
                 beat.stop()
-                head.run(release_argv(cluster, owner.token), timeout=20)
+            if held:
+                _release_all(held, cluster, owner.token)
+
+
+@contextmanager
+def cluster_lock(head: Runner, head_name: str, cluster: str, command: str) -> Iterator[LockOwner]:
+    """The cluster lock on one node (tests, and commands that change only that node)."""
+    with nodes_lock([(head_name, head)], cluster, command) as owner:
+        yield owner
+
+
+def lock_order(names: Sequence[str], identities: Mapping[str, tuple[str | None, str | None]]) -> list[str]:
+    """The one global order in which every command takes the nodes' locks: by machine-id, then host key,
+    then alias -- what the machines are, not how an env file lists them."""
+    def key(n: str) -> tuple[str, str, str]:
+        machine_id, host_key = identities.get(n, (None, None))
+        return (machine_id or "~", host_key or "~", n)
+
+    return sorted(names, key=key)

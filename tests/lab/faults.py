@@ -56,3 +56,16 @@ def tcp_dropped(lab: Lab, name: str, port: int) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["ip", "netns", "exec", name, "iptables", "-D", *rule], check=True, timeout=10)
+
+
+@contextmanager
+def path_dropped(lab: Lab, src: str, dst: str) -> Iterator[str]:
+    """Every packet from host `src` to host `dst`'s fabric address silently dropped, in src's network
+    namespace (no RST, no ICMP): a partition between two ranks' nodes. Yields dst's fabric address."""
+    ip = lab.host(dst).fabric_ip
+    rule = ["OUTPUT", "-d", ip, "-j", "DROP"]
+    subprocess.run(["ip", "netns", "exec", src, "iptables", "-I", *rule], check=True, timeout=10)
+    try:
+        yield ip
+    finally:
+        subprocess.run(["ip", "netns", "exec", src, "iptables", "-D", *rule], check=True, timeout=10)

@@ -24,20 +24,21 @@ from rich.text import Text
 from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
-from ..cluster import Cluster, parallel
+from ..cluster import Cluster, parallel, raise_failed
 from ..completion import rank_numbers
 from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
+    LockOwner,
     LockState,
     audit_append_argv,
     audit_line,
     audit_tail_argv,
-    lock_state,
 )
 from ..lock import force_unlock as break_lock
 from ..orchestrate import require_all
 from ..orchestrate.down import down
+from ..orchestrate.locking import lock_states
 from ..orchestrate.status import collect_status
 from ..orchestrate.up import up, up_replicas
 from ..output import console, emit_json, emit_json_line, warn, warn_console
@@ -363,14 +364,16 @@ def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], replica: int, follow: b
 
 
 @click.command("down")
+@click.option("--force", is_flag=True,
+              help="Also when a node name now reaches another machine than at the last `up`.")
 @click.pass_context
-def down_cmd(ctx: click.Context) -> None:
+def down_cmd(ctx: click.Context, force: bool) -> None:
     """Stop the service: head first, then workers. Only this cluster's labelled containers."""
     g = globals_of(ctx)
     s = settings_of(g)
     out = console(g.json)
     t0 = time.monotonic()
-    failed = down(s, g.ssh_config_path(), say=lambda m: out.print(m, markup=False, soft_wrap=True))
+    failed = down(s, g.ssh_config_path(), say=lambda m: out.print(m, markup=False, soft_wrap=True), force=force)
     seconds = round(time.monotonic() - t0, 3)
     if g.json:
         emit_json({"ok": not failed, "failed": {n: e.as_dict() for n, e in failed.items()}, "seconds": seconds})
@@ -397,39 +400,65 @@ def lock_cmd(ctx: click.Context, force_unlock: bool) -> None:
     g = globals_of(ctx)
     s = settings_of(g)
     with open_cluster(g, s) as cluster:
-        head = cluster.node(s.head)
-        if force:
-            held = break_lock(head, s.cluster_name)
-            if held:
-                head.run(audit_append_argv(s.cluster_name, [audit_line(
-                    action="lock-broken", detail=f"by --force-unlock; it was held by {held.describe()}")]), timeout=20)
-            warn([f"lock broken; it was held by {held.describe()}" if held else "there was no lock"])
-            if g.json:
-                emit_json({"broken": held.public() if held else None})
+        if not force:
+            _unreachable(cluster)
+            _show_lock(g, s, lock_states(cluster, s.nodes, s.cluster_name))
             return
-        _show_lock(g, s, lock_state(head, s.cluster_name))
+        broken: dict[str, LockOwner] = {}
+        for node in cluster.connected:  # on every node: a lock is held on each node a command changes
+            held = break_lock(cluster.node(node), s.cluster_name)
+            if held:
+                broken[node] = held
+                cluster.node(node).run(audit_append_argv(s.cluster_name, [audit_line(
+                    action="lock-broken", detail=f"by --force-unlock; it was held by {held.describe()}")]),
+                    timeout=20)
+        warn([f"lock broken on {', '.join(broken)}; it was held by "
+              + "; ".join(sorted({h.describe() for h in broken.values()}))] if broken else ["there was no lock"])
+        if g.json:
+            first = next(iter(broken.values()), None)
+            emit_json({"broken": first.public() if first else None, "nodes": sorted(broken)})
+        _unreachable(cluster)  # a node that did not answer keeps its lock: exit 1, naming it
 
 
-def _show_lock(g: Globals, s: Settings, held: LockState | None) -> None:
+def _show_lock(g: Globals, s: Settings, states: dict[str, LockState]) -> None:
+    """One line per holder (normally one command, holding the lock on every node it changes)."""
+    holders: dict[str, tuple[LockState, list[str]]] = {}
+    for node, st in states.items():
+        holders.setdefault(st.owner.token or f"unknown@{node}", (st, []))[1].append(node)
+    held = next(iter(holders.values()))[0] if holders else None
     if g.json:
-        emit_json({"locked": held is not None, "holder": held.as_dict() if held else None})
+        emit_json({"locked": held is not None, "holder": held.as_dict() if held else None,
+                   "nodes": {n: st.as_dict() for n, st in states.items()}})
         return
     out = console(False)
-    out.print(f"locked by {held.describe()}" if held else f"cluster {s.cluster_name}: not locked", markup=False)
-    if held and held.dead:
-        out.print("the next `up` or `down` breaks it automatically (audited)", markup=False)
-    elif held and held.stale:
-        out.print(f"if that run is really gone: `{FORCE_UNLOCK}`", markup=False)
+    if not holders:
+        out.print(f"cluster {s.cluster_name}: not locked", markup=False)
+    for st, nodes in holders.values():
+        out.print(f"locked on {', '.join(nodes)} by {st.describe()}", markup=False)
+        if st.dead:
+            out.print("the next `up` or `down` breaks it automatically (audited)", markup=False)
+        elif st.stale:
+            out.print(f"if that run is really gone: `{FORCE_UNLOCK}`", markup=False)
 
 
 @lock_cmd.command("status")
 @click.pass_context
 def lock_status_cmd(ctx: click.Context) -> None:
-    """Who holds the cluster lock, since when, running what."""
+    """Who holds the cluster lock, on which nodes, since when, running what."""
     g = globals_of(ctx)
     s = settings_of(g)
     with open_cluster(g, s) as cluster:
-        _show_lock(g, s, lock_state(cluster.node(s.head), s.cluster_name))
+        _unreachable(cluster)
+        _show_lock(g, s, lock_states(cluster, s.nodes, s.cluster_name))
+
+
+def _unreachable(cluster: Cluster) -> None:
+    """A node that did not answer may hold the lock: the answer is incomplete, exit 1 naming it."""
+    if not cluster.errors:
+        return
+    if len(cluster.errors) == 1:
+        raise next(iter(cluster.errors.values()))
+    raise_failed("the lock could not be read", cluster.errors)
 
 
 @click.command("audit")

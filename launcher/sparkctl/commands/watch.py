@@ -25,8 +25,9 @@ from ..cluster import Cluster, NodeError
 from ..completion import rank_numbers
 from ..errors import CheckFailed, UsageError
 from ..history import content_hash_on, pick, read_history, rollback_overrides
-from ..lock import audit_line, audit_tail_argv, cluster_lock, lock_status, new_owner, whoami
+from ..lock import audit_line, audit_tail_argv, new_owner, whoami
 from ..orchestrate import require_all
+from ..orchestrate.locking import lock_cluster, lock_states
 from ..orchestrate.up import start_service
 from ..output import console, emit_json, warn
 from ..settings import Settings
@@ -151,11 +152,13 @@ class WatchOps:
         return f"`down` by {str(doc.get('who'))[:100]} at {str(doc.get('when'))[:40]}"
 
     def busy(self) -> str | None:
-        try:
-            held = lock_status(self._head(), self.s.cluster_name)
-        except NodeError:
+        c = self._c()  # the lock of any of the cluster's nodes: another command may change only some
+        states = lock_states(c, self.nodes, self.s.cluster_name)
+        others = {n: st for n, st in states.items() if st.owner.token != self.me.token}
+        if not others:
             return None
-        return held.describe() if held and held.token != self.me.token else None
+        st = next(iter(others.values()))
+        return f"{st.owner.describe()} (on {', '.join(others)})"
 
     def _audit(self, action: str, detail: str) -> None:
         c = self._c()
@@ -174,7 +177,7 @@ class WatchOps:
         t0 = time.monotonic()
         self._audit("watch-restart", f"attempt {attempt}/{self.policy.max_restarts}: {reason}")
         try:
-            with cluster_lock(self._head(), self.s.head, self.s.cluster_name, "watch-restart"):
+            with lock_cluster(c, self.nodes, self.s.cluster_name, "watch-restart"):
                 who = self.deliberate_stop()
                 if who:
                     raise WatchEnded(0, f"the service was stopped on purpose ({who}); the supervisor stops too")
@@ -208,10 +211,7 @@ class WatchOps:
         c = self._c()
         self._audit("watch-gave-up", reason)
         try:
-            if self.s.head in c.connected:
-                with cluster_lock(self._head(), self.s.head, self.s.cluster_name, "watch-give-up"):
-                    service.down(c, self.s)
-            else:
+            with lock_cluster(c, self.nodes, self.s.cluster_name, "watch-give-up"):
                 service.down(c, self.s)
         except Exception as exc:  # report, and still end: the reason is what matters
             self.say(f"could not take everything down: {str(exc).splitlines()[0][:300]}")
@@ -314,7 +314,7 @@ def rollback_cmd(ctx: click.Context, to: str | None) -> None:
         out = console(g.json)
         out.print(f"rolling back to entry {target.n}: {target.when} by {target.who}, image "
                   f"{s.get('IMAGE')}, config {target.config_hash}", markup=False)
-        with cluster_lock(cluster.node(s.head), s.head, s.cluster_name, "rollback"):
+        with lock_cluster(cluster, s.nodes, s.cluster_name, "rollback"):
             outcome = start_service(cluster, s, recreate=False, say=lambda m: out.print(m, markup=False),
                                     source="sparkctl rollback")
     doc = {"changed": outcome.changed, "config_hash": outcome.config_hash, "image": s.get("IMAGE"),

@@ -1,7 +1,9 @@
 """`sparkctl down`, top to bottom.
 
   down(settings)                         connect to every node that answers
-    cluster_lock on the head             (when the head is unreachable: the rest, without the lock)
+    lock_cluster on every node that answers  (locking.py; an unreachable node is reported, as before)
+      identity.swaps                     a node name that now reaches another machine than at the last
+                                         `up` refuses `down` (unless --force): nothing removed
       stop_supervisor_unit               a deliberate `down` stays down: the `export systemd` unit
       service.down                       head first, then the workers; audited on every node
 """
@@ -13,20 +15,29 @@ from pathlib import Path
 
 from .. import service
 from ..cluster import Cluster, NodeError
-from ..lock import cluster_lock
+from ..identity import refuse_swaps, swaps
 from ..output import warn
 from ..settings import Settings
+from .locking import lock_cluster
 
 
-def down(s: Settings, ssh_config: str | Path | None, say: Callable[[str], None]) -> dict[str, NodeError]:
+def down(s: Settings, ssh_config: str | Path | None, say: Callable[[str], None], *,
+         force: bool = False) -> dict[str, NodeError]:
     """Remove this cluster's containers everywhere; the nodes that could not be cleaned, with why."""
     with Cluster(s.nodes, ssh_config) as cluster:
-        if s.head in cluster.connected:
-            with cluster_lock(cluster.node(s.head), s.head, s.cluster_name, "down"):
+        if not cluster.connected:
+            return service.down(cluster, s, say=say)
+        with lock_cluster(cluster, s.nodes, s.cluster_name, "down") as (_, seen):
+            found = swaps(seen)
+            if found and not force:
+                refuse_swaps(found, "down", cluster.ssh_config_path)
+            if found:
+                warn(["--force: acting on the machines the names reach now: " + "; ".join(x.describe() for x in found)])
+            if s.head in cluster.connected:
                 stop_supervisor_unit(cluster, s)
-                return service.down(cluster, s, say=say)
-        warn([f"the head {s.head} is unreachable: tearing down the other nodes without the cluster lock"])
-        return service.down(cluster, s, say=say)
+            else:
+                warn([f"the head {s.head} is unreachable: its supervisor unit (if any) was not stopped"])
+            return service.down(cluster, s, say=say)
 
 
 def stop_supervisor_unit(cluster: Cluster, s: Settings) -> None:

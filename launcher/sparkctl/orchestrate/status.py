@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from .. import cleanup, service, watchstate
+from ..check import REACH_BY_HAND
 from ..cluster import Cluster, NodeError
 from ..errors import CheckFailed, UsageError
+from ..identity import swaps
 from ..settings import Settings
-from .up import render_now
+from .locking import who_is_who
+from .up import render_now_and_master
 
 
 def metrics_summary(text: str | None) -> dict[str, float]:
@@ -35,10 +38,21 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
     problems: list[str] = []
     states = cluster.run_all(lambda n: service.inspect_cluster(n, s.cluster_name), nodes=s.nodes)
     current: str | None = None
+    master: str | None = None
     try:
-        current = render_now(cluster, s, "sparkctl status").config_hash if not cluster.errors else None
+        if not cluster.errors:
+            rendered, master = render_now_and_master(cluster, s, "sparkctl status")
+            current = rendered.config_hash
     except (UsageError, CheckFailed) as exc:
         problems.append(f"current config unknown: {exc.message}")
+    # A partition after the rendezvous: from each other rank's node, a TCP connect to the head's master
+    # port (probes/reach.sh: an answer of any kind, a refusal included, proves the path).
+    paths = master_paths(cluster, s, master, s.getint("MASTER_PORT")) if master else []
+    for p in paths:
+        if not p["ok"]:
+            problems.append(f"rank {p['rank']} ({p['node']}) cannot reach the head's master {p['addr']}:{p['port']} "
+                            f"on {p['head']}: {p['reason']}: the path {p['node']} → {p['head']} is cut (a "
+                            f"firewall, a route, or the pinned interface; test it by hand: {REACH_BY_HAND})")
     health = api.health()
     models: list[str] = []
     if health == 200:
@@ -56,6 +70,11 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
     for o in orphans:
         problems.append(f"{o['node']}: orphan container {o['name']} (rank {o['rank']}, {o['state']}): no successful "
                         "`up` recorded it (`sparkctl down` removes it, `sparkctl up` replaces it)")
+    # A node name that reaches another machine than at the last `up` (an ssh config whose HostNames were
+    # swapped: known_hosts is keyed by address, so the connection verifies): name it, as `down` does.
+    swapped = swaps(who_is_who(cluster, s.nodes, s.cluster_name))
+    for sw in swapped:
+        problems.append(sw.describe())
     supervisor = watchstate.read_state(cluster.node(s.head), s.cluster_name) \
         if s.head in cluster.connected else None
     ranks: list[dict[str, Any]] = []
@@ -94,5 +113,27 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
         problems.append(f"/v1/models does not list {s.get('SERVED_MODEL_NAME')}")
     return {"cluster": s.cluster_name, "ranks": ranks, "head": {"url": api.base_url, "health": health,
                                                                 "models": models, "metrics": metrics},
-            "current_config_hash": current, "supervisor": supervisor, "orphans": orphans, "problems": problems,
+            "current_config_hash": current, "supervisor": supervisor, "orphans": orphans,
+            "master_paths": paths, "swapped": [sw.as_dict() for sw in swapped], "problems": problems,
             "ok": not problems}
+
+
+def master_paths(cluster: Cluster, s: Settings, addr: str, port: int) -> list[dict[str, Any]]:
+    """From the node of every rank but the head's, whether a TCP connect reaches ADDR:PORT (reach.sh's
+    test, as `check` runs it): one line per rank, ok or the reason."""
+    from ..check import _parse_reach
+    from ..resources import probe_script
+
+    ranks = [r for r in s.service.ranks if r.node != s.head and r.node in cluster.connected]
+    if not ranks:
+        return []
+    script = probe_script("reach.sh") + b'\nreach_test "$@"\n'
+    res = cluster.run_all(["sh", "-s", str(port), addr], stdin=script, timeout=30,
+                          nodes=sorted({r.node for r in ranks}))
+    out = []
+    for r in ranks:
+        got = res[r.node]
+        why = got.reason if isinstance(got, NodeError) else _parse_reach(got.stdout).get(addr, "no answer from the test")
+        out.append({"rank": r.rank, "node": r.node, "head": s.head, "addr": addr, "port": port,
+                    "ok": why == "ok", "reason": None if why == "ok" else why})
+    return out

@@ -1,7 +1,8 @@
 """`sparkctl up`, top to bottom.
 
   up(settings)                           connect to every node (one SSH connection each); all must answer
-    cluster_lock on the head             (replica 0's) held until the service runs or is rolled back
+    lock_cluster on every node           (locking.py: in one global order) held until the service runs
+                                         or is rolled back
     [several replicas]                   preflight_all once, then start_service per replica view, side
                                          by side; a failed replica is rolled back alone (up_replicas)
     start_service(cluster, settings)     the body, shared with `watch` restarts and `rollback`:
@@ -16,6 +17,8 @@
                                          head (builders.docker_run_argv over Node.run); roll back on
                                          any failure
       history.record_release             only a started service is recorded
+    record_identities                    a started service: every node's machine-id and host key, on
+                                         every node (what `status` and `down` compare against)
 
 A failure before service.up changes nothing on any node.
 """
@@ -31,7 +34,6 @@ from typing import Any
 from .. import memory, service
 from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed, SparkctlError
-from ..lock import cluster_lock
 from ..output import warn
 from ..pins import pins_from_facts, probe_node
 from ..plan import (
@@ -46,6 +48,7 @@ from ..plan import (
 from ..render import Rendered, env_tp4_path, render_all, write_private
 from ..settings import Settings
 from . import require_all
+from .locking import lock_cluster, record_identities
 
 ENV_TP4 = Path("env/env.tp4")
 
@@ -72,15 +75,14 @@ def up(s: Settings, ssh_config: str | Path | None, *, recreate: bool, say: Calla
 def up_replicas(s: Settings, ssh_config: str | Path | None, *, recreate: bool, say: Callable[[str], None],
                 fabric_say: Callable[[str], None] | None = None) -> list[ReplicaUp]:
     """`up` of every replica: one Cluster (one connection per host) for all of them, the cluster lock on
-    the overall head (replica 0's), one preflight of every host (any failure: nothing changed), then each
+    every host (locking.lock_cluster), one preflight of every host (any failure: nothing changed), then each
     replica's start_service on its own view, side by side. A replica that fails is rolled back alone (by
     service.up) and reported in its ReplicaUp; the others keep running. One replica: its error is raised,
     exactly as before replicas existed."""
     topo = s.topology
     with Cluster(list(topo.nodes), ssh_config) as cluster:
         require_all(cluster, "up refused")
-        head = cluster.node(topo.head)
-        with cluster_lock(head, topo.head, s.cluster_name, "up"):
+        with lock_cluster(cluster, list(topo.nodes), s.cluster_name, "up") as (_, seen):
             views = s.replicas()
             many = len(views) > 1
             gathered = preflight_all(cluster, s) if many else None
@@ -109,14 +111,27 @@ def up_replicas(s: Settings, ssh_config: str | Path | None, *, recreate: bool, s
                 return result
 
             if not many:
-                return [one(views[0])]
-            jobs: list[Callable[[], ReplicaUp]] = [functools.partial(one, v) for v in views]
-            # The replicas start on pool threads; a signal reaches only this thread. Let every start
-            # settle first (each is bounded by its own timeouts): leaving now would release the lock and
-            # close the connections under starts in flight, so neither they nor their rollbacks could
-            # finish. A replica that reaches its point of no return (signals.commit) makes the signal
-            # a note; one that fails rolls itself back; a signal before any is raised once all settled.
-            return service.settled(lambda: parallel(jobs))
+                results = [one(views[0])]
+            else:
+                jobs: list[Callable[[], ReplicaUp]] = [functools.partial(one, v) for v in views]
+                # The replicas start on pool threads; a signal reaches only this thread. Let every start
+                # settle first (each is bounded by its own timeouts): leaving now would release the lock
+                # and close the connections under starts in flight, so neither they nor their rollbacks
+                # could finish. A replica that reaches its point of no return (signals.commit) makes the
+                # signal a note; one that fails rolls itself back; a signal before any is raised once all
+                # settled.
+                results = service.settled(lambda: parallel(jobs))
+            if any(r.outcome is not None and r.outcome.changed for r in results):
+                remember_identities(cluster, list(topo.nodes), s.cluster_name, seen)
+            return results
+
+
+def remember_identities(cluster: Cluster, names: list[str], cluster_name: str, seen: Any) -> None:
+    """Record who every node is, for `status` and `down` to compare against; a miss is a warning."""
+    missed = record_identities(cluster, names, cluster_name, seen)
+    if missed:
+        warn([f"the service runs, but which machine each node is was not recorded on {', '.join(missed)}: "
+              "`status` cannot tell there whether a node name now reaches another machine"])
 
 
 def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
@@ -227,10 +242,17 @@ def plan_for(cluster: Cluster, s: Settings, ckpt: CheckpointInfo | None = None,
 
 def render_now(cluster: Cluster, s: Settings, source: str) -> Rendered:
     """What `up` would render now: the same probe per node (pins, GPU generation) and the same plan."""
+    return render_now_and_master(cluster, s, source)[0]
+
+
+def render_now_and_master(cluster: Cluster, s: Settings, source: str) -> tuple[Rendered, str]:
+    """render_now, and the master address the ranks meet at (the head's fabric address, or MASTER_ADDR)."""
+    from ..builders import master_addr
+
     facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
     pins = pins_from_facts(s, facts)
     plan = plan_for(cluster, s, facts=facts.ok)
-    return render_all(s, plan, pins, source=source)
+    return render_all(s, plan, pins, source=source), master_addr(s, pins)
 
 
 def fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any],

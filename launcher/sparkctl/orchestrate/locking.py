@@ -1,0 +1,70 @@
+"""The cluster lock on every node a command changes, and who each node is (issue 31).
+
+  who_is_who(cluster, names)       one round on those nodes: /etc/machine-id and the identity record
+                                   the last `up` left there (identity.WHOAMI)
+  lock_cluster(cluster, names)     who_is_who, then lock.nodes_lock on every one of them, in
+                                   lock.lock_order (by machine, not by NODES' order)
+  record_identities(cluster, ...)  after `up` started a service: every node's identity, on every node
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from ..cluster import Cluster, NodeError
+from ..identity import (
+    RECORD_NAME,
+    NodeIdentity,
+    Seen,
+    parse_whoami,
+    record_doc,
+    whoami_argv,
+    write_record_argv,
+)
+from ..lock import LockOwner, LockState, lock_order, lock_state, nodes_lock, now_iso, state_dir
+
+
+def record_path(cluster_name: str) -> str:
+    return f"{state_dir(cluster_name)}/{RECORD_NAME}"
+
+
+def who_is_who(cluster: Cluster, names: Sequence[str], cluster_name: str) -> dict[str, Seen]:
+    """What each connected node of `names` is now, and what the last `up` recorded (one round, in parallel).
+    A node that does not answer is known by its host key only."""
+    names = [n for n in names if n in cluster.connected]
+    results = cluster.run_all(whoami_argv(record_path(cluster_name)), nodes=names, timeout=20)
+    seen: dict[str, Seen] = {}
+    for n, r in results.items():
+        ident = cluster.node(n).identity()
+        seen[n] = Seen(ident, None) if isinstance(r, NodeError) else parse_whoami(ident, r.stdout)
+    return seen
+
+
+@contextmanager
+def lock_cluster(cluster: Cluster, names: Sequence[str], cluster_name: str,
+                 command: str) -> Iterator[tuple[LockOwner, dict[str, Seen]]]:
+    """The cluster lock on every connected node of `names`, taken in the one global order (lock.py);
+    yields the owner and who each node is (read first, to order them)."""
+    seen = who_is_who(cluster, names, cluster_name)
+    order = lock_order(list(seen), {n: (s.identity.machine_id, s.identity.host_key) for n, s in seen.items()})
+    with nodes_lock([(n, cluster.node(n)) for n in order], cluster_name, command) as owner:
+        yield owner, seen
+
+
+def lock_states(cluster: Cluster, names: Sequence[str], cluster_name: str) -> dict[str, LockState]:
+    """The lock on each connected node of `names` that holds one."""
+    res = cluster.run_all(lambda node: lock_state(node, cluster_name),
+                          nodes=[n for n in names if n in cluster.connected])
+    return {n: st for n, st in res.ok.items() if st is not None}
+
+
+def record_identities(cluster: Cluster, names: Sequence[str], cluster_name: str,
+                      seen: dict[str, Seen]) -> list[str]:
+    """Leave every node's identity (as read now) on every node: what `status` and `down` compare against.
+    Returns the nodes where it could not be written."""
+    idents: list[NodeIdentity] = [seen[n].identity for n in names if n in seen]
+    doc = (record_doc(idents, now_iso()) + "\n").encode()
+    res = cluster.run_all(write_record_argv(record_path(cluster_name)), nodes=[n for n in names if n in seen],
+                          stdin=doc, timeout=20)
+    return [n for n, r in res.items() if isinstance(r, NodeError) or not r.ok]
