@@ -36,11 +36,22 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
               "only the prompt file when --prompt-file is given alone).")
 @click.option("--prompt-file", metavar="FILE", help="Your own prompts: one per line (or *.jsonl); a task named after the file.")
 @click.option("--concurrency", metavar="LIST", default="1,2,4,8", show_default=True, help="Concurrency levels.")
-@click.option("--requests", "n_requests", type=click.IntRange(min=1), metavar="N",
-              help="Requests per level (default: 2 × the level's concurrency).")
+@click.option("--num-prompts", "--requests", "n_requests", type=click.IntRange(min=1), metavar="N",
+              help=f"Requests per level (default: {loadgen.MIN_REQUESTS} or 2 × the level's concurrency, whichever "
+              "is more; none with --duration). A pP percentile needs 100/(100 − P) of them: p90 10, p99 100.")
+@click.option("--duration", type=click.FloatRange(min=0.1), metavar="S",
+              help="Per level: send requests for S seconds (those in flight then finish).")
+@click.option("--request-rate", type=click.FloatRange(min=0.0, min_open=True), metavar="R",
+              help="Requests per second, Poisson arrivals as vLLM's benchmark (--concurrency caps those in "
+              "flight, as its --max-concurrency). Default: a closed loop of C streams.")
+@click.option("--seed", type=int, default=0, show_default=True, metavar="N", help="Seed of the Poisson arrivals.")
+@click.option("--input-len", type=click.IntRange(min=1), metavar="N",
+              help="Prompts of N tokens, built and counted with the served model's tokenizer through the "
+              "server's /tokenize (vLLM's); the server's own count is reported beside it.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, metavar="N",
               help="Unmeasured requests before the first level.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, metavar="N",
+@click.option("--output-len", "--max-tokens", "max_tokens", type=click.IntRange(min=1), default=256,
+              show_default=True, metavar="N",
               help="Output tokens per request (forced with ignore_eos where the server supports it).")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True, metavar="S",
               help="Limit for one request, connect to last token, in seconds.")
@@ -51,16 +62,17 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
               "head, together, and the total).")
 @click.pass_obj
 def command(g: object, url: str | None, model: str | None, workload: str | None, prompt_file: str | None,
-            concurrency: str, n_requests: int | None, warmup: int, max_tokens: int, timeout: float,
+            concurrency: str, n_requests: int | None, duration: float | None, request_rate: float | None,
+            seed: int, input_len: int | None, warmup: int, max_tokens: int, timeout: float,
             save: str | None, compare_file: str | None, api_key_env: str | None, replica: int | None) -> None:
     """Measure decode tok/s (C1 per stream, C2/C4/C8 aggregate), TTFT and accepted tokens/step."""
     from ..cli import Globals
 
     assert isinstance(g, Globals)
     levels = loadgen.parse_int_list(concurrency, "--concurrency")
-    if n_requests is not None and n_requests < max(levels):
-        raise UsageError(f"--requests {n_requests} is fewer than the concurrency {max(levels)}: a level needs "
-                         "at least one request per stream", fix=f"use --requests {max(levels)} or more")
+    if n_requests is not None and n_requests < max(levels) and request_rate is None and duration is None:
+        raise UsageError(f"--num-prompts {n_requests} is fewer than the concurrency {max(levels)}: a level needs "
+                         "at least one request per stream", fix=f"use --num-prompts {max(levels)} or more")
     if url and replica is not None:
         raise UsageError("--url and --replica both name what to measure", fix="pass one of them")
     workloads = _workloads(workload, prompt_file)
@@ -73,7 +85,8 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     model = _model(targets, model, api_key, timeout)
     cfgs = [loadgen.BenchConfig(endpoint=t.endpoint, model=model, api_key=api_key, workloads=workloads,
                                 concurrency=levels, requests=n_requests, warmup=warmup, max_tokens=max_tokens,
-                                timeout=timeout) for t in targets]
+                                timeout=timeout, duration=duration, request_rate=request_rate, seed=seed,
+                                input_len=input_len) for t in targets]
     if len(targets) > 1:
         _bench_replicas(g, targets, cfgs, base, save)
         return
@@ -83,7 +96,7 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     sink = RichProgress(err, enabled=g.verbosity >= 0)
     if g.verbosity >= 0:
         err.print(f"bench {endpoint.url}{target.named} model {model}: {', '.join(w.name for w in workloads)} at "
-                  f"C{', C'.join(map(str, levels))}, {max_tokens}-token outputs", markup=False)
+                  f"C{', C'.join(map(str, levels))}, {loadgen.describe_load(cfg)}", markup=False)
     with sink:
         run = loadgen.run_bench(cfg, sink)
     doc = run.to_dict()
@@ -129,7 +142,7 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
     if g.verbosity >= 0:
         err.print(f"bench {len(targets)} replicas together, model {cfg.model}: "
                   f"{', '.join(w.name for w in cfg.workloads)} at C{', C'.join(map(str, cfg.concurrency))} per "
-                  f"replica, {cfg.max_tokens}-token outputs", markup=False)
+                  f"replica, {loadgen.describe_load(cfg)}", markup=False)
         for t in targets:
             err.print(f"  {t.label}: {t.endpoint.url}", markup=False)
     bar = _progress_bar(err, g.verbosity >= 0)
@@ -333,6 +346,16 @@ def _notes(doc: dict[str, Any], run: loadgen.BenchRun) -> list[str]:
     if chunks:
         notes.append(f"{chunks} request(s) had no usage chunk: their tokens were counted as chunks "
                      "(under-reports tok/s when a chunk carries several tokens)")
+    levels = [lv for lvs in doc["workloads"].values() for lv in lvs]
+    if levels:  # the server's usage counts beside sparkctl's own
+        built = [lv["prompt_tokens_built"] for lv in levels if lv.get("prompt_tokens_built") is not None]
+        server_in = sum(lv.get("total_input_tokens") or 0 for lv in levels)
+        server_out = sum(lv.get("total_output_tokens") or 0 for lv in levels)
+        chunks = sum(lv.get("output_chunks") or 0 for lv in levels)
+        notes.append((f"input tokens: {sum(built)} built (/tokenize), the server counted {server_in}" if built
+                      else f"input tokens: the server counted {server_in}")
+                     + f" (usage.prompt_tokens, chat template included); output tokens: the server counted "
+                     f"{server_out} (usage.completion_tokens), in {chunks} streamed chunks")
     if not any(lv.get("spec_decode") for lvs in doc["workloads"].values() for lv in lvs) and doc["workloads"]:
         notes.append("no spec-decode counters in /metrics (speculative decoding off?): accepted tok/step is —")
     return notes
@@ -383,7 +406,7 @@ class RichProgress(loadgen.ProgressSink):
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
-    def level_started(self, workload: str, concurrency: int, total: int) -> None:
+    def level_started(self, workload: str, concurrency: int, total: int | None) -> None:
         self._failed = 0
         self._task = self.progress.add_task(f"{self.prefix}{workload} C{concurrency}", total=total, info="")
 
