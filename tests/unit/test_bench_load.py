@@ -100,3 +100,105 @@ def test_cli_load_shape_input_is_checked(capsys):
                 ["--num-prompts", "1", "--concurrency", "2"]):
         code, out, err = run_cli(["bench", "--url", "http://127.0.0.1:9", *bad], capsys)
         assert code == 2, (bad, err)
+
+
+# ============================================================================ --tool vllm
+
+FAKE_VLLM = r'''#!/usr/bin/env python3
+"""Stands in for `vllm bench serve` in the head's container: records its argv and environment, writes a
+result where --result-dir/--result-filename say, as vLLM's --save-result does."""
+import json, os, sys
+args = sys.argv[1:]
+def opt(name):
+    return args[args.index(name) + 1]
+with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+    f.write(json.dumps({"argv": args, "key": os.environ.get("OPENAI_API_KEY")}) + "\n")
+print("============ Serving Benchmark Result ============")
+n = int(opt("--num-prompts"))
+res = {"completed": n, "total_input_tokens": n * int(opt("--random-input-len")),
+       "total_output_tokens": n * int(opt("--random-output-len")), "mean_ttft_ms": 12.5, "mean_tpot_ms": 0.5,
+       "output_throughput": 100.0, "ttfts": [0.01] * n}
+with open(os.path.join(opt("--result-dir"), opt("--result-filename")), "w") as f:
+    json.dump(res, f)
+'''
+
+
+class _LocalNode:
+    """Runs what `bench --tool vllm` sends the head: `docker exec -i CONTAINER sh -c SCRIPT sh ARGV...`,
+    here with the container's part dropped (the script runs under the real sh, `vllm` the fake above)."""
+
+    def __init__(self, env: dict[str, str], calls: list[list[str]]) -> None:
+        self.env, self.calls = env, calls
+
+    def run(self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = None, env: object = None):
+        import subprocess
+
+        from sparkctl.cluster import RunResult
+
+        self.calls.append(list(argv))
+        assert argv[:3] == ["docker", "exec", "-i"] and argv[4:6] == ["sh", "-c"]
+        p = subprocess.run(argv[4:], input=stdin, capture_output=True, env=self.env, timeout=60, check=False)
+        return RunResult(p.stdout.decode(), p.stderr.decode(), p.returncode, 0.0)
+
+
+def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_load(standin, capsys, tmp_path,
+                                                                                    monkeypatch):
+    import os
+
+    from sparkctl import cluster
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm").write_text(FAKE_VLLM)
+    (bindir / "vllm").chmod(0o755)
+    log = tmp_path / "vllm.log"
+    calls: list[list[str]] = []
+    node_env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_VLLM_LOG": str(log), "TMPDIR": str(tmp_path)}
+
+    class FakeCluster:
+        def __init__(self, names: list[str], ssh_config: object) -> None:
+            assert names == ["spark1"]
+
+        def __enter__(self) -> FakeCluster:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            pass
+
+        def node(self, name: str) -> _LocalNode:
+            return _LocalNode(node_env, calls)
+
+    monkeypatch.setattr(cluster, "Cluster", FakeCluster)
+    port = standin.rsplit(":", 1)[1]
+    ssh = tmp_path / "ssh_config"
+    ssh.write_text("Host spark1\n  HostName 127.0.0.1\n  User root\n")
+    monkeypatch.chdir(tmp_path)
+    for k in list(os.environ):
+        if k in ("SPARKCTL_ENV_FILE", "RECIPE", "TP", "DCP", "VLLM_API_KEY", "REPLICAS"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("NODES", "spark1 spark2 spark3 spark4")
+    monkeypatch.setenv("MODEL", "/models/x y")
+    monkeypatch.setenv("PORT", port)
+    monkeypatch.setenv("SERVED_MODEL_NAME", "m")
+    monkeypatch.setenv("BENCH_KEY", "s3cret-key")
+    code, out, err = run_cli(["--ssh-config", str(ssh), "bench", "--tool", "vllm", "--workload", "prose",
+                              "--concurrency", "1,2", "--num-prompts", "2", "--output-len", "8", "--warmup", "0",
+                              "--input-len", "16", "--api-key-env", "BENCH_KEY"], capsys)
+    assert code == 0, err
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [r["argv"][r["argv"].index("--max-concurrency") + 1] for r in runs] == ["1", "2"]
+    a = runs[0]["argv"]
+    assert a[:2] == ["bench", "serve"] and a[a.index("--base-url") + 1] == f"http://127.0.0.1:{port}"
+    assert a[a.index("--tokenizer") + 1] == "/models/x y"  # one word, spaces and all
+    assert (a[a.index("--random-input-len") + 1], a[a.index("--random-output-len") + 1],
+            a[a.index("--num-prompts") + 1]) == ("16", "8", "2")
+    assert "--ignore-eos" in a and runs[0]["key"] == "s3cret-key"  # the key reached vLLM's client ...
+    assert not any("s3cret" in w for c in calls for w in c)  # ... on stdin, on no command line
+    assert calls[0][3] == "sparkctl-sparkctl-rank0" or calls[0][3].endswith("-rank0")
+    assert "| mean TTFT (ms) |" in out and "| 12.5 |" in out and "vllm bench serve" in out
+    assert not list(tmp_path.glob("tmp*"))  # the result's temp dir is removed
+
+
+def test_tool_vllm_refuses_url(capsys):
+    code, out, err = run_cli(["bench", "--tool", "vllm", "--url", "http://127.0.0.1:9"], capsys)
+    assert code == 2 and "head's container" in err

@@ -21,7 +21,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import loadgen, signals
+from .. import loadgen, signals, vllmbench
 from ..errors import CheckFailed, UsageError
 from ..output import emit_json, warn
 
@@ -60,11 +60,15 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
 @click.option("--api-key-env", metavar="VAR", help="Environment variable holding the API key (default: VLLM_API_KEY).")
 @click.option("--replica", type=int, metavar="R", help="Measure replica R's head only (default: every replica's "
               "head, together, and the total).")
+@click.option("--tool", type=click.Choice(["sparkctl", "vllm"]), default="sparkctl", show_default=True,
+              help="vllm: also run vLLM's own `vllm bench serve` in the head's container on the same load "
+              f"(random prompts of --input-len tokens, default {vllmbench.DEFAULT_INPUT_LEN}) and print both side by side.")
 @click.pass_obj
 def command(g: object, url: str | None, model: str | None, workload: str | None, prompt_file: str | None,
             concurrency: str, n_requests: int | None, duration: float | None, request_rate: float | None,
             seed: int, input_len: int | None, warmup: int, max_tokens: int, timeout: float,
-            save: str | None, compare_file: str | None, api_key_env: str | None, replica: int | None) -> None:
+            save: str | None, compare_file: str | None, api_key_env: str | None, replica: int | None,
+            tool: str) -> None:
     """Measure decode tok/s (C1 per stream, C2/C4/C8 aggregate), TTFT and accepted tokens/step."""
     from ..cli import Globals
 
@@ -75,6 +79,16 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
                          "at least one request per stream", fix=f"use --num-prompts {max(levels)} or more")
     if url and replica is not None:
         raise UsageError("--url and --replica both name what to measure", fix="pass one of them")
+    if tool == "vllm":
+        if url:
+            raise UsageError("--tool vllm runs `vllm bench serve` in the head's container: it needs the cluster's "
+                             "settings, not --url", fix="leave --url out (and pick a replica with --replica R)")
+        if duration is not None and n_requests is None:
+            raise UsageError("--tool vllm needs a number of requests per level (vLLM's --num-prompts), not only "
+                             "--duration", fix="add --num-prompts N")
+        input_len = input_len or vllmbench.DEFAULT_INPUT_LEN
+        if replica is None:
+            replica = 0
     workloads = _workloads(workload, prompt_file)
     base = loadgen.load_saved(compare_file) if compare_file else None  # a bad file fails before measuring
     if save:
@@ -102,11 +116,14 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     doc = run.to_dict()
     if target.replica is not None:  # --replica R: which replica this one-endpoint document measured
         doc = {"replica": target.replica, "head": target.head, **doc}
+    side = ""
+    if tool == "vllm" and not run.interrupted and doc["workloads"]:
+        doc["vllm_bench_serve"], side = _vllm_tool(g, target, cfg, doc, err)
     if base is not None:
         doc["compare"] = loadgen.compare(doc, base)
     if save:
         Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    _report(g, doc, run, base, save)
+    _report(g, doc, run, base, save, side)
     if run.interrupted:
         raise click.exceptions.Exit(_interrupted_status())
     problems = loadgen.summarize_failures(doc)
@@ -199,6 +216,43 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
     if problems:
         raise CheckFailed(f"{total['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
                           fix="see the per-request lines above; the tables count only requests that finished")
+
+
+def _vllm_tool(g: Any, target: Target, cfg: loadgen.BenchConfig, doc: dict[str, Any],
+               err: Console) -> tuple[dict[str, Any], str]:
+    """`vllm bench serve` in the target head's container, one run per level of the first workload, over one
+    SSH connection to the head; its results (lists left out) and the side-by-side table."""
+    from ..builders import container_name
+    from ..cluster import Cluster
+
+    s = g.settings().replica(target.replica or 0)
+    head, container = s.head, container_name(s.cluster_name, 0)
+    task, levels = next(iter(doc["workloads"].items()))
+    out: dict[str, Any] = {"container": container, "head": head, "workload_compared": task, "levels": []}
+    pairs = []
+    assert cfg.input_len is not None
+    with Cluster([head], g.ssh_config_path()) as cluster:
+        node = cluster.node(head)
+        for lv in levels:
+            c = int(lv["concurrency"])
+            argv = vllmbench.bench_serve_argv(
+                base_url=f"http://127.0.0.1:{s.getint('PORT')}", model=cfg.model, tokenizer=str(s.get("MODEL")),
+                input_len=cfg.input_len, output_len=cfg.max_tokens, num_prompts=int(lv["requests"]),
+                max_concurrency=c, request_rate=cfg.request_rate, seed=cfg.seed, temperature=cfg.temperature,
+                top_p=cfg.top_p)
+            if g.verbosity >= 0:
+                err.print(f"vllm bench serve in {container} on {head}, C={c}, {lv['requests']} prompts ...", markup=False)
+            r = node.run(vllmbench.exec_argv(container, argv), stdin=((cfg.api_key or "") + "\n").encode(),
+                         timeout=loadgen.level_bound_s(cfg) + 120)
+            if r.exit_code != 0:
+                raise CheckFailed(f"vllm bench serve in {container} on {head} exited {r.exit_code}: "
+                                  f"{(r.stderr or r.stdout).strip()[-600:]}", node=head,
+                                  fix="see its output; the serving image must have vLLM with `vllm bench serve`")
+            theirs = vllmbench.parse_result(r.stdout, f"{head} ({container})")
+            out["levels"].append({"concurrency": c, "argv": argv,
+                                  "result": {k: v for k, v in theirs.items() if not isinstance(v, list)}})
+            pairs.append((c, lv, theirs))
+    return out, vllmbench.side_by_side(pairs)
 
 
 def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[str, Any]:
@@ -361,7 +415,8 @@ def _notes(doc: dict[str, Any], run: loadgen.BenchRun) -> list[str]:
     return notes
 
 
-def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None) -> None:
+def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None,
+            side: str = "") -> None:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     notes = _notes(doc, run)
     if g.json:
@@ -370,6 +425,8 @@ def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, 
             err.print(f"note: {n}", markup=False)
         return
     out = [loadgen.render_table(doc), "", loadgen.render_details(doc)]
+    if side:
+        out += ["", side]
     if base is not None:
         out += ["", loadgen.render_compare(doc, base)]
     out += [f"note: {n}" for n in notes]
