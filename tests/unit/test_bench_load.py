@@ -202,3 +202,14 @@ def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_lo
 def test_tool_vllm_refuses_url(capsys):
     code, out, err = run_cli(["bench", "--tool", "vllm", "--url", "http://127.0.0.1:9"], capsys)
     assert code == 2 and "head's container" in err
+
+
+def test_cli_duration_and_request_rate_levels_of_no_fixed_size(standin, capsys):
+    code, out, err = run_cli(["--json", "bench", "--url", standin, "--workload", "prose", "--concurrency", "2",
+                              "--duration", "0.3", "--request-rate", "20", "--output-len", "4", "--warmup", "0"],
+                             capsys)
+    assert code == 0, err
+    assert "sent for 0.3 s per level" in err and "Poisson arrivals at 20 req/s" in err
+    doc = json.loads(out)
+    lv = doc["workloads"]["prose"][0]
+    assert doc["config"]["num_prompts"] == {"C2": None} and lv["request_rate"] == 20.0 and lv["completed"] >= 1
