@@ -1,10 +1,11 @@
-"""`sparkctl bench`: the model card's throughput table, measured the card's way, on a running service.
+"""`sparkctl bench`: vLLM's serving metrics and the model card's throughput table, on a running service.
 
 Without --url it measures the head's API from the settings: http://<head>:PORT, where <head> is the
 HostName the ssh config gives the first node's alias, and the model is SERVED_MODEL_NAME.
 With several replicas it measures every replica's head at once (one run per head, the same config,
 the levels in step: loadgen.run_replicas) and adds the total; `--replica R` measures one of them.
-The measuring itself is in sparkctl.loadgen; this module is input, progress and output.
+The measuring itself is in sparkctl.loadgen (the metrics: sparkctl.benchmetrics); `--tool vllm` also runs
+`vllm bench serve` in the head's container (sparkctl.vllmbench). This module is input, progress and output.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
             seed: int, input_len: int | None, warmup: int, max_tokens: int, timeout: float,
             save: str | None, compare_file: str | None, api_key_env: str | None, replica: int | None,
             tool: str) -> None:
-    """Measure decode tok/s (C1 per stream, C2/C4/C8 aggregate), TTFT and accepted tokens/step."""
+    """vLLM's serving metrics (TTFT, TPOT, ITL, E2EL, throughput: `vllm bench serve`'s definitions) and the
+    model card's table (decode tok/s per stream and aggregate, TTFT, accepted tokens/step)."""
     from ..cli import Globals
 
     assert isinstance(g, Globals)
