@@ -41,12 +41,14 @@ subprocesses would not see its trampolines either. cosmic-ray mutates the real f
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -65,6 +67,7 @@ class Module:
     tests: tuple[str, ...]  # the unit tests that exercise it: the fast pass's selection
     lab: tuple[str, ...] = ()  # the lab tests that exercise it, for --lab
     note: str = ""
+    floor: float | None = None  # --check-floors: the least score (percent) this module keeps; None: not yet measured
 
 
 # The safety-critical modules (issue 32) and the tests that exercise each one.
@@ -74,25 +77,30 @@ MODULES: dict[str, Module] = {
                        "tests/unit/test_hostile_values.py"),
                       ("tests/lab/test_connections_lab.py", "tests/lab/test_hostile_lab.py"),
                       "the SSH layer: ssh -G, host keys, the transport, the channel"),
-    "hostkeys": Module((f"{PKG}/cluster/hostkeys.py",), ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py"),
+    "hostkeys": Module((f"{PKG}/cluster/hostkeys.py",),
+                       ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py", "-k",
+                        "hostkeys or host_key or hashed or trust or hop or aliases_of_one"),
                        ("tests/lab/test_connections_lab.py",), "host-key verdicts alone (part of cluster)"),
+    "sshconfig": Module((f"{PKG}/cluster/sshconfig.py",),
+                        ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py", "tests/unit/test_ssh_setups.py"),
+                        ("tests/lab/test_connections_lab.py",), "ssh -G, Host patterns, Include (part of cluster)"),
+    # The fast files first: with -x a killed mutant stops at the first red test.
     "cleanup": Module((f"{PKG}/cleanup.py",),
-                      ("tests/unit/test_safety_offline.py", "tests/unit/test_lifecycle_paths.py",
-                       "tests/unit/test_crash_safety.py"),
+                      ("tests/unit/test_crash_safety.py", "tests/unit/test_status_orphans.py",
+                       "tests/unit/test_safety_offline.py"),
                       ("tests/lab/test_foreign_lab.py", "tests/lab/test_lifecycle_lab.py")),
     "service": Module((f"{PKG}/service.py",),
-                      ("tests/unit/test_lifecycle_paths.py", "tests/unit/test_lifecycle_units.py",
-                       "tests/unit/test_safety_offline.py", "tests/unit/test_crash_safety.py"),
+                      ("tests/unit/test_lifecycle_units.py", "tests/unit/test_crash_safety.py",
+                       "tests/unit/test_lifecycle_paths.py", "tests/unit/test_safety_offline.py"),
                       ("tests/lab/test_lifecycle_lab.py", "tests/lab/test_secrets_lab.py")),
     "lock": Module((f"{PKG}/lock.py",),
-                   ("tests/unit/test_crash_safety.py", "tests/unit/test_lifecycle_paths.py",
-                    "tests/unit/test_lifecycle_units.py"),
+                   ("tests/unit/test_lifecycle_units.py", "tests/unit/test_crash_safety.py"),
                    ("tests/lab/test_lifecycle_lab.py",)),
-    "signals": Module((f"{PKG}/signals.py",), ("tests/unit/test_crash_safety.py", "tests/unit/test_threads.py"),
+    "signals": Module((f"{PKG}/signals.py",), ("tests/unit/test_threads.py", "tests/unit/test_crash_safety.py"),
                       ("tests/lab/test_signals_lab.py",)),
     "builders": Module((f"{PKG}/builders.py",),
-                       ("tests/unit/test_hostile_values.py", "tests/unit/test_render.py",
-                        "tests/unit/test_safety_offline.py", "tests/unit/test_lifecycle_units.py"),
+                       ("tests/unit/test_lifecycle_units.py", "tests/unit/test_render.py",
+                        "tests/unit/test_hostile_values.py"),
                        ("tests/lab/test_secrets_lab.py", "tests/lab/test_lifecycle_lab.py")),
     "plan": Module((f"{PKG}/plan.py",), ("tests/unit/test_plan.py", "tests/unit/test_render.py"),
                    (), "the KV plan; vLLM's own planner judges it in tests/fidelity (its own venv)"),
@@ -182,6 +190,58 @@ def _config(path: Path, module: Module, command: str, timeout: float, excluded: 
     path.write_text("\n".join(lines))
 
 
+def _annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The (line, column) spans of the file's annotations, if Python never evaluates them.
+
+    Under `from __future__ import annotations` an annotation is a string nobody reads at run time
+    (unless something calls get_type_hints: a file that names it, pydantic or typer is left alone), so
+    a mutant inside one (`str | None` -> `str & None`, the commonest of cosmic-ray's) is equivalent by
+    construction. Columns are characters, as cosmic-ray's (parso's) positions are; ast's are bytes."""
+    text = path.read_text()
+    if "from __future__ import annotations" not in text or re.search(r"get_type_hints|pydantic|typer", text):
+        return []
+    lines = text.splitlines()
+
+    def pos(line: int, col: int) -> tuple[int, int]:
+        return line, len(lines[line - 1].encode()[:col].decode(errors="ignore"))
+
+    spans = []
+    for node in ast.walk(ast.parse(text)):
+        notes: list[ast.expr | None] = []
+        if isinstance(node, ast.arg):
+            notes = [node.annotation]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            notes = [node.returns]
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        for n in notes:
+            if n is not None and n.end_lineno is not None and n.end_col_offset is not None:
+                spans.append((pos(n.lineno, n.col_offset), pos(n.end_lineno, n.end_col_offset)))
+    return spans
+
+
+def _skip_annotations(session: Path) -> int:
+    """Mark every mutant that lies wholly inside an unevaluated annotation as skipped; how many."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    spans: dict[Path, list[tuple[tuple[int, int], tuple[int, int]]]] = {}
+    skipped = 0
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            inside = True
+            for m in item.mutations:
+                path = Path(m.module_path).resolve()
+                if path not in spans:
+                    spans[path] = _annotation_spans(path)
+                start, end = tuple(m.start_pos), tuple(m.end_pos)
+                inside = inside and any(a <= start and end <= b for a, b in spans[path])
+            if inside and item.mutations:
+                db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="annotation"))
+                skipped += 1
+    return skipped
+
+
 def _changed_lines(diff: str) -> tuple[int | None, str]:
     """The module's line number of the first changed line, and the diff's -/+ lines."""
     line, first = None, None
@@ -205,6 +265,7 @@ def _read_session(session: Path, result: Result) -> None:
         for item, res in db.completed_work_items:
             if res.worker_outcome == "skipped":
                 result.outcomes["skipped"] += 1
+                result.outcomes["in annotations"] += res.output == "annotation"
                 continue
             if res.worker_outcome in ("exception", "abnormal"):
                 result.outcomes["incompetent"] += 1
@@ -260,9 +321,10 @@ def run_module(name: str, module: Module, args: argparse.Namespace) -> Result:
             subprocess.run([_bin("cr-filter-pragma"), str(session)], cwd=ROOT, check=True)
             if args.exclude_operator:
                 subprocess.run([_bin("cr-filter-operators"), str(session), str(cfg)], cwd=ROOT, check=True)
+            say(f"{name}: {_skip_annotations(session)} mutants inside annotations skipped (never evaluated)")
         say(f"{name}: baseline {result.baseline_s:.1f} s over {' '.join(tests)}; running the mutants "
             f"(session {session.relative_to(ROOT) if session.is_relative_to(ROOT) else session})")
-        subprocess.run([_bin("cosmic-ray"), "exec", str(cfg), str(session)], cwd=ROOT, check=True)
+        _exec(cfg, session, args.budget * 60 - (time.monotonic() - start) if args.budget else None, name)
         _read_session(session, result)
         if args.confirm or args.lab:
             _confirm(result, module, args)
@@ -271,6 +333,29 @@ def run_module(name: str, module: Module, args: argparse.Namespace) -> Result:
             say(f"{name}: restored {', '.join(restored)} byte-exact (a mutant was left applied)")
         result.seconds = time.monotonic() - start
     return result
+
+
+def _exec(cfg: Path, session: Path, budget_s: float | None, name: str) -> None:
+    """cosmic-ray exec, stopped (with every test it started) once budget_s has passed: the session keeps
+    what ran, and the same command goes on from there."""
+    proc = subprocess.Popen([_bin("cosmic-ray"), "exec", str(cfg), str(session)], cwd=ROOT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(budget_s, 1.0) if budget_s is not None else None)
+    except subprocess.TimeoutExpired:
+        say(f"{name}: --budget spent; stopping (the session keeps what ran)")
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        return
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        raise
+    if rc != 0:
+        raise subprocess.CalledProcessError(rc, "cosmic-ray exec")
 
 
 def _confirm(result: Result, module: Module, args: argparse.Namespace) -> None:
@@ -343,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=str(ROOT / ".mutation"), help="where sessions are kept (default .mutation/)")
     p.add_argument("--fresh", action="store_true", help="start the module's session over")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--budget", type=float, metavar="MINUTES",
+                   help="stop each module's run after MINUTES (the session keeps what ran; run again to go on)")
+    p.add_argument("--check-floors", action="store_true",
+                   help="exit 1 if a module scores below its floor (MODULES[...].floor) or has mutants not run")
     args = p.parse_args(argv)
     if args.list or not args.modules:
         for name, m in MODULES.items():
@@ -369,7 +458,30 @@ def main(argv: list[str] | None = None) -> int:
                                                 "score": r.score, "survivors": r.survivors, "error": r.error,
                                                 "baseline_s": r.baseline_s, "seconds": r.seconds} for r in results],
                                               indent=1))
-    return 1 if any(r.error for r in results) else 0
+    return 1 if any(r.error for r in results) or (args.check_floors and not floors_met(results)) else 0
+
+
+def floors_met(results: list[Result]) -> bool:
+    """Each module's score against its floor: a line per module, False if any is below, unfinished or has none."""
+    ok = True
+    print()
+    for r in results:
+        floor, score, pending = MODULES[r.module].floor, r.score, r.outcomes["pending"]
+        if r.error:
+            continue
+        if floor is None:
+            print(f"{r.module}: no floor set (MODULES['{r.module}'].floor): not judged")
+            ok = False
+        elif pending or score is None:
+            print(f"{r.module}: {pending} mutants not run yet: the floor ({floor:.1f}%) is not judged until all are")
+            ok = False
+        elif 100 * score < floor:
+            print(f"{r.module}: score {100 * score:.1f}% is BELOW its floor {floor:.1f}%: a test stopped "
+                  f"killing mutants; the survivors above say which lines")
+            ok = False
+        else:
+            print(f"{r.module}: score {100 * score:.1f}% >= floor {floor:.1f}%")
+    return ok
 
 
 if __name__ == "__main__":
