@@ -78,8 +78,8 @@ MODULES: dict[str, Module] = {
                       ("tests/lab/test_connections_lab.py", "tests/lab/test_hostile_lab.py"),
                       "the SSH layer: ssh -G, host keys, the transport, the channel"),
     "hostkeys": Module((f"{PKG}/cluster/hostkeys.py",),
-                       ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py", "-k",
-                        "hostkeys or host_key or hashed or trust or hop or aliases_of_one"),
+                       ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py", "tests/unit/test_ssh_setups.py",
+                        "-k", "hostkeys or host_key or hashed or trust or hop or aliases_of_one or cert or revoked"),
                        ("tests/lab/test_connections_lab.py",), "host-key verdicts alone (part of cluster)"),
     "sshconfig": Module((f"{PKG}/cluster/sshconfig.py",),
                         ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py", "tests/unit/test_ssh_setups.py"),
@@ -301,6 +301,8 @@ def run_module(name: str, module: Module, args: argparse.Namespace) -> Result:
     backup = {f: f.read_bytes() for f in files}
     work = Path(args.work).resolve() / name
     work.mkdir(parents=True, exist_ok=True)
+    if args.recheck:
+        return _recheck(result, work, tests, backup)
     key = _session_key(module, tests, args.exclude_operator)
     cfg, session = work / f"{key}.toml", work / f"{key}.sqlite"
     if args.fresh:
@@ -326,11 +328,32 @@ def run_module(name: str, module: Module, args: argparse.Namespace) -> Result:
             f"(session {session.relative_to(ROOT) if session.is_relative_to(ROOT) else session})")
         _exec(cfg, session, args.budget * 60 - (time.monotonic() - start) if args.budget else None, name)
         _read_session(session, result)
-        if args.confirm or args.lab:
-            _confirm(result, module, args)
+        if commands := _confirm_commands(module, args, name):
+            _confirm(result, commands, backup)
     finally:
         if restored := _restore(backup):
             say(f"{name}: restored {', '.join(restored)} byte-exact (a mutant was left applied)")
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def _recheck(result: Result, work: Path, tests: list[str], backup: dict[Path, bytes]) -> Result:
+    """The survivors of the module's latest session, each run again against the module's tests as they
+    are now (after new tests were written for them): the score after, without running every mutant again.
+    The mutants killed before stay killed (tests were only added), and the report says which session."""
+    sessions = sorted(work.glob("*.sqlite"), key=lambda p: p.stat().st_mtime)
+    if not sessions:
+        result.error = "no session to recheck: run the module first"
+        return result
+    start = time.monotonic()
+    try:
+        _read_session(sessions[-1], result)
+        say(f"{result.module}: rechecking {len(result.survivors)} survivors of {sessions[-1].name} "
+            f"against {' '.join(tests)}")
+        _confirm(result, [("new tests", pytest_command(tests))], backup)
+    finally:
+        if restored := _restore(backup):
+            say(f"{result.module}: restored {', '.join(restored)} byte-exact (a mutant was left applied)")
         result.seconds = time.monotonic() - start
     return result
 
@@ -354,29 +377,42 @@ def _exec(cfg: Path, session: Path, budget_s: float | None, name: str) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         raise
+    if rc < 0:  # cosmic-ray was stopped by a signal from outside: as an interruption
+        raise KeyboardInterrupt
     if rc != 0:
         raise subprocess.CalledProcessError(rc, "cosmic-ray exec")
 
 
-def _confirm(result: Result, module: Module, args: argparse.Namespace) -> None:
-    """Re-run each survivor against the whole unit suite (--confirm) and the module's lab subset (--lab)."""
+def _confirm_commands(module: Module, args: argparse.Namespace, name: str) -> list[tuple[str, str]]:
     commands = []
     if args.confirm:
         commands.append(("unit suite", pytest_command(["tests"])))
     if args.lab:
         if not module.lab:
-            say(f"{result.module}: no lab subset named for it")
+            say(f"{name}: no lab subset named for it")
         else:
             commands.append(("lab: " + " ".join(module.lab), pytest_command(list(module.lab), "lab")))
+    return commands
+
+
+def _confirm(result: Result, commands: list[tuple[str, str]], backup: dict[Path, bytes],
+             timeout: float = 1800) -> None:
+    """Run each survivor again under each (label, command); one that any command kills is counted
+    killed, with what killed it."""
     still = []
     for s in result.survivors:
         for label, command in commands:
-            r = subprocess.run([_bin("cosmic-ray"), "mutate-and-test", str(ROOT / str(s["file"])), str(s["operator"]),
-                                str(s["occurrence"]), command], cwd=ROOT, capture_output=True, text=True, check=False)
             try:
+                r = subprocess.run([_bin("cosmic-ray"), "mutate-and-test", str(ROOT / str(s["file"])),
+                                    str(s["operator"]), str(s["occurrence"]), command], cwd=ROOT,
+                                   capture_output=True, text=True, check=False, timeout=timeout)
                 outcome = json.loads(r.stdout).get("test_outcome")
+            except subprocess.TimeoutExpired:
+                outcome = "killed"  # as cosmic-ray counts a timeout
             except ValueError:
                 outcome = None
+            finally:
+                _restore(backup)
             if outcome == "killed":
                 s["killed_by"] = label
                 break
@@ -428,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=str(ROOT / ".mutation"), help="where sessions are kept (default .mutation/)")
     p.add_argument("--fresh", action="store_true", help="start the module's session over")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--recheck", action="store_true",
+                   help="run only the survivors of the module's latest session again, against its tests now\n"
+                        "(after new tests were written for them): the score after, in minutes, not hours")
     p.add_argument("--budget", type=float, metavar="MINUTES",
                    help="stop each module's run after MINUTES (the session keeps what ran; run again to go on)")
     p.add_argument("--check-floors", action="store_true",
@@ -446,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown module(s) {', '.join(unknown)}: one of {', '.join(MODULES)}")
     os.chdir(ROOT)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # `kill PID` stops it as Ctrl-C does: the module's file restored
+    signal.signal(signal.SIGINT, stop)  # also when started in the background (`&` ignores SIGINT)
     results = []
     try:
         for name in names:
