@@ -100,3 +100,9 @@ def test_a_key_marked_revoked_is_revoked_even_beside_a_trusting_line(tmp_path: P
     assert verdict.status == "revoked"
     assert hostkeys.host_key_error(_target(path, "hosta"), verdict).kind == "hostkey-revoked"
     assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", LOW).status == "changed"
+
+
+def test_a_line_that_is_not_base64_is_skipped_and_the_lines_after_it_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    path.write_text("hostb ssh-ed25519 not*base64\n" + _line("hosta", HIGH))
+    assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", HIGH).status == "trusted"

@@ -1,0 +1,61 @@
+"""cleanup.sweep without SSH or Docker: what it says and reports when a third signal aborts it (a
+mutant of that path survived tests/unit/test_crash_safety.py; bench/mutation.py cleanup, issue 32)."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from sparkctl import cleanup, signals
+from sparkctl.cluster import NodeError
+from sparkctl.cluster.fanout import Results
+
+
+class _Node:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+
+
+def test_a_sweep_aborted_by_a_third_signal_names_each_node_and_what_may_be_left(monkeypatch: Any) -> None:
+    monkeypatch.setattr(cleanup, "remove_cluster", lambda node, cluster: ["sparkctl-c-rank0"])
+    said: list[str] = []
+
+    class Aborted:  # runs the head's group; the third signal arrives while the workers' group runs
+        def run_all(self, job: Any, *, nodes: list[str]) -> Results[Any]:
+            if nodes == ["head"]:
+                job(_Node("head"))
+                return Results({"head": None})
+            raise signals.CleanupAborted(signal.SIGINT)
+
+    with pytest.raises(signals.CleanupAborted):
+        cleanup.sweep(Aborted(), "c", [["head"], ["w1", "w2"]],  # type: ignore[arg-type]
+                      expected={"w1": ["sparkctl-c-rank1"]}, say=said.append)
+    assert said == [
+        "aborted: the cleanup did not finish; per node:",
+        "  head: removed sparkctl-c-rank0",
+        "  w1: NOT clean (removal not finished: aborted by a third signal); may still be there: sparkctl-c-rank1",
+        "  w2: NOT clean (removal not finished: aborted by a third signal); may still be there: (unknown: not inspected)",
+        "run `sparkctl down` to remove what is left",
+    ]
+
+
+def test_an_unreachable_node_is_reported_with_what_was_expected_there(monkeypatch: Any) -> None:
+    class Unreachable:
+        def run_all(self, job: Any, *, nodes: list[str]) -> Results[Any]:
+            return Results({n: NodeError(n, "ssh", "connection refused") for n in nodes})
+
+    report = cleanup.sweep(Unreachable(), "c", [["n1"]], expected={"n1": ["sparkctl-c-rank0"]})  # type: ignore[arg-type]
+    assert cleanup.sweep_lines(report) == ["n1: NOT clean (connection refused); may still be there: sparkctl-c-rank0"]
+
+
+def test_the_newest_2000_audit_lines_are_all_read() -> None:
+    from sparkctl import lock
+
+    first = lock.audit_line(action="up", rank=0, container="a" * 64)
+    text = "\n".join([first, *[lock.audit_line(action="status")] * 1999])
+    assert cleanup.parse_up_records(text).ids == {"a" * 64}  # the 2000th newest line still counts
+    assert cleanup.parse_up_records("x\n" * 1 + text + "\n" + first.replace("a" * 64, "b" * 64)).ids == {"b" * 64}

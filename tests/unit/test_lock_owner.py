@@ -1,0 +1,63 @@
+"""lock.py without a head: the owner file is untrusted text, and a live holder is asked once, never
+broken (mutants of these lines survived tests/unit/test_crash_safety.py; bench/mutation.py lock, issue 32)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from sparkctl import lock
+from sparkctl.cluster.channel import RunResult
+from sparkctl.errors import CheckFailed
+
+GOOD = {"who": "ann", "pid": 4242, "since": "2026-12-02T10:00:00Z", "command": "up", "token": "t0k"}
+
+
+def _parse(**over: Any) -> lock.LockOwner | None:
+    return lock.LockOwner.parse(json.dumps({**GOOD, **over}))
+
+
+@pytest.mark.parametrize("field", ["who", "since", "command", "token"])
+def test_an_owner_file_with_a_field_that_is_not_text_is_not_ours(field: str) -> None:
+    assert _parse() is not None
+    assert _parse(**{field: 5}) is None
+    assert _parse(pid=True) is None and _parse(pid="4242") is None
+
+
+def test_a_pid_out_of_range_is_unknown_never_a_real_pid() -> None:
+    # pid 1 would be init: always alive, so a lock written with a huge pid would never be judged dead
+    assert _parse(pid=2**40).pid == -1 and _parse(pid=-7).pid == -1  # type: ignore[union-attr]
+    assert _parse(pid=2**32 - 1).pid == 2**32 - 1  # type: ignore[union-attr]
+
+
+def test_the_holders_lease_is_kept_within_bounds() -> None:
+    assert _parse(lease_s=600).lease_s == 600  # type: ignore[union-attr]
+    assert _parse(lease_s=999_999).lease_s == 999_999  # type: ignore[union-attr]
+    assert _parse(lease_s=10**6).lease_s == lock.LEASE_S  # type: ignore[union-attr]
+    assert _parse(lease_s=0).lease_s == lock.LEASE_S  # type: ignore[union-attr]
+
+
+def test_the_holder_is_described_with_its_host_only_when_it_named_one() -> None:
+    assert " on spark1)" in _parse(host="spark1").describe()  # type: ignore[union-attr]
+    assert _parse().describe() == "ann (pid 4242) since 2026-12-02T10:00:00Z, running `up`"  # type: ignore[union-attr]
+
+
+class _Head:
+    """A head whose lock is held by a live holder on another machine: every acquire fails."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def run(self, argv: list[str], *, timeout: float | None = None, stdin: bytes | None = None) -> RunResult:
+        self.calls.append(argv[3])
+        holder = json.dumps({**GOOD, "host": "elsewhere", "machine_id": "m" * 32, "boot_id": "b", "start_ticks": 9})
+        return RunResult(holder + "\n", "", 1, 0.0)
+
+
+def test_a_live_holder_is_asked_once_and_never_broken() -> None:
+    head = _Head()
+    with pytest.raises(CheckFailed, match="is locked on spark1 by ann"):
+        lock._acquire(head, "spark1", "c", lock.new_owner("down"))
+    assert head.calls == ["sparkctl-lock"]  # one acquire: no release, no audit line, no second try
