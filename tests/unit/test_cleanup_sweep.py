@@ -59,3 +59,26 @@ def test_the_newest_2000_audit_lines_are_all_read() -> None:
     text = "\n".join([first, *[lock.audit_line(action="status")] * 1999])
     assert cleanup.parse_up_records(text).ids == {"a" * 64}  # the 2000th newest line still counts
     assert cleanup.parse_up_records("x\n" * 1 + text + "\n" + first.replace("a" * 64, "b" * 64)).ids == {"b" * 64}
+
+
+def test_a_node_whose_listing_failed_names_what_was_expected_there(monkeypatch: Any) -> None:
+    def remove(node: Any, cluster: str) -> list[str]:  # `docker ps` itself failed: nothing listed
+        raise cleanup.RemoveFailed(node.name, "cannot remove containers: docker is down", [])
+
+    class One:
+        def run_all(self, job: Any, *, nodes: list[str]) -> Results[Any]:
+            for n in nodes:
+                job(_Node(n))
+            return Results({n: None for n in nodes})
+
+    monkeypatch.setattr(cleanup, "remove_cluster", remove)
+    report = cleanup.sweep(One(), "c", [["n1"]], expected={"n1": ["sparkctl-c-rank0"]})  # type: ignore[arg-type]
+    assert cleanup.sweep_lines(report) == [
+        "n1: NOT clean (cannot remove containers: docker is down); may still be there: sparkctl-c-rank0"]
+
+
+def test_an_audit_line_that_is_not_json_does_not_hide_the_lines_after_it() -> None:
+    from sparkctl import lock
+
+    text = "\n".join(["not json", lock.audit_line(action="up", rank=0, container="a" * 64)])
+    assert cleanup.parse_up_records(text).ids == {"a" * 64}

@@ -61,3 +61,41 @@ def test_a_live_holder_is_asked_once_and_never_broken() -> None:
     with pytest.raises(CheckFailed, match="is locked on spark1 by ann"):
         lock._acquire(head, "spark1", "c", lock.new_owner("down"))
     assert head.calls == ["sparkctl-lock"]  # one acquire: no release, no audit line, no second try
+
+
+def test_a_heartbeat_line_is_only_the_marks_own() -> None:
+    assert lock.heartbeat_age(f"{lock.AGE_MARK} 100 40\n") == 60
+    assert lock.heartbeat_age("zzz 100 40\n") is None  # a word that sorts after the mark is not the mark
+    assert lock.heartbeat_age(f"{lock.AGE_MARK}x 100 40\n") is None
+
+
+def test_an_owner_without_its_start_time_is_not_judged_dead_on_this_machine() -> None:
+    import dataclasses
+
+    me = lock.new_owner("check")
+    assert me.machine_id and me.boot_id, "this test needs /etc/machine-id and a boot_id"
+    # written by this machine, but the pid's start time could not be read (-1): not provably dead
+    assert lock.holder_verdict(dataclasses.replace(me, pid=2**31 - 1, start_ticks=-1)) is None
+    assert lock.holder_verdict(dataclasses.replace(me, pid=2**31 - 1)) == f"pid {2**31 - 1} on {me.host} is gone"
+
+
+def test_text_from_the_owner_file_and_ids_in_audit_lines_are_capped() -> None:
+    owner = _parse(who="w" * 300)
+    assert owner is not None and owner.who == "w" * 256
+    assert json.loads(lock.audit_line(action="up", container="c" * 200))["container"] == "c" * 128
+
+
+def test_an_audit_line_is_the_same_text_for_the_same_event() -> None:
+    line = lock.audit_line(action="up", rank=1, detail="d", who="ann", when="2026-12-02T10:00:00Z", container="c1",
+                           config_hash="h")
+    assert list(json.loads(line)) == sorted(json.loads(line))
+
+
+def test_the_heartbeat_beats_every_quarter_lease_and_never_keeps_a_dead_command_alive() -> None:
+    head = _Head()
+    beat = lock._Heartbeat(head, "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=60))
+    try:
+        assert beat._every == 15.0
+        assert beat._thread.daemon  # a command that dies without stop() does not stay alive heartbeating
+    finally:
+        beat.stop()
