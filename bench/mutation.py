@@ -9,11 +9,26 @@ surviving mutant) is printed with its diff.
     .venv/bin/python bench/mutation.py plan --tests 'tests/unit/test_plan.py -k dcp'  # a narrower selection
     .venv/bin/python bench/mutation.py cleanup --confirm    # survivors re-run against the whole unit suite
     .venv/bin/python bench/mutation.py fabric --lab         # ... and against the module's lab subset (root)
+    nice -n 19 .venv/bin/python bench/mutation.py lock --budget 30   # 30 minutes of it; run again to go on
+    .venv/bin/python bench/mutation.py lock --recheck       # the last session's survivors, against the tests now
+    .venv/bin/python bench/mutation.py systemd_unit --check-floors  # exit 1 below the module's floor
 
 Not run by CI: each mutant is one pytest run (2-30 s here), and a module has 50 to 2,000 mutants. Run a
 module at a time; a session is kept under --work (default .mutation/, ignored by git) and resumed when
 the same module is asked again with the same tests (same code, same test files), so an interrupted run
 goes on where it stopped (--fresh starts over).
+
+cosmic-ray runs the pending mutants in a random order (its WorkDB asks SQLite for them so), so a run
+stopped by --budget has judged a fair sample: its score estimates the module's, and the report says
+how many are still to run. A mutant that lies wholly inside an annotation of a file that has `from
+__future__ import annotations` (and no get_type_hints/pydantic/typer) is skipped before the run: such
+an annotation is never evaluated, so the mutant is equivalent by construction (`str | None` -> `str &
+None` was the commonest survivor: 11 to 143 of a module's mutants).
+
+--check-floors is the shape for a gate: each module that has been run to its end has a floor (its
+score after its survivors were killed or explained), and the run exits 1 when a module scores below
+it or has mutants still to run. It is not a CI step: the whole list is hours to days of CPU here
+(docs/mutations.md, issue 32, has the measured rates), and CI's budget is 60 minutes.
 
 How it works: for each module, the selected tests first run once on the unchanged code (the baseline:
 it must pass, and its time sets the per-mutant timeout, 3x + 30 s); then `cosmic-ray init` lists the
@@ -97,7 +112,8 @@ MODULES: dict[str, Module] = {
                    ("tests/unit/test_lock_owner.py", "tests/unit/test_lifecycle_units.py",
                     "tests/unit/test_crash_safety.py"),
                    ("tests/lab/test_lifecycle_lab.py",)),
-    "signals": Module((f"{PKG}/signals.py",), ("tests/unit/test_threads.py", "tests/unit/test_crash_safety.py"),
+    "signals": Module((f"{PKG}/signals.py",),
+                      ("tests/unit/test_signals_states.py", "tests/unit/test_threads.py", "tests/unit/test_crash_safety.py"),
                       ("tests/lab/test_signals_lab.py",)),
     "builders": Module((f"{PKG}/builders.py",),
                        ("tests/unit/test_lifecycle_units.py", "tests/unit/test_render.py",
@@ -108,7 +124,7 @@ MODULES: dict[str, Module] = {
     "settings": Module((f"{PKG}/settings.py",), ("tests/unit/test_settings.py", "tests/unit/test_safety_offline.py"),
                        ("tests/lab/test_secrets_lab.py",), "redaction and strict keys"),
     "systemd_unit": Module((f"{PKG}/systemd_unit.py",), ("tests/unit/test_watch.py",),
-                           ("tests/lab/test_watch_lab.py",)),
+                           ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; M62 equivalent
     "fabric": Module((f"{PKG}/fabric.py",), ("tests/unit/test_fabric.py", "tests/unit/test_safety_offline.py"),
                      ("tests/lab/test_fabric_lab.py",), "the fabric test and its sweep"),
     "probes": Module((f"{PKG}/probes/ckpt_scan.py", f"{PKG}/probes/hf_pull.py", f"{PKG}/probes/model_node.py",
