@@ -37,6 +37,9 @@ def test_the_holders_lease_is_kept_within_bounds() -> None:
     assert _parse(lease_s=999_999).lease_s == 999_999  # type: ignore[union-attr]
     assert _parse(lease_s=10**6).lease_s == lock.LEASE_S  # type: ignore[union-attr]
     assert _parse(lease_s=0).lease_s == lock.LEASE_S  # type: ignore[union-attr]
+    assert _parse(lease_s=10**7).lease_s == lock.LEASE_S  # type: ignore[union-attr]
+    assert _parse(start_ticks=2**63 - 1).start_ticks == 2**63 - 1  # type: ignore[union-attr]
+    assert _parse(start_ticks=2**63).start_ticks == -1  # type: ignore[union-attr]
 
 
 def test_the_holder_is_described_with_its_host_only_when_it_named_one() -> None:
@@ -63,10 +66,33 @@ def test_a_live_holder_is_asked_once_and_never_broken() -> None:
     assert head.calls == ["sparkctl-lock"]  # one acquire: no release, no audit line, no second try
 
 
+def test_a_live_holder_is_waited_for_and_a_stale_one_may_be_broken() -> None:
+    with pytest.raises(CheckFailed) as live:
+        lock._acquire(_Head(), "spark1", "c", lock.new_owner("down"))
+    assert (live.value.fix or "").startswith("wait for it to finish")
+
+    class StaleHead(_Head):
+        def run(self, argv: list[str], *, timeout: float | None = None, stdin: bytes | None = None) -> RunResult:
+            r = super().run(argv)
+            return RunResult(r.stdout + f"{lock.AGE_MARK} 1000 10\n", "", 1, 0.0)
+
+    with pytest.raises(CheckFailed) as stale:
+        lock._acquire(StaleHead(), "spark1", "c", lock.new_owner("down"))
+    assert (stale.value.fix or "").startswith("if that run is really gone, break the lock")
+
+
+def test_lock_status_json_never_shows_the_token() -> None:
+    shown = _parse().public()  # type: ignore[union-attr]
+    assert "token" not in shown and shown["who"] == "ann" and shown["pid"] == 4242
+
+
 def test_a_heartbeat_line_is_only_the_marks_own() -> None:
     assert lock.heartbeat_age(f"{lock.AGE_MARK} 100 40\n") == 60
     assert lock.heartbeat_age("zzz 100 40\n") is None  # a word that sorts after the mark is not the mark
     assert lock.heartbeat_age(f"{lock.AGE_MARK}x 100 40\n") is None
+    line = f"{lock.AGE_MARK} 100 40\n"
+    assert lock.heartbeat_age(line + "x" * (4096 - len(line))) == 60  # the last 4096 characters are read
+    assert lock.heartbeat_age(line + "x" * (4097 - len(line))) is None  # the mark cut: not read
 
 
 def test_an_owner_without_its_start_time_is_not_judged_dead_on_this_machine() -> None:
@@ -97,5 +123,20 @@ def test_the_heartbeat_beats_every_quarter_lease_and_never_keeps_a_dead_command_
     try:
         assert beat._every == 15.0
         assert beat._thread.daemon  # a command that dies without stop() does not stay alive heartbeating
+    finally:
+        beat.stop()
+
+
+def test_the_heartbeat_touches_the_lock_while_held() -> None:
+    import time
+
+    head = _Head()
+    beat = lock._Heartbeat(head, "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=4))  # every 1 s
+    try:
+        for _ in range(200):  # at most 20 s for a beat due after 1 s
+            if head.calls:
+                break
+            time.sleep(0.1)
+        assert head.calls[:1] == ["sparkctl-lock-heartbeat"]
     finally:
         beat.stop()

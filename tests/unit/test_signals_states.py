@@ -39,3 +39,29 @@ def test_reopen_raises_the_first_signal_noted_after_the_point_of_no_return(handl
     assert exc.value.signum == signal.SIGTERM
     signals.commit()
     signals.reopen()  # nothing noted since: nothing raised
+
+
+def test_after_the_point_of_no_return_no_signal_aborts_anything(handlers: None, capsys: Any) -> None:  # noqa: F811
+    signals.commit()
+    for _ in range(4):  # the third and fourth too: nothing is being cleaned up, nothing to abort
+        _send(signal.SIGTERM)
+    assert capsys.readouterr().err.count("nothing will be undone") == 4
+
+
+def test_watch_committed_by_a_restart_says_the_point_of_no_return_not_stopping(handlers: None,  # noqa: F811
+                                                                              capsys: Any) -> None:
+    signals.end_on_first()
+    signals.commit()  # `up`'s path inside watch's restart: nothing was raised, so watch is not stopping
+    _send(signal.SIGTERM)
+    err = capsys.readouterr().err
+    assert "after the point of no return" in err and "while stopping" not in err
+
+
+def test_a_closed_stderr_does_not_stop_a_signal_from_being_handled(monkeypatch: Any) -> None:
+    import io
+    import sys
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    signals._note("SIGTERM received")  # ValueError: I/O operation on closed file, swallowed
