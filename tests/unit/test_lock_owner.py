@@ -122,6 +122,9 @@ def test_the_heartbeat_beats_every_quarter_lease_and_never_keeps_a_dead_command_
     beat = lock._Heartbeat(head, "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=60))
     try:
         assert beat._every == 15.0
+        short = lock._Heartbeat(head, "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=4))
+        short.stop()
+        assert short._every == 1.0  # a quarter of a 4 s lease
         assert beat._thread.daemon  # a command that dies without stop() does not stay alive heartbeating
     finally:
         beat.stop()
@@ -140,3 +143,9 @@ def test_the_heartbeat_touches_the_lock_while_held() -> None:
         assert head.calls[:1] == ["sparkctl-lock-heartbeat"]
     finally:
         beat.stop()
+
+
+def test_an_unreadable_start_time_is_unknown_and_an_unreadable_owner_is_pid_0(monkeypatch: Any) -> None:
+    monkeypatch.setattr(lock, "_start_ticks", lambda pid: None)
+    assert lock.new_owner("up").start_ticks == -1  # never 0: a real start time to compare with later
+    assert lock._state_from("not an owner file").owner.pid == 0
