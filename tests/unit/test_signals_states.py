@@ -65,3 +65,42 @@ def test_a_closed_stderr_does_not_stop_a_signal_from_being_handled(monkeypatch: 
     closed.close()
     monkeypatch.setattr(sys, "stderr", closed)
     signals._note("SIGTERM received")  # ValueError: I/O operation on closed file, swallowed
+
+
+def test_a_fresh_state_lets_the_first_signal_interrupt() -> None:
+    s = signals._State()  # the state a command starts in, before any reset()
+    assert (s.shield, s.committed, s.stopping, s.end_on_first, s.pending, s.late) == (0, False, False, False,
+                                                                                      None, None)
+    assert signals.signal_name(999) == "signal 999" and signals.signal_name(signal.SIGTERM) == "SIGTERM"
+
+
+def test_watch_stops_on_the_first_signal_and_notes_the_rest_as_stopping(handlers: None,  # noqa: F811
+                                                                         capsys: Any) -> None:
+    signals.end_on_first()
+    with pytest.raises(signals.Interrupted):
+        _send(signal.SIGTERM)
+    assert signals.is_committed()  # the stop is its own point of no return
+    _send(signal.SIGTERM)  # `timeout` sends a second one
+    err = capsys.readouterr().err
+    assert "received while stopping: finishing the stop" in err and "after the point of no return" not in err
+
+
+def test_after_reopen_a_signal_interrupts_again(handlers: None) -> None:  # noqa: F811
+    signals.commit()
+    signals.reopen()
+    with pytest.raises(signals.Interrupted):
+        _send(signal.SIGINT)
+
+
+def test_a_stderr_that_cannot_be_written_does_not_stop_a_signal_from_being_handled(monkeypatch: Any) -> None:
+    import sys
+
+    class Broken:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Broken())
+    signals._note("SIGHUP received")
