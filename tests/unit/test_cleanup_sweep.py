@@ -11,6 +11,7 @@ import pytest
 from sparkctl import cleanup, signals
 from sparkctl.cluster import NodeError
 from sparkctl.cluster.fanout import Results
+from tests.unit.test_crash_safety import handlers  # noqa: F401  (the fixture: sparkctl's handlers)
 
 
 class _Node:
@@ -82,3 +83,46 @@ def test_an_audit_line_that_is_not_json_does_not_hide_the_lines_after_it() -> No
 
     text = "\n".join(["not json", lock.audit_line(action="up", rank=0, container="a" * 64)])
     assert cleanup.parse_up_records(text).ids == {"a" * 64}
+
+
+def test_what_a_node_says_is_capped() -> None:
+    import json
+
+    from sparkctl.cluster.channel import RunResult
+
+    listing = "\n".join(f"{i:064x} sparkctl-c-rank{i}" for i in range(150))
+    assert len(cleanup._names(listing)) == 100
+
+    class Failing:
+        name = "n1"
+
+        def run(self, argv: list[str], *, timeout: float | None = None) -> RunResult:
+            return RunResult("", "e" * 500, 1, 0.0)
+
+    with pytest.raises(cleanup.RemoveFailed) as exc:
+        cleanup.remove_cluster(Failing(), "c")  # type: ignore[arg-type]
+    assert exc.value.reason == "cannot remove containers: " + "e" * 300
+    up = json.dumps({"action": "up", "container": "c" * 200})
+    assert cleanup.parse_up_records(up).ids == {"c" * 128}
+
+
+def test_an_older_up_line_counts_only_with_both_its_rank_and_its_config() -> None:
+    import json
+
+    lines = [json.dumps({"action": "up", "rank": 1}), json.dumps({"action": "up", "config_hash": "h"}),
+             json.dumps({"action": "up", "rank": 2, "config_hash": "h2"})]
+    assert cleanup.parse_up_records("\n".join(lines)).legacy == {(2, "h2")}
+
+
+def test_a_signal_during_a_sweep_is_raised_once_it_is_done(handlers: None) -> None:  # noqa: F811
+    import os
+    import time
+
+    class Signalled:
+        def run_all(self, job: Any, *, nodes: list[str]) -> Results[Any]:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            return Results({n: None for n in nodes})
+
+    with pytest.raises(signals.Interrupted):
+        cleanup.sweep(Signalled(), "c", [["n1"]])  # type: ignore[arg-type]
