@@ -45,3 +45,64 @@ def test_another_hosts_key_beside_this_hosts_own_is_changed_not_trusted(tmp_path
     verdict = hostkeys.judge_host_key(_target(known, "hosta"), "ssh-ed25519", KEY_B)
     assert verdict.status == "changed" and [e.key_blob for e in verdict.known] == [KEY_A]
     assert hostkeys.judge_host_key(_target(known, "hosta"), "ssh-ed25519", KEY_A).status == "trusted"
+
+
+# Killed mutants (bench/mutation.py hostkeys, issue 32; docs/mutations.md M800-M806). Fixed blobs: the
+# order of two random ones decided whether a `==` -> `>=` break was seen.
+LOW, HIGH = b"\x01" * 51, b"\xfe" * 51
+
+
+@pytest.mark.parametrize(("offered", "known"), [(LOW, HIGH), (HIGH, LOW)])
+def test_only_the_exact_key_is_trusted_whichever_way_the_blobs_sort(tmp_path: Path, offered: bytes,
+                                                                    known: bytes) -> None:
+    path = tmp_path / "known_hosts"
+    path.write_text(_line("hosta", known))
+    assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", offered).status == "changed"
+    assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", known).status == "trusted"
+
+
+@pytest.mark.parametrize(("pattern", "name", "hit"), [
+    ("10.0.0.?", "10.0.0.7", True), ("10.0.0.*", "10.0.0.17", True), ("n?.lab", "n1.lab", True),
+    # every other character is itself: '.', digits and '-' sort below '?' and are still literal
+    ("10.0.0.1?", "19.0.0.12", False), ("10.0.0.1?", "10a0b0c12", False), ("a-b?", "a.bc", False),
+])
+def test_a_wildcard_stands_only_for_itself(pattern: str, name: str, hit: bool) -> None:
+    assert hostkeys.host_matches([pattern], name) is hit
+
+
+def test_an_entry_with_a_comment_is_read_and_a_short_line_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    path.write_text("hostb ssh-ed25519\n" + _line("hosta", HIGH).rstrip("\n") + " root@hosta\n")
+    assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", HIGH).status == "trusted"
+    assert [e.patterns for e in hostkeys.read_known_hosts([str(path)])] == [("hosta",)]
+
+
+def test_a_file_gone_between_stat_and_open_is_empty() -> None:
+    assert hostkeys._parse_known_hosts("/nonexistent/known_hosts", (0, 0, 0)) == ()
+
+
+def test_trust_replaces_only_this_hosts_key_of_that_type(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    keep = ["# a comment", "hostb ssh-ed25519",                       # a comment, a line too short to be an entry
+            _line("hosta", LOW, "ssh-rsa").rstrip("\n"),              # hosta's key of another type
+            _line("hostb", LOW).rstrip("\n") + " root@hostb",         # another host's key of that type
+            "@cert-authority hosta " + _line("x", LOW).split(" ", 1)[1].rstrip("\n")]
+    old = [_line("hosta", LOW).rstrip("\n"), _line("hosta,10.0.0.1", LOW).rstrip("\n") + " old@hosta"]
+    path.write_text("\n".join([keep[0], old[0], *keep[1:], old[1]]) + "\n")
+    assert hostkeys.record_host_key(_target(path, "hosta"), "ssh-ed25519", HIGH) == str(path)
+    assert path.read_text().splitlines() == [*keep, _line("hosta", HIGH).rstrip("\n")]
+
+
+def test_a_key_marked_revoked_is_revoked_even_beside_a_trusting_line(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    path.write_text(_line("hosta", HIGH) + "@revoked * " + _line("x", HIGH).split(" ", 1)[1])
+    verdict = hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", HIGH)
+    assert verdict.status == "revoked"
+    assert hostkeys.host_key_error(_target(path, "hosta"), verdict).kind == "hostkey-revoked"
+    assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", LOW).status == "changed"
+
+
+def test_a_line_that_is_not_base64_is_skipped_and_the_lines_after_it_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    path.write_text("hostb ssh-ed25519 not*base64\n" + _line("hosta", HIGH))
+    assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", HIGH).status == "trusted"
