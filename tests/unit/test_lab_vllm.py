@@ -86,3 +86,14 @@ def test_the_env_file_names_recipe_lab_vllm_and_the_real_checkpoint(tmp_path: Pa
     for line in ("MODEL=/models/lab-vllm", "RECIPE=lab-vllm", "TP=2", "DCP=1"):
         assert line in text.splitlines()
     assert json.dumps(LLAMA)  # the config above is the one make_model.py writes (kept in step by the lab test)
+
+
+def test_env_tp4_renders_without_a_speculator(clean_env, tmp_path: Path) -> None:
+    from dotenv import dotenv_values
+
+    from sparkctl.render import render_all
+
+    s, plan = _settings(tmp_path)
+    text = render_all(s, plan, resolve_pins(s)).env_tp4
+    values = dotenv_values(stream=__import__("io").StringIO(text))
+    assert values["SPEC_METHOD"] == "off" and "SPEC_K" not in values, text
