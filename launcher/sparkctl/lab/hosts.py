@@ -86,8 +86,7 @@ def create_mntns(paths: HostPaths) -> None:
 def bind_in_host(paths: HostPaths, source: Path, target: str) -> None:
     """Bind `source` at `target` inside the host's mount namespace (once: a bind already there is kept).
     The namespace shares this machine's / privately, so the mount point is made here first."""
-    if source.is_dir():
-        Path(target).mkdir(parents=True, exist_ok=True)
+    Path(target).mkdir(parents=True, exist_ok=True)
     want = os.stat(source)
     got = out(["nsenter", f"--mount={paths.mntns}", "--", "stat", "-c", "%d:%i", target], check=False).strip()
     if got == f"{want.st_dev}:{want.st_ino}":

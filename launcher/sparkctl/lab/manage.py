@@ -342,19 +342,6 @@ def ensure_vllm_models(paths: HostPaths, checkpoint: Path) -> None:
     hosts.bind_in_host(paths, paths.vllm_models, VLLM_MODEL_PATH)
 
 
-def write_hosts_file(files: LabFiles, specs: list[HostSpec]) -> Path:
-    """/etc/hosts for the lab's hosts (bound into each host's mount namespace): every host's management and
-    fabric address by name, as a real cluster's DNS or hosts file has them. torch's c10d asks for the name
-    of every peer address it accepts; in a lab host no DNS answers, and each such lookup waits out the
-    resolver's timeout."""
-    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-    for s in specs:
-        lines += [f"{s.mgmt_ip} {s.name}", f"{s.fabric_ip} {s.name}-fabric"]
-    path = files.root / "etc-hosts"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def write_vllm_env(files: LabFiles, specs: list[HostSpec], tp: int | None) -> None:
     """One TP group on the first TP hosts (default 2: two real ranks are what 2 CPUs serve at ease)."""
     tp = tp or min(len(specs), 2)
@@ -378,10 +365,8 @@ def _up_vllm(files: LabFiles, nodes: int, tp: int | None) -> None:
     all_paths = [HostPaths.of(s.name, files.root) for s in specs]
     venv = vllm_image.ensure_venv()
     checkpoint = ensure_vllm_checkpoint(files, venv)
-    etc_hosts = write_hosts_file(files, specs)
     for paths in all_paths:
         ensure_vllm_models(paths, checkpoint)
-        hosts.bind_in_host(paths, etc_hosts, "/etc/hosts")
     took = vllm_image.ensure_vllm(all_paths)
     say("lab: " + ", ".join(f"{name} {VLLM_IMAGE} {t:.1f}s" for name, t in took.items()))
     write_vllm_env(files, specs, tp)
