@@ -58,6 +58,8 @@ def master_addr(settings: Settings, pins: list[RankPins]) -> str:
 
 def speculative_config(settings: Settings) -> str | None:
     method = settings.get("SPEC_METHOD")
+    if method not in ("mtp", "dspark"):
+        return None  # SPEC_K means nothing then (a recipe without a speculator need not set it)
     tokens = settings.getint("SPEC_K")
     if method == "mtp":
         return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))

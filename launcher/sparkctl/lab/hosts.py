@@ -83,6 +83,17 @@ def create_mntns(paths: HostPaths) -> None:
         where=paths.root.name)
 
 
+def bind_in_host(paths: HostPaths, source: Path, target: str) -> None:
+    """Bind `source` at `target` inside the host's mount namespace (once: a bind already there is kept).
+    The namespace shares this machine's / privately, so the mount point is made here first."""
+    Path(target).mkdir(parents=True, exist_ok=True)
+    want = os.stat(source)
+    got = out(["nsenter", f"--mount={paths.mntns}", "--", "stat", "-c", "%d:%i", target], check=False).strip()
+    if got == f"{want.st_dev}:{want.st_ino}":
+        return
+    run(["nsenter", f"--mount={paths.mntns}", "--", "mount", "--bind", str(source), target], where=paths.root.name)
+
+
 def drop_mntns(paths: HostPaths) -> None:
     for nsfile in (paths.mntns, paths.utsns):
         if str(nsfile) in mountpoints():

@@ -33,6 +33,8 @@ from .state import (
     NS_DIR,
     PORT_IFS,
     RUN_DIR,
+    VLLM_IMAGE,
+    VLLM_MODEL_PATH,
     HostPaths,
     HostSpec,
     LabFiles,
@@ -153,10 +155,10 @@ def lab_tp(nodes: int) -> int:
     return 4 if nodes % 4 == 0 else nodes
 
 
-def print_paths(files: LabFiles) -> None:
+def print_paths(files: LabFiles, engine: str = "standin") -> None:
     """The two lines scripts read from stdout (everything else goes to stderr)."""
     print(f"SPARKCTL_SSH_CONFIG={files.ssh_config}", flush=True)
-    print(f"SPARKCTL_ENV_FILE={files.env_file}", flush=True)
+    print(f"SPARKCTL_ENV_FILE={files.vllm_env_file if engine == 'vllm' else files.env_file}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------- checkpoint
@@ -242,14 +244,23 @@ def _bring_up_host(files: LabFiles, spec: HostSpec, checkpoint: Path, base: Futu
     return time.monotonic() - t0
 
 
-def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None) -> LabFiles:
+def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None, engine: str = "standin") -> LabFiles:
     _require_root()
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"--nodes {nodes}: the lab builds 1 to {MAX_NODES} hosts")
-    if tp is not None and (tp < 1 or nodes % tp):
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine}: the lab runs one of {', '.join(ENGINES)}")
+    if engine == "vllm" and tp is not None and not 1 <= tp <= nodes:
+        raise UsageError(f"--tp {tp}: the real engine's TP group needs {tp} of the lab's {nodes} hosts",
+                         fix=f"choose a --tp from 1 to {nodes}, or more --nodes")
+    if engine != "vllm" and tp is not None and (tp < 1 or nodes % tp):
         raise UsageError(f"--tp {tp}: {nodes} hosts do not split into groups of {tp}",
                          fix=f"choose a --tp that divides {nodes} (the lab has one GPU per host)")
     with exclusive("up"):
+        if engine == "vllm":  # --tp is the real engine's; lab.env (which others use) keeps its default
+            files = _up(nodes, checkpoint, None)
+            _up_vllm(files, nodes, tp)
+            return files
         return _up(nodes, checkpoint, tp)
 
 
@@ -302,6 +313,67 @@ def _up(nodes: int, checkpoint: Path | None, tp: int | None = None) -> LabFiles:
                           fix="read the host's logs under " + str(files.root / "hosts") + ", then run `sparkctl lab up` again")
     say(f"lab: {nodes} hosts up in {time.monotonic() - t0:.1f}s")
     return files
+
+
+# ------------------------------------------------------------------------------------------- --engine vllm
+ENGINES = ("standin", "vllm")
+MAKE_MODEL = Path(__file__).resolve().parents[3] / "tests" / "realengine" / "make_model.py"
+
+
+def ensure_vllm_checkpoint(files: LabFiles, venv: Path) -> Path:
+    """The real engine's checkpoint, made once offline by make_model.py in the real-engine venv."""
+    done = files.vllm_checkpoint / COPY_STAMP
+    if done.exists():
+        return files.vllm_checkpoint
+    if not MAKE_MODEL.is_file():
+        raise CheckFailed(f"lab --engine vllm: {MAKE_MODEL} is missing", fix="run it from a sparkctl checkout")
+    if files.vllm_checkpoint.exists():
+        shutil.rmtree(files.vllm_checkpoint)
+    run([str(venv / "bin" / "python"), str(MAKE_MODEL), str(files.vllm_checkpoint)], timeout=600,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(files.root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        where="lab --engine vllm checkpoint")
+    done.write_text("complete\n")
+    return files.vllm_checkpoint
+
+
+def ensure_vllm_models(paths: HostPaths, checkpoint: Path) -> None:
+    """The real checkpoint at VLLM_MODEL_PATH inside the host (a copy per host, bound into its namespace)."""
+    if not (paths.vllm_models / COPY_STAMP).exists():
+        if paths.vllm_models.exists():
+            shutil.rmtree(paths.vllm_models)
+        run(["cp", "-a", str(checkpoint), str(paths.vllm_models)], timeout=300)
+    hosts.bind_in_host(paths, paths.vllm_models, VLLM_MODEL_PATH)
+
+
+def write_vllm_env(files: LabFiles, specs: list[HostSpec], tp: int | None) -> None:
+    """One TP group on the first TP hosts (default 2: two real ranks are what 2 CPUs serve at ease)."""
+    tp = tp or min(len(specs), 2)
+    files.vllm_env_file.write_text(
+        "# The lab on the real vLLM for CPU (written by `sparkctl lab up --engine vllm`). Use: sparkctl "
+        f"--env-file THIS --ssh-config {files.ssh_config} check\n"
+        f'NODES="{" ".join(s.name for s in specs[:tp])}"\n'
+        f"MODEL={VLLM_MODEL_PATH}\n"
+        "RECIPE=lab-vllm\n"
+        f"TP={tp}\n"
+        "DCP=1\n"
+        f"FABRIC_SUBNET={FABRIC_NET}\n"
+    )
+
+
+def _up_vllm(files: LabFiles, nodes: int, tp: int | None) -> None:
+    from . import vllm_image
+
+    t0 = time.monotonic()
+    specs = hosts_for(nodes)
+    all_paths = [HostPaths.of(s.name, files.root) for s in specs]
+    venv = vllm_image.ensure_venv()
+    checkpoint = ensure_vllm_checkpoint(files, venv)
+    for paths in all_paths:
+        ensure_vllm_models(paths, checkpoint)
+    took = vllm_image.ensure_vllm(all_paths)
+    say("lab: " + ", ".join(f"{name} {VLLM_IMAGE} {t:.1f}s" for name, t in took.items()))
+    write_vllm_env(files, specs, tp)
+    say(f"lab: the real engine ready on {nodes} hosts in {time.monotonic() - t0:.1f}s")
 
 
 # ------------------------------------------------------------------------------------------- status
@@ -391,7 +463,7 @@ def _down(purge: bool) -> None:
             shutil.rmtree(files.root)
         else:
             say(f"lab: {files.root} has no {files.marker.name} marker; left in place")
-    for d in (Path(MODEL_PATH), Path(MODEL_PATH).parent):
+    for d in (Path(MODEL_PATH), Path(VLLM_MODEL_PATH), Path(MODEL_PATH).parent):
         try:
             d.rmdir()
         except OSError:

@@ -28,6 +28,7 @@ RUN_DIR = Path("/run/sparkctl-lab")
 NS_DIR = RUN_DIR / "ns"
 NETNS_DIR = Path("/run/netns")
 MODEL_PATH = "/models/lab"
+VLLM_MODEL_PATH = "/models/lab-vllm"  # `lab up --engine vllm`: the real checkpoint, bound in each host
 MARKER = ".sparkctl-lab"  # a lab folder carries this file; `down` deletes nothing that lacks it
 
 # Two /24s in 10.0.0.0/8 that nothing on a usual machine uses; `up` refuses if they collide.
@@ -45,6 +46,8 @@ BASE_IMAGE = "sparkctl-lab/base:bookworm"
 # read it without importing the lab's Docker code)
 TORCH_IMAGE = "sparkctl-lab/torch:latest"
 ENGINE_IMAGE = "sparkctl-lab/engine:latest"
+# `lab up --engine vllm`: the real vLLM for CPU (lab/vllm_image.py builds it; recipe lab-vllm runs it)
+VLLM_IMAGE = "sparkctl-lab/vllm:0.32.0-cpu"
 MAX_NODES = 64
 
 
@@ -146,6 +149,11 @@ class HostPaths:
         return self.root / "models"
 
     @property
+    def vllm_models(self) -> Path:
+        """Bound at VLLM_MODEL_PATH in the host's mount namespace (`lab up --engine vllm`)."""
+        return self.root / "models-vllm"
+
+    @property
     def home(self) -> Path:
         return self.root / "home"
 
@@ -240,6 +248,16 @@ class LabFiles:
     @property
     def checkpoint(self) -> Path:
         return self.root / "checkpoint"
+
+    @property
+    def vllm_env_file(self) -> Path:
+        """`lab up --engine vllm`'s cluster input: recipe lab-vllm, the real checkpoint."""
+        return self.root / "lab-vllm.env"
+
+    @property
+    def vllm_checkpoint(self) -> Path:
+        """The real engine's checkpoint (tests/realengine/make_model.py's tiny Llama), copied to every host."""
+        return self.root / "checkpoint-vllm"
 
     @property
     def marker(self) -> Path:
