@@ -15,8 +15,13 @@ from .lock import state_dir
 
 MAX_STATE = 64 * 1024
 
-_WRITE = r'''f="$1"
-umask 077 && mkdir -p -- "${f%/*}" && cat > "$f.tmp" && mv -f -- "$f.tmp" "$f"'''
+# Each writer its own temporary file ($$: this shell's pid): watch's heartbeat and its "stopped" may write at
+# once, and with one shared name one writer's `cat >` truncated the file the other was about to move in. And
+# only a whole document replaces the state (a JSON object ends with "}"): a write whose input was cut short
+# (the sender interrupted) must not leave an empty watch.json (seen under load in test_watch_signals).
+_WRITE = r'''f="$1"; t="$f.tmp.$$"
+umask 077 && mkdir -p -- "${f%/*}" && cat > "$t" && [ "$(tail -c 1 -- "$t")" = "}" ] && mv -f -- "$t" "$f" \
+  || { rm -f -- "$t"; exit 1; }'''
 _READ = r'''f="$1"; [ -f "$f" ] && head -c 65536 -- "$f" || true'''
 _FIELDS = ("state", "detail", "who", "since", "updated", "last_reason")
 

@@ -130,6 +130,25 @@ def test_model_folder_is_per_host(lab: Lab) -> None:
         marker.unlink(missing_ok=True)
 
 
+def test_shared_memory_is_per_host_as_on_separate_machines(lab: Lab) -> None:
+    """Each host has its own /dev/shm (and IPC namespace), also inside a container run with `--ipc host`:
+    vLLM tells a rank on its own node from one on another by opening a shared-memory segment, and with one
+    /dev/shm for every lab host two real ranks on spark1 and spark2 stalled after their first Gloo group."""
+    name = "sparkctl-lab-shm-probe"
+    try:
+        assert lab.ssh("spark1", "sh", "-c", f"echo here > /dev/shm/{name}").returncode == 0
+        seen = lab.docker("spark1", "run", "--rm", "--ipc", "host", "sparkctl-lab/base:bookworm",
+                          "cat", f"/dev/shm/{name}")
+        assert seen.stdout == "here\n", seen.stderr  # the host's own /dev/shm is what --ipc host shares
+        for other in ("spark2", "spark3"):
+            assert lab.ssh(other, "test", "-e", f"/dev/shm/{name}").returncode == 1, other
+            res = lab.docker(other, "run", "--rm", "--ipc", "host", "sparkctl-lab/base:bookworm",
+                             "test", "-e", f"/dev/shm/{name}")
+            assert res.returncode == 1, (other, res.stderr)
+    finally:
+        lab.ssh("spark1", "rm", "-f", f"/dev/shm/{name}")
+
+
 # --------------------------------------------------------------------------------------------- seams
 def test_nvidia_smi_answers_like_a_gb10(lab: Lab) -> None:
     res = lab.ssh("spark1", "nvidia-smi", f"--query-gpu={CAPTURED_FIELDS}", "--format=csv")

@@ -119,10 +119,10 @@ def test_an_audit_line_is_the_same_text_for_the_same_event() -> None:
 
 def test_the_heartbeat_beats_every_quarter_lease_and_never_keeps_a_dead_command_alive() -> None:
     head = _Head()
-    beat = lock._Heartbeat(head, "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=60))
+    beat = lock._Heartbeat([head], "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=60))
     try:
         assert beat._every == 15.0
-        short = lock._Heartbeat(head, "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=4))
+        short = lock._Heartbeat([head], "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=4))
         short.stop()
         assert short._every == 1.0  # a quarter of a 4 s lease
         assert beat._thread.daemon  # a command that dies without stop() does not stay alive heartbeating
@@ -134,7 +134,7 @@ def test_the_heartbeat_touches_the_lock_while_held() -> None:
     import time
 
     head = _Head()
-    beat = lock._Heartbeat(head, "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=4))  # every 1 s
+    beat = lock._Heartbeat([head], "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=4))  # every 1 s
     try:
         for _ in range(200):  # at most 20 s for a beat due after 1 s
             if head.calls:

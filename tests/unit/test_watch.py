@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -339,3 +340,21 @@ def test_export_systemd_print_leaves_secrets_from_the_environment_out_and_warns(
             assert value not in out + err, f"{key}'s value was printed"
             assert not any(key in ln for ln in envs), envs
             assert f"{key} comes from the environment" in err and "not written into the unit" in err, err
+
+
+def test_the_state_is_replaced_only_by_a_whole_document_and_writers_do_not_share_a_temporary(tmp_path: Path) -> None:
+    """A write whose input was cut short (the sender interrupted) keeps the last whole state, never an
+    empty watch.json; two writers at once each use their own temporary file."""
+
+    from sparkctl.watchstate import _WRITE
+
+    f = tmp_path / "t" / "watch.json"
+
+    def write(data: bytes) -> int:
+        return subprocess.run(["sh", "-c", _WRITE, "w", str(f)], input=data, timeout=10).returncode
+
+    assert write(b'{"state": "watching"}') == 0
+    assert write(b"") == 1 and f.read_text() == '{"state": "watching"}'
+    assert write(b'{"state": "sto') == 1 and f.read_text() == '{"state": "watching"}'
+    assert sorted(p.name for p in f.parent.iterdir()) == ["watch.json"]  # no temporary left behind
+    assert '"$f.tmp.$$"' in _WRITE or 't="$f.tmp.$$"' in _WRITE  # one temporary per writing shell

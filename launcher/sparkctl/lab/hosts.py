@@ -50,7 +50,7 @@ def release_ns_dir() -> None:
 
 def mntns_ok(paths: HostPaths) -> bool:
     """The host's mount namespace exists and has its own folder at /models/lab."""
-    if not {str(paths.mntns), str(paths.utsns)} <= mountpoints():
+    if not {str(paths.mntns), str(paths.utsns), str(paths.ipcns)} <= mountpoints():
         return False
     want = os.stat(paths.models)
     got = out(["nsenter", f"--mount={paths.mntns}", "--", "stat", "-c", "%d:%i", MODEL_PATH, CONTAINER_SYSFS],
@@ -67,6 +67,12 @@ def create_mntns(paths: HostPaths) -> None:
     if str(paths.utsns) not in mountpoints():  # its own hostname too (logs and prompts say sparkN)
         paths.utsns.touch()
         run(["unshare", f"--uts={paths.utsns}", "--", "hostname", paths.root.name], where=paths.root.name)
+    # Its own IPC namespace and /dev/shm: two machines never share shared memory. vLLM tells ranks on one
+    # node from ranks on others by opening a shared-memory segment (`in_the_same_node_as`); with one
+    # /dev/shm for every host, a headless worker on another host was taken for a local one.
+    if str(paths.ipcns) not in mountpoints():
+        paths.ipcns.touch()
+        run(["unshare", f"--ipc={paths.ipcns}", "--", "true"], where=paths.root.name)
     paths.mntns.touch()
     # Each host is its own machine: its own /etc/machine-id (sparkctl tells machines apart by it).
     machine_id = paths.root / "machine-id"
@@ -77,7 +83,8 @@ def create_mntns(paths: HostPaths) -> None:
         f"mount --bind {shlex.quote(str(paths.models))} {shlex.quote(MODEL_PATH)} && "
         f"mount --bind {shlex.quote(str(paths.home))} /root && "
         f"mount --bind {shlex.quote(str(paths.sysfs))} {shlex.quote(CONTAINER_SYSFS)} && "
-        f"mount --bind {shlex.quote(str(machine_id))} /etc/machine-id"
+        f"mount --bind {shlex.quote(str(machine_id))} /etc/machine-id && "
+        "mount -t tmpfs -o mode=1777,nosuid,nodev sparkctl-lab-shm /dev/shm"
     )
     run(["unshare", f"--mount={paths.mntns}", "--propagation", "private", "--", "sh", "-c", script],
         where=paths.root.name)
@@ -95,7 +102,7 @@ def bind_in_host(paths: HostPaths, source: Path, target: str) -> None:
 
 
 def drop_mntns(paths: HostPaths) -> None:
-    for nsfile in (paths.mntns, paths.utsns):
+    for nsfile in (paths.mntns, paths.utsns, paths.ipcns):
         if str(nsfile) in mountpoints():
             run(["umount", str(nsfile)], check=False)
         nsfile.unlink(missing_ok=True)
@@ -103,7 +110,8 @@ def drop_mntns(paths: HostPaths) -> None:
 
 def in_host(paths: HostPaths) -> list[str]:
     """argv prefix that runs a command inside the host's network, mount and UTS namespaces."""
-    return ["nsenter", f"--net={paths.netns}", f"--mount={paths.mntns}", f"--uts={paths.utsns}", "--"]
+    return ["nsenter", f"--net={paths.netns}", f"--mount={paths.mntns}", f"--uts={paths.utsns}",
+            f"--ipc={paths.ipcns}", "--"]
 
 
 # ------------------------------------------------------------------------------------------- sshd

@@ -108,12 +108,13 @@ class HostPaths:
     netns: Path
     mntns: Path
     utsns: Path
+    ipcns: Path
 
     @classmethod
     def of(cls, name: str, base: Path | None = None) -> HostPaths:
         base = base or lab_dir()
         return cls(root=base / "hosts" / name, run=RUN_DIR / name, netns=NETNS_DIR / name,
-                   mntns=NS_DIR / name, utsns=NS_DIR / f"{name}.uts")
+                   mntns=NS_DIR / name, utsns=NS_DIR / f"{name}.uts", ipcns=NS_DIR / f"{name}.ipc")
 
     # persistent
     @property

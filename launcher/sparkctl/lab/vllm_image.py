@@ -71,7 +71,10 @@ DOCKERFILE = (
     "COPY vllm /usr/local/bin/vllm\n"
     "RUN chmod 0755 /usr/local/bin/vllm && python3 -c 'import importlib.metadata as m, vllm, torch; "
     "assert m.version(\"vllm\").startswith(\"0.32.0\"), m.version(\"vllm\")'\n"
-    "ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1\n"
+    # The image has no C++ compiler (a lean base), and the CPU worker's first step torch.compile()s a
+    # function: with inductor it died with "InvalidCxxCompiler: No working C++ compiler found" and the
+    # first request got HTTP 500. torch.compile off runs those functions eagerly.
+    "ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TORCH_COMPILE_DISABLE=1\n"
     'ENTRYPOINT ["vllm", "serve"]\n'
     "CMD []\n"
 )
