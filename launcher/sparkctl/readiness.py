@@ -20,7 +20,14 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponenti
 
 from .builders import container_name
 from .cluster import Cluster, Node
-from .engine_lines import FAILURE_MARKERS, failure_in, master_listening, phase_patterns, unreachable_master
+from .engine_lines import (
+    FAILURE_MARKERS,
+    failure_in,
+    gloo_family_mismatch,
+    master_listening,
+    phase_patterns,
+    unreachable_master,
+)
 from .errors import CheckFailed
 from .service import ContainerState, inspect_cluster, log_tail
 from .settings import Settings
@@ -147,8 +154,10 @@ class RankDied(CheckFailed):
 _FOLDER_FAILURES = {m.phase for m in FAILURE_MARKERS[:2]}
 
 
-def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[str], after_s: float) -> RankDied:
-    """A dead rank, with the cause in vLLM's words when its log says it (however many lines follow)."""
+def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[str], after_s: float,
+              gloo_ifname: str | None = None) -> RankDied:
+    """A dead rank, with the cause in vLLM's words when its log says it (however many lines follow).
+    `gloo_ifname`: the GLOO_SOCKET_IFNAME the rank ran with, named when Gloo's words are about its socket."""
     status = f"{state.status}, exit code {state.exit_code}" if state else "no container"
     tail = "\n    ".join(lines[-15:]) or "(no log output)"
     found = failure_in(lines)
@@ -157,8 +166,25 @@ def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[st
     if found and found[0] in _FOLDER_FAILURES:
         fix = (f"MODEL on {node} is incomplete: `sparkctl verify-model` names what is missing there, "
                "`sparkctl model sync` copies it from the head; then `sparkctl down` and `sparkctl up`")
+    families = gloo_family_mismatch(found[1]) if found else None
+    if families:
+        mine, peer = families
+        where = f"GLOO_SOCKET_IFNAME={gloo_ifname}" if gloo_ifname else "the interface GLOO_SOCKET_IFNAME names"
+        cause = (f": Gloo could not connect: {where} has no {peer} address on {node} (Gloo's socket there is "
+                 f"{mine}, the peer's {peer}); in Gloo's words: {found[1] if found else ''}")
+        fix = (f"pin rank {rank}'s GLOO_SOCKET_IFNAME to the netdev that carries {node}'s fabric {peer} address: "
+               "`sparkctl check` discovers it per rank (RANKn_CX7_IF); a recipe's [container.env] "
+               "GLOO_SOCKET_IFNAME overrides the discovered pin for every rank, so remove it there; then "
+               "`sparkctl down` and `sparkctl up`")
     return RankDied(f"rank {rank} on {node} died ({status}) after {after_s:.1f}s{cause}; "
                     f"its last log lines:\n    {tail}", fix=fix, node=node)
+
+
+def gloo_ifname(settings: Settings, rank: int) -> str | None:
+    """The GLOO_SOCKET_IFNAME rank `rank` runs with (builders.rank_env): the recipe's, which wins over every
+    rank's pin, else the rank's pinned netdev; None when neither is known."""
+    pinned = settings.recipe.container.env.get("GLOO_SOCKET_IFNAME") or settings.get(settings.rank_key(rank, "CX7_IF"))
+    return str(pinned) if pinned else None
 
 
 class RankCutOff(CheckFailed):
@@ -229,7 +255,8 @@ def wait_ready(
             states, lines = answered[w.node]
             mine = [c for c in states if c.rank == rank]
             if not mine or not mine[0].running:
-                raise rank_died(rank, w.node, mine[0] if mine else None, lines, time.monotonic() - start)
+                raise rank_died(rank, w.node, mine[0] if mine else None, lines, time.monotonic() - start,
+                                gloo_ifname=gloo_ifname(settings, rank))
             phase = phase_of(lines)
             if phase != w.phase:
                 now = time.monotonic()

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 
 from sparkctl.lab.client import Lab
+from tests.lab.realengine import real  # noqa: F401 - the real-engine fixture, for every test_realengine*_lab.py
 
 
 @pytest.fixture(scope="session")

@@ -244,7 +244,11 @@ def _bring_up_host(files: LabFiles, spec: HostSpec, checkpoint: Path, base: Futu
     return time.monotonic() - t0
 
 
-def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None, engine: str = "standin") -> LabFiles:
+def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None, engine: str = "standin",
+       engine_hosts: list[str] | None = None) -> LabFiles:
+    """The lab (`lab up`). engine="vllm" adds the real engine: its checkpoint on every host, its image on
+    `engine_hosts` (default: every host; a 2 GB load costs about 75 s per host here, so the real-engine lab
+    tests load it only where they run it)."""
     _require_root()
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"--nodes {nodes}: the lab builds 1 to {MAX_NODES} hosts")
@@ -259,7 +263,7 @@ def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None, en
     with exclusive("up"):
         if engine == "vllm":  # --tp is the real engine's; lab.env (which others use) keeps its default
             files = _up(nodes, checkpoint, None)
-            _up_vllm(files, nodes, tp)
+            _up_vllm(files, nodes, tp, engine_hosts)
             return files
         return _up(nodes, checkpoint, tp)
 
@@ -360,17 +364,21 @@ def write_vllm_env(files: LabFiles, specs: list[HostSpec], tp: int | None) -> No
     )
 
 
-def _up_vllm(files: LabFiles, nodes: int, tp: int | None) -> None:
+def _up_vllm(files: LabFiles, nodes: int, tp: int | None, engine_hosts: list[str] | None = None) -> None:
     from . import vllm_image
 
     t0 = time.monotonic()
     specs = hosts_for(nodes)
     all_paths = [HostPaths.of(s.name, files.root) for s in specs]
+    unknown = sorted(set(engine_hosts or []) - {s.name for s in specs})
+    if unknown:
+        raise UsageError(f"lab --engine vllm: no lab host {', '.join(unknown)} among {nodes}")
     venv = vllm_image.ensure_venv()
     checkpoint = ensure_vllm_checkpoint(files, venv)
     for paths in all_paths:
         ensure_vllm_models(paths, checkpoint)
-    took = vllm_image.ensure_vllm(all_paths)
+    on = [p for p in all_paths if engine_hosts is None or p.root.name in engine_hosts]
+    took = vllm_image.ensure_vllm(on)
     say("lab: " + ", ".join(f"{name} {VLLM_IMAGE} {t:.1f}s" for name, t in took.items()))
     write_vllm_env(files, specs, tp)
     say(f"lab: the real engine ready on {nodes} hosts in {time.monotonic() - t0:.1f}s")
