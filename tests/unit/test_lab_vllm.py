@@ -125,3 +125,20 @@ def test_the_images_vllm_script_survives_multiprocessing_spawn(tmp_path: Path) -
     r = subprocess.run([sys.executable, str(script)], env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "exit 0", r.stdout + r.stderr
+
+
+def test_wait_names_the_gloo_interface_each_rank_really_runs_with(clean_env, tmp_path: Path) -> None:
+    """readiness.gloo_ifname (what `wait` names when Gloo fails) is the GLOO_SOCKET_IFNAME of the rendered
+    container env, rank by rank: the pin, or the recipe's own value, which wins over every pin."""
+    from dataclasses import replace
+
+    from sparkctl.readiness import gloo_ifname
+
+    s, plan = _settings(tmp_path)
+    for spec in rank_specs(s, plan, resolve_pins(s)):
+        assert gloo_ifname(s, spec.rank) == spec.env["GLOO_SOCKET_IFNAME"]
+    assert [gloo_ifname(s, r) for r in (0, 1)] == ["enp1s0f0np0", "enp1s0f1np1"]
+    container = replace(s.recipe.container, env={**s.recipe.container.env, "GLOO_SOCKET_IFNAME": "eth9"})
+    s.recipe = replace(s.recipe, container=container)
+    for spec in rank_specs(s, plan, resolve_pins(s)):
+        assert gloo_ifname(s, spec.rank) == spec.env["GLOO_SOCKET_IFNAME"] == "eth9"

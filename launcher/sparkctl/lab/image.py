@@ -22,6 +22,9 @@ import os
 import re
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CheckFailed
@@ -186,3 +189,42 @@ def ensure_images(paths: HostPaths, rootfs_tarball: Path) -> None:
     tar, ids = images_tarball(paths, rootfs_tarball)
     if _image_ids(paths) != ids:
         docker_cli(paths, "load", "-q", "-i", str(tar), timeout=300)
+
+
+# ------------------------------------------------------------------ one saved image, loaded where missing
+def cached_tarball(builder: HostPaths, ref: str, label: str, key: str, stem: str,
+                   build: Callable[[], None], save_timeout: float) -> Path:
+    """`ref` saved as CACHE_DIR/<stem>-<key>.tar, built on `builder` first (by `build`) unless its engine
+    already holds `ref` labelled `label`=`key`. One flock per stem: concurrent `lab up`s build it once.
+    A new key leaves the old tarballs behind; they are removed."""
+    tar = CACHE_DIR / f"{stem}-{key}.tar"
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / f".{stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if tar.exists():
+            return tar
+        if engines.image_label(builder, ref, label) != key:
+            build()
+        tmp = tar.with_suffix(".tmp")
+        run(["docker", "-H", builder.docker_host, "save", "-o", str(tmp), ref], timeout=save_timeout,
+            where=builder.root.name)
+        os.replace(tmp, tar)
+        for old in CACHE_DIR.glob(f"{stem}-*.tar"):
+            if old != tar:
+                old.unlink(missing_ok=True)
+        return tar
+
+
+def load_where_missing(hosts: list[HostPaths], ref: str, label: str, key: str, tar: Path,
+                       load_timeout: float) -> dict[str, float]:
+    """`ref` on every host whose engine lacks it or holds another key, loaded from `tar` two hosts at a
+    time (each load writes the whole image; two at once is this 2-CPU machine's pace): seconds per host."""
+    def one(paths: HostPaths) -> float:
+        t0 = time.monotonic()
+        if not has_image(paths, ref) or engines.image_label(paths, ref, label) != key:
+            docker_cli(paths, "load", "-q", "-i", str(tar), timeout=load_timeout)
+        return time.monotonic() - t0
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        took = list(pool.map(one, hosts))
+    return {p.root.name: t for p, t in zip(hosts, took, strict=True)}

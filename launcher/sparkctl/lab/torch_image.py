@@ -12,7 +12,6 @@ loaded into the hosts only when a fabric test asks for it (`sparkctl lab torch`,
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import importlib.util
@@ -21,12 +20,11 @@ import os
 import shutil
 import tempfile
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CheckFailed
 from . import engines
-from .hosts import docker_cli, has_image
+from .image import cached_tarball, load_where_missing
 from .proc import run, say
 from .state import BASE_IMAGE, CACHE_DIR, TORCH_IMAGE, HostPaths
 
@@ -108,23 +106,12 @@ def torch_tarball(builder: HostPaths) -> tuple[Path, str]:
     """The saved torch image (built on `builder` if the cache lacks it) and its key."""
     wheel = find_wheel()
     key = torch_key(builder, wheel)
-    tar = CACHE_DIR / f"lab-torch-{key}.tar"
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / ".torch.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if tar.exists():
-            return tar, key
-        if _label(builder) != key:
-            say(f"lab: building {TORCH_IMAGE} from {wheel.name} (once; cached in {CACHE_DIR})")
-            _build(builder, wheel, key)
-        tmp = tar.with_suffix(".tmp")
-        run(["docker", "-H", builder.docker_host, "save", "-o", str(tmp), TORCH_IMAGE], timeout=600,
-            where=builder.root.name)
-        os.replace(tmp, tar)
-        for old in CACHE_DIR.glob("lab-torch-*.tar"):  # a new wheel or engine leaves an old one
-            if old != tar:
-                old.unlink(missing_ok=True)
-        return tar, key
+
+    def build() -> None:
+        say(f"lab: building {TORCH_IMAGE} from {wheel.name} (once; cached in {CACHE_DIR})")
+        _build(builder, wheel, key)
+
+    return cached_tarball(builder, TORCH_IMAGE, KEY_LABEL, key, "lab-torch", build, save_timeout=600), key
 
 
 def ensure_torch(hosts: list[HostPaths]) -> str:
@@ -132,11 +119,5 @@ def ensure_torch(hosts: list[HostPaths]) -> str:
     if not hosts:
         raise CheckFailed("no lab hosts", fix="sparkctl lab up")
     tar, key = torch_tarball(hosts[0])
-
-    def one(paths: HostPaths) -> None:
-        if not has_image(paths, TORCH_IMAGE) or _label(paths) != key:
-            docker_cli(paths, "load", "-q", "-i", str(tar), timeout=600)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:  # a 700 MB load each: two at a time is this machine's pace
-        list(pool.map(one, hosts))
+    load_where_missing(hosts, TORCH_IMAGE, KEY_LABEL, key, tar, load_timeout=600)  # 700 MB each
     return key

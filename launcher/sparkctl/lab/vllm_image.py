@@ -16,7 +16,6 @@ every host that lacks it, as lab/torch_image.py does for the torch image.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -24,12 +23,11 @@ import shutil
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CheckFailed
 from . import engines
-from .hosts import docker_cli, has_image
+from .image import cached_tarball, load_where_missing
 from .proc import run, say
 from .state import BASE_IMAGE, CACHE_DIR, VLLM_IMAGE, HostPaths
 
@@ -167,28 +165,13 @@ def vllm_tarball(builder: HostPaths) -> tuple[Path, str]:
     """The saved real-engine image (built on `builder` if the cache lacks it) and its key."""
     venv = ensure_venv()
     key = image_key(builder, venv)
-    tar = CACHE_DIR / f"lab-vllm-{key}.tar"
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / ".vllm.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if tar.exists():
-            return tar, key
-        if engines.image_label(builder, VLLM_IMAGE, KEY_LABEL) != key:
-            say(f"lab: building {VLLM_IMAGE} from {venv} (once; cached in {CACHE_DIR})")
-            took = _build(builder, venv, key)
-            say(f"lab: {VLLM_IMAGE} built in {took:.0f}s")
-        tmp = tar.with_suffix(".tmp")
-        run(["docker", "-H", builder.docker_host, "save", "-o", str(tmp), VLLM_IMAGE], timeout=900,
-            where=builder.root.name)
-        os.replace(tmp, tar)
-        for old in CACHE_DIR.glob("lab-vllm-*.tar"):  # new inputs leave an old one
-            if old != tar:
-                old.unlink(missing_ok=True)
-        return tar, key
 
+    def build() -> None:
+        say(f"lab: building {VLLM_IMAGE} from {venv} (once; cached in {CACHE_DIR})")
+        took = _build(builder, venv, key)
+        say(f"lab: {VLLM_IMAGE} built in {took:.0f}s")
 
-def _current(paths: HostPaths, key: str) -> bool:
-    return engines.image_label(paths, VLLM_IMAGE, KEY_LABEL) == key
+    return cached_tarball(builder, VLLM_IMAGE, KEY_LABEL, key, "lab-vllm", build, save_timeout=900), key
 
 
 def ensure_vllm(hosts: list[HostPaths]) -> dict[str, float]:
@@ -196,13 +179,4 @@ def ensure_vllm(hosts: list[HostPaths]) -> dict[str, float]:
     if not hosts:
         raise CheckFailed("no lab hosts", fix="sparkctl lab up")
     tar, key = vllm_tarball(hosts[0])
-
-    def one(paths: HostPaths) -> float:
-        t0 = time.monotonic()
-        if not has_image(paths, VLLM_IMAGE) or not _current(paths, key):
-            docker_cli(paths, "load", "-q", "-i", str(tar), timeout=900)
-        return time.monotonic() - t0
-
-    with ThreadPoolExecutor(max_workers=2) as pool:  # 2 GB each: two at a time is this machine's pace
-        took = list(pool.map(one, hosts))
-    return {p.root.name: t for p, t in zip(hosts, took, strict=True)}
+    return load_where_missing(hosts, VLLM_IMAGE, KEY_LABEL, key, tar, load_timeout=900)  # 2 GB each
