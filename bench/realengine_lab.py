@@ -4,7 +4,8 @@
   up -> ready (wait done: /health 200, /v1/models, a real completion), TP 2 (and TP 4 with --tp 4)
   sparkctl's own share of it                      <= 3 s
       = up's wall time + wait's lag after the head's /health first answered 200 (polled here every 0.2 s
-        by a thread of its own); the engine's start is everything else
+        by a thread of its own), less the canary completion's own latency (the engine's work: wait's
+        --json reports it); the engine's start is everything else. Each part is printed.
   under `watch`: a worker's death -> serving again  <= the engine's own start + 15 s
   under `watch`: the head's death -> serving again  <= the engine's own start + 15 s
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -41,11 +43,15 @@ def env(lab: Lab, tp: int) -> dict[str, str]:
 
 
 def sk(e: dict[str, str], *args: str, timeout: float = 1000) -> float:
+    return sk_out(e, *args, timeout=timeout)[0]
+
+
+def sk_out(e: dict[str, str], *args: str, timeout: float = 1000) -> tuple[float, str]:
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "sparkctl", *args], env=e, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise SystemExit(f"sparkctl {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
-    return time.monotonic() - t0
+    return time.monotonic() - t0, r.stdout
 
 
 def get(url: str, body: dict[str, object] | None = None, timeout: float = 30) -> int:
@@ -79,20 +85,22 @@ def ids(lab: Lab, nodes: list[str]) -> dict[str, str]:
             for n in nodes}
 
 
-def up_to_ready(lab: Lab, e: dict[str, str]) -> tuple[float, float, float]:
-    """(total, sparkctl's share, the engine's start) of one up + wait from nothing running."""
+def up_to_ready(lab: Lab, e: dict[str, str]) -> dict[str, float]:
+    """One up + wait from nothing running: the total, sparkctl's share and its parts, the engine's start."""
     sk(e, "down")
     hw = HealthWatch(f"http://{lab.hosts[0].mgmt_ip}:{PORT}/health")
     t0 = time.monotonic()
     up_s = sk(e, "up")
     hw.start()
-    sk(e, "wait", "--timeout", "900")
+    _, out = sk_out(e, "--json", "wait", "--timeout", "900")
     t_ready = time.monotonic()
     hw.stop.set()
     if not hw.first_200:
         raise SystemExit("the head's /health never answered 200 while wait ran")
-    share = up_s + (t_ready - hw.first_200)
-    return t_ready - t0, share, (hw.first_200 - t0) - up_s
+    canary = float(json.loads(out)["latency_s"])
+    lag = t_ready - hw.first_200 - canary
+    return {"total": t_ready - t0, "up": up_s, "wait_lag": lag, "canary": canary, "share": up_s + lag,
+            "engine": (hw.first_200 - t0) - up_s}
 
 
 def recovery(lab: Lab, e: dict[str, str], victim: str, nodes: list[str]) -> float:
@@ -124,14 +132,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, action="append", help="TP sizes to time (default: 2)")
     ap.add_argument("--no-watch", action="store_true", help="only up -> ready")
+    ap.add_argument("--runs", type=int, default=3, help="up -> ready runs per TP; the median is judged (default 3)")
     args = ap.parse_args()
     lab = Lab.load()
     missed = []
     for tp in args.tp or [2]:
         e = env(lab, tp)
-        total, share, engine = up_to_ready(lab, e)
-        print(f"TP{tp}: up -> ready {total:.1f} s; the engine's start {engine:.1f} s; sparkctl's share {share:.2f} s "
-              f"(target <= {SHARE_S:.0f} s)", flush=True)
+        runs = []
+        for i in range(max(1, args.runs)):
+            t = up_to_ready(lab, e)
+            runs.append(t)
+            print(f"TP{tp} run {i + 1}: up -> ready {t['total']:.1f} s, sparkctl's share {t['share']:.2f} s", flush=True)
+        t = {k: statistics.median(r[k] for r in runs) for k in runs[0]}  # each figure's median over the runs
+        engine, share = t["engine"], t["share"]
+        print(f"TP{tp}, median of {len(runs)}: up -> ready {t['total']:.1f} s; the engine's start {engine:.1f} s, its canary completion "
+              f"{t['canary']:.2f} s; sparkctl's share {share:.2f} s = up {t['up']:.2f} s + wait's lag after the "
+              f"first /health 200 {t['wait_lag']:.2f} s (target <= {SHARE_S:.0f} s)", flush=True)
         if share > SHARE_S:
             missed.append(f"TP{tp} sparkctl's share {share:.2f} s > {SHARE_S} s")
         if not args.no_watch:

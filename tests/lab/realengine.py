@@ -65,6 +65,17 @@ def head_url(lab: Lab, path: str) -> str:
     return f"http://{lab.host(PAIR[0]).mgmt_ip}:{PORT}{path}"
 
 
+def health(lab: Lab) -> int:
+    """The head's /health status code (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(head_url(lab, "/health"), timeout=10) as r:  # noqa: S310 - the lab's head
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
+
+
 def chat(lab: Lab, timeout: float = 60) -> tuple[int, dict[str, Any]]:
     body = json.dumps({"model": "lab-llama", "messages": [{"role": "user", "content": "hello"}],
                        "max_tokens": 4}).encode()

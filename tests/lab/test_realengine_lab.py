@@ -27,6 +27,7 @@ from tests.lab.realengine import (
     START_S,
     chat,
     fresh,
+    health,
     must,
     rank_containers,
     serve,
@@ -65,6 +66,13 @@ def test_the_whole_path_on_the_real_engine(real: dict[str, str], lab: Lab) -> No
         assert any(node in line and "Starting to load model" in line for line in logs.splitlines()), logs[-3000:]
     code, doc = chat(lab)
     assert code == 200 and doc["choices"][0]["finish_reason"] in ("length", "stop"), doc
+    # the worker killed: the real head still answers /health 200 (it learns at the next request), and
+    # `status` calls the service broken anyway, naming the rank
+    lab.docker(PAIR[1], "kill", rank_containers(lab)[PAIR[1]], check=True)
+    assert health(lab) == 200
+    r = sk(env, "--json", "status", timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert json.loads(r.stdout)["ok"] is False and "rank 1" in r.stdout, r.stdout
     must(sk(env, "down", timeout=120), "down")
     assert rank_containers(lab) == {n: "" for n in PAIR}
 
