@@ -69,7 +69,8 @@ def require_pins(settings: Settings, pins: list[RankPins]) -> None:
     if missing:
         raise UsageError(
             "fabric pins not known: " + ", ".join(missing),
-            fix="run `sparkctl check` (it discovers them on every node), or set them in the env file",
+            fix="run `sparkctl check`: it discovers them on every node and writes them into env/env.tp4, itself an "
+                "env file (`sparkctl --env-file env/env.tp4 render …`); or set them in your env file",
         )
 
 

@@ -133,6 +133,8 @@ def test_missing_pins_name_the_key_and_node(clean_env, tmp_path):
     with pytest.raises(UsageError) as exc:
         render_all(s, plan_for(s), resolve_pins(s))
     assert "RANK0_FABRIC_IP (spark1)" in str(exc.value) and "sparkctl check" in str(exc.value)
+    # check writes the pins into env/env.tp4, not into the user's env file: the fix says how to use them
+    assert "--env-file env/env.tp4" in exc.value.fix
 
 
 def test_discovered_pins_fill_in(clean_env, tmp_path):
