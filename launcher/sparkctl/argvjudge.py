@@ -106,12 +106,13 @@ def judge_run_argv(settings: Settings, specs: Sequence[RankSpec]) -> list[str]:
     for key, value in sorted(env.items()):
         if key not in secret:
             argv += ["--env", f"{key}={value}"]
-    ranks = [{"rank": s.rank, "argv": s.vllm_argv} for s in specs]
+    ranks = [{"rank": i, "argv": s.vllm_argv} for i, s in enumerate(specs)]  # by position: replicas repeat ranks
     return [*argv, "--entrypoint", "python3", settings.image, "-", json.dumps(ranks, separators=(",", ":"))]
 
 
 def parse_output(stdout: str) -> dict[int, dict[str, Any]]:
-    """The script's `@@sparkctl-argv {json}` lines, by rank (a line that is not its JSON is ignored)."""
+    """The script's `@@sparkctl-argv {json}` lines, by position in the specs (its "rank" field); a line that
+    is not its JSON is ignored."""
     out: dict[int, dict[str, Any]] = {}
     for line in stdout.splitlines():
         if not line.startswith(MARK):
@@ -131,7 +132,7 @@ def cache_dir() -> Path:
 
 def cache_key(image_id: str, config_sha: str, specs: Sequence[RankSpec]) -> str:
     doc = {"image": image_id, "config": config_sha, "script": hashlib.sha256(probe_script(SCRIPT)).hexdigest(),
-           "ranks": [[s.rank, s.vllm_argv] for s in specs]}
+           "ranks": [s.vllm_argv for s in specs]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -199,7 +200,7 @@ def judge(head: Node, settings: Settings, specs: Sequence[RankSpec], *,
         return every(NOT_JUDGED, "image", f"{head.name} has no image {settings.image} ({why})")
     key = cache_key(image_id, config_sha, specs)
     found = _cache_read(key)
-    cached = found is not None and all(s.rank in found for s in specs)
+    cached = found is not None and all(i in found for i in range(len(specs)))
     if not cached:
         say(f"argv: {settings.image}'s own vLLM judges {len(specs)} rank argv(s) on {head.name} "
             f"(bound {bound:g} s; cached afterwards)")
@@ -213,13 +214,13 @@ def judge(head: Node, settings: Settings, specs: Sequence[RankSpec], *,
                      else f"{head.name}: {exc.reason}")
             return every(NOT_JUDGED, stage, words)
         found = parse_output(r.stdout)
-        if not all(s.rank in found for s in specs):
+        if not all(i in found for i in range(len(specs))):
             tail = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or [f"exit {r.exit_code}"])[-1]
             return every(NOT_JUDGED, "run", f"the judge's container gave no verdict on {head.name}: {tail[-300:]}")
         _cache_write(key, found)
     verdicts = []
-    for s in specs:
-        doc = found[s.rank]  # type: ignore[index]
+    for i, s in enumerate(specs):
+        doc = found[i]  # type: ignore[index]
         verdicts.append(Verdict(s.rank, s.node, str(doc.get("verdict", NOT_JUDGED)), str(doc.get("stage", "")),
                                 str(doc.get("words", "")), str(doc.get("vllm", "")), cached))
     return Judgement(verdicts, time.monotonic() - start, cached)
@@ -276,7 +277,7 @@ def warnings(j: Judgement) -> list[str]:
     miss = j.not_judged
     if not miss or all(v.stage == "off" for v in miss):
         return []
-    reasons = sorted({v.words for v in miss})
+    reasons = sorted({v.words.replace("[", r"\[") for v in miss})  # vLLM's lists are not rich markup
     return [f"argv not judged by the image's vLLM for rank(s) {', '.join(str(v.rank) for v in miss)}: "
             + "; ".join(reasons)]
 
