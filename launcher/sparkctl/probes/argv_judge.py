@@ -51,7 +51,7 @@ def load_vllm():
     try:
         import vllm
     except Exception as exc:  # the lab's stand-in engine, or an image without vLLM for python3
-        raise Verdict("not-judged", "import", f"python3 in this image cannot import vllm ({reason(exc)})")
+        raise Verdict("not-judged", "import", f"python3 in this image cannot import vllm ({reason(exc)})") from None
     version = str(getattr(vllm, "__version__", "?"))
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -61,7 +61,7 @@ def load_vllm():
         except ImportError:  # older vLLM kept it in vllm.utils
             from vllm.utils import FlexibleArgumentParser
     except Exception as exc:
-        raise Verdict("not-judged", "import", f"vLLM {version}'s serve parser could not be imported ({reason(exc)})")
+        raise Verdict("not-judged", "import", f"vLLM {version}'s serve parser could not be imported ({reason(exc)})") from None
     return version, AsyncEngineArgs, ServeSubcommand, FlexibleArgumentParser
 
 
@@ -79,10 +79,10 @@ def judge(argv, AsyncEngineArgs, ServeSubcommand, FlexibleArgumentParser):
             ServeSubcommand().validate(args)
     except SystemExit as exc:
         if exc.code in (0, None):
-            raise Verdict("refused", "parse", "vllm serve exits before serving (--help or --version in the argv?)")
-        raise Verdict("refused", "parse", last_words(err.getvalue()) or f"argparse exit {exc.code}")
+            raise Verdict("refused", "parse", "vllm serve exits before serving (--help or --version in the argv?)") from None
+        raise Verdict("refused", "parse", last_words(err.getvalue()) or f"argparse exit {exc.code}") from None
     except Exception as exc:
-        raise Verdict("refused", "parse", reason(exc))
+        raise Verdict("refused", "parse", reason(exc)) from None
     if getattr(args, "model_tag", None) is not None:  # what ServeSubcommand.cmd does first
         args.model = args.model_tag
 
@@ -91,9 +91,9 @@ def judge(argv, AsyncEngineArgs, ServeSubcommand, FlexibleArgumentParser):
         with contextlib.redirect_stderr(err):
             config = engine_args.create_engine_config()
     except SystemExit as exc:
-        raise Verdict("refused", "config", last_words(err.getvalue()) or f"exit {exc.code}")
+        raise Verdict("refused", "config", last_words(err.getvalue()) or f"exit {exc.code}") from None
     except Exception as exc:
-        raise Verdict("refused", "config", reason(exc))
+        raise Verdict("refused", "config", reason(exc)) from None
 
     try:
         from vllm.platforms import current_platform
@@ -126,8 +126,8 @@ def main(ranks_json):
     ranks = json.loads(ranks_json)
     try:
         version, *parts = load_vllm()
-    except Verdict as v:
-        version, parts, common = "", None, v
+    except Verdict as missing:
+        version, parts, common = "", None, missing
     for item in ranks:
         if parts is None:
             v = common
