@@ -209,7 +209,7 @@ def judge(head: Node, settings: Settings, specs: Sequence[RankSpec], *,
             r = head.run(argv, stdin=probe_script(SCRIPT), timeout=bound)
         except NodeError as exc:
             _remove(head, settings.cluster_name)
-            stage = "timeout" if "timed out" in exc.reason or "timeout" in exc.reason.lower() else "run"
+            stage = "timeout" if exc.kind == "command-timeout" else "run"
             words = (f"the judge ran past ARGV_JUDGE_TIMEOUT_S={bound:g} s on {head.name}" if stage == "timeout"
                      else f"{head.name}: {exc.reason}")
             return every(NOT_JUDGED, stage, words)
