@@ -138,7 +138,9 @@ def test_off_judges_nothing(nodes: LocalNodes, capsys: Any, monkeypatch: pytest.
     judge_plan(nodes, NNODES_REFUSED)
     monkeypatch.setenv("ARGV_JUDGE_TIMEOUT_S", "0")
     assert {f["status"] for f in check(capsys).values()} == {"skip"}
-    assert run(["up"], capsys)[0] == 0 and judge_runs(nodes) == []
+    code, out, err = run(["up"], capsys)
+    assert code == 0 and judge_runs(nodes) == [] and "argv not judged" not in err, err
+    assert not [s for s in nodes.sent if "argv-judge" in s.command], "the judge asked the head for its image"
 
 
 def test_the_judges_container_has_no_network_no_secret_and_a_read_only_model(nodes: LocalNodes, capsys: Any,
