@@ -66,6 +66,7 @@ CHECKS = (
     "image",
     "containers",
     "plan",
+    "argv",
 )
 
 DISK_FAIL_BYTES = 10 * GB  # below this the image chain cannot even be unpacked
@@ -1006,11 +1007,11 @@ def run_check(
     timing: dict[str, float] = {}
     start = time.monotonic()
     verifier: Callable[[Mapping[str, Any]], Any] | None = None
+    if cluster is None:  # its own connections, open until the argv judge has run on the head
+        with Cluster(nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout) as own:
+            return run_check(settings, ssh_config, connect_timeout=connect_timeout,
+                             command_timeout=command_timeout, verify=verify, cluster=own)
     with contextlib.ExitStack() as stack:
-        if cluster is None:
-            cluster = stack.enter_context(
-                Cluster(nodes, ssh_config, connect_timeout=connect_timeout, command_timeout=command_timeout)
-            )
         if verify:
             verifier = _verifier(settings, cluster, head, needs.model, command_timeout)
         timing["connect"] = cluster.connect_seconds
@@ -1087,11 +1088,44 @@ def run_check(
     findings += rule_identity(nodes, {n: f.machine_id for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts)},
                               {n: cluster.target(n).hostname for n in nodes})
     facts = facts_ok
+    t = time.monotonic()
+    findings += judge_argv(settings, cluster, plan, pins, unreached)
+    timing["argv"] = time.monotonic() - t
     timing["total"] = time.monotonic() - start
     order = {c: i for i, c in enumerate((*CHECKS, "checkpoint", "api"))}
     node_order = {n: i for i, n in enumerate([*nodes, CLUSTER_ROW])}
     findings.sort(key=lambda f: (node_order.get(f.node, 999), order.get(f.check, 999)))
     return CheckReport(list(nodes), findings, pins, plan, facts, timing)
+
+
+def judge_argv(settings: Settings, cluster: Cluster, plan: Plan | None, pins: Mapping[int, RankPins],
+               unreached: set[str]) -> list[Finding]:
+    """The `argv` row: every replica's every rank argv, rendered as `up` renders it, judged on the head by
+    the serving image's own vLLM (argvjudge). What stops it is said on every rank's node, as a skip."""
+    from . import argvjudge
+    from .render import render_all, resolve_pins
+
+    nodes = list(settings.topology.nodes)
+    head = settings.topology.head
+
+    def skip(why: str) -> list[Finding]:
+        return [_f(n, argvjudge.CHECK, SKIP, "not judged", f"{n}: argv not judged: {why}") for n in nodes
+                if n not in unreached]
+
+    if argvjudge.timeout_s(settings) <= 0:
+        return skip("ARGV_JUDGE_TIMEOUT_S=0 turns the judge off")
+    if head in unreached or head in cluster.errors:
+        return skip(f"the head {head} did not answer")
+    if plan is None:
+        return skip("no memory plan (see the plan row)")
+    specs = []
+    try:
+        for view in settings.replicas():
+            found = {k: pins[view.rank_offset + k] for k in range(len(view.nodes)) if view.rank_offset + k in pins}
+            specs += render_all(view, plan, resolve_pins(view, found), source="sparkctl check").specs
+    except SparkctlError as exc:
+        return skip(f"the argv could not be rendered ({exc.message})")
+    return argvjudge.findings(argvjudge.judge(cluster.node(head), settings, specs), settings)
 
 
 def _compute_cap(facts: F.NodeFacts) -> str | None:

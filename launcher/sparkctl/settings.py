@@ -274,6 +274,11 @@ KNOBS: dict[str, Knob] = {
              "node's memory to come back after its containers stopped (default 120: a killed engine's memory "
              "is back within seconds to a minute); then it refuses with the numbers. 0: no wait, no judgement.",
              minimum=0, maximum=3600),
+        Knob("ARGV_JUDGE_TIMEOUT_S", "float", "check and up (and watch's restart, rollback): the bound, s, of the "
+             "serving image's own vLLM judging every rank's argv on the head before anything starts (default 240; "
+             "cached by image, config.json and argv); past it the argv is 'not judged', a warning. 0: no judge "
+             "(an image whose python3 has no vLLM, a head too small to import torch beside a running service).",
+             minimum=0, maximum=3600),
         Knob("MODEL_REPO", "str", "Hub repo id `model pull` downloads (org/name); the recipe names it.",
              check=_regex(_REPO_RE, "a Hub repo id like org/name")),
         Knob("MODEL_REVISION", "str", "Hub revision `model pull` downloads: a 40-hex commit id (pinned), or a "

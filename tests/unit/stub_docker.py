@@ -57,6 +57,31 @@ def options(words):
     return opts, words[i:]
 
 
+def judge_argv(tail):
+    """The argv judge's verdicts. $STUB_ROOT/argv-judge (JSON): {"verdict", "stage", "words"} for every argv, or
+    {"refuse": WORD, ...}: refused only where an argv holds WORD (the rest ok); {"sleep": S} first sleeps S
+    seconds. Without it: vLLM 0.33.0 accepts every argv. Each judged argv is appended to argv-judged.jsonl."""
+    try:
+        with open(os.path.join(ROOT, "argv-judge")) as fh:
+            plan = json.load(fh)
+    except FileNotFoundError:
+        plan = {}
+    time.sleep(float(plan.get("sleep", 0)))
+    ranks = json.loads(tail[-1])
+    for item in ranks:
+        with open(os.path.join(ROOT, "argv-judged.jsonl"), "a") as fh:
+            fh.write(json.dumps(item["argv"]) + "\n")
+        doc = {"verdict": "ok", "stage": "config", "words": ""}
+        if "refuse" in plan:
+            if plan["refuse"] in item["argv"]:
+                doc = {k: plan[k] for k in ("verdict", "stage", "words")}
+        elif "verdict" in plan:
+            doc = {k: plan[k] for k in ("verdict", "stage", "words")}
+        print("some vLLM log line")
+        print("@@sparkctl-argv " + json.dumps({"rank": item["rank"], **doc, "vllm": plan.get("vllm", "0.33.0")}))
+    return 0
+
+
 def main():
     if not argv:
         return 0
@@ -115,6 +140,8 @@ def main():
         opts, tail = options(rest)
         name = next((v for k, v in opts if k == "--name"), "anon")
         image = images.get(tail[0], {}) if tail else {}
+        if ("--label", "sparkctl.purpose=argv-judge") in opts:  # argvjudge: the image's vLLM judges each argv
+            return judge_argv(tail)
         if ("--entrypoint", "python3") in opts and "--rm" in rest:  # build's version probe in a layer
             layer = image.get("Config", {}).get("Labels", {}).get("sparkctl.layer", "")
             swapped = layer in ("v145", "keys", "keys3")  # the lab chain's v145 swaps exllamav3 0.0.43 -> 1.4.5

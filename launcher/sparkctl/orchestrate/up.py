@@ -11,6 +11,8 @@
       plan_for                           the memory plan for the nodes' GPU generation; must fit
       pins.pins_from_facts               the same discovery rule as `check` (pins.discover_fabric)
       render.render_all                  every rank's argv and env (builders), the config hash
+      judge_argv                         the serving image's own vLLM judges every argv on the head
+                                         (argvjudge; cached): a refusal refuses with vLLM's words
       before_start                       `up --fabric-test`: fabric_gate, an all-reduce first
       write env/env.tp4                  the rendered pins and settings, for the record
       service.up                         diff against what runs; replace, start workers then the
@@ -148,6 +150,7 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     plan = plan_for(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
     pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
     rendered = render_all(s, plan, pins, source=source)
+    judge_argv(cluster, s, rendered, say)
     if before_start is not None:
         before_start(pins, {n: r[1][0] for n, r in ok.items()})
     env_tp4 = env_tp4_path(ENV_TP4, s.replica_index)  # one file per replica (one replica: env/env.tp4)
@@ -166,6 +169,21 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
         except (NodeError, CheckFailed) as exc:  # the service runs: a lost record is a warning, not a failure
             warn([f"the service runs, but its history entry was not recorded: {exc}"])
     return outcome
+
+
+def judge_argv(cluster: Cluster, s: Settings, rendered: Rendered, say: Callable[[str], None]) -> None:
+    """The serving image's own vLLM judges every rank's argv on the head (argvjudge) before anything starts:
+    a refusal refuses `up` with vLLM's words; what it could not judge is a warning."""
+    from .. import argvjudge
+
+    j = argvjudge.judge(cluster.node(s.head), s, rendered.specs, say=say)
+    refused = argvjudge.refusal(j, s)
+    if refused:
+        raise CheckFailed(refused, fix=argvjudge.FIX)
+    warn(argvjudge.warnings(j))
+    if not j.not_judged:
+        say(f"argv: accepted by vLLM {j.verdicts[0].vllm or '?'} in {s.image} for every rank "
+            f"({'cached' if j.cached else f'{j.seconds:.1f}s'})")
 
 
 Preflight = tuple[Any, Any, "CheckpointInfo | None"]  # a node's fabric facts, node_state, checkpoint (heads)
