@@ -35,7 +35,8 @@ PAIR = ["spark1", "spark3"]
 
 @pytest.fixture(scope="module")
 def real(lab: Lab) -> Iterator[dict[str, str]]:
-    """`lab up --engine vllm` on the running lab: the real checkpoint on every host, the image on PAIR; the env."""
+    """`lab up --engine vllm` on the running lab: the real checkpoint on every host, the real base on PAIR, the
+    checkpoint's chain built FROM it there (`build`); the env."""
     from sparkctl.errors import SparkctlError
     from sparkctl.lab import manage
 
@@ -46,6 +47,12 @@ def real(lab: Lab) -> Iterator[dict[str, str]]:
             raise
         pytest.skip(f"the lab's real-engine image cannot be made here: {exc}")
     env = {**lab.env(), "SPARKCTL_ENV_FILE": str(files.vllm_env_file), **CLUSTER, "NODES": " ".join(PAIR)}
+    # the checkpoint's chain FROM the real base on both ranks (skipped where its content hash matches)
+    r = sk(env, "--json", "build", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in json.loads(r.stdout)["ranks"]:
+        for layer in rank["layers"]:
+            assert layer["action"] == "skip" or layer["versions"]["vllm"] == "0.32.0+cpu", (rank["node"], layer)
     yield env
     sk(env, "down", timeout=120)
 

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.realengine_lab
 
 
 def test_the_whole_path_on_the_real_engine(real: dict[str, str], lab: Lab) -> None:
-    """check -> build (no chain: the recipe runs the real base itself) -> up -> wait -> status -> logs ->
+    """check -> build (the checkpoint's chain FROM the real base) -> up -> wait -> status -> logs ->
     a real completion -> down."""
     env = real
     fresh(env)
@@ -52,8 +52,12 @@ def test_the_whole_path_on_the_real_engine(real: dict[str, str], lab: Lab) -> No
     r = sk(env, "--json", "build", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     built = json.loads(r.stdout)
-    assert built["mode"] == "prebuilt", built  # no chain: the image is the real base (say so, README)
-    assert built["versions"]["vllm"].startswith("0.32.0"), built
+    # the checkpoint's chain (serving/Dockerfile.cpu) FROM the real base, built by the fixture: every rank's
+    # base pinned to the head's, and the layer up to date by its content hash
+    assert built["mode"] == "build" and built["top"] == "sparkctl-lab/vllm-chain:cpu", built
+    assert built["base"]["ref"] == "sparkctl-lab/vllm:0.32.0-cpu" and not built["base"]["stale"], built
+    assert [(r["node"], [(x["layer"], x["action"]) for x in r["layers"]]) for r in built["ranks"]] == \
+        [(n, [("cpu", "skip")]) for n in PAIR], built
     must(sk(env, "up", timeout=300), "up")
     waited = must(sk(env, "wait", "--timeout", str(START_S), timeout=START_S + 60), "wait")
     assert "ready" in waited.lower(), waited

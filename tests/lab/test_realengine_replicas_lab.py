@@ -43,6 +43,7 @@ def four(lab: Lab) -> Iterator[dict[str, str]]:
            "PORT": "18961", "MASTER_PORT": "39561", "NODES": " ".join(FOUR), "TP": "2"}
     sk(env, "lock", "--force-unlock", timeout=30)
     sk(env, "down", timeout=120)
+    must(sk(env, "build", timeout=900), "build")  # the checkpoint's chain FROM the real base on all four
     yield env
     sk(env, "down", timeout=120)
 

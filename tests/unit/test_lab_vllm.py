@@ -57,7 +57,7 @@ def test_the_docker_run_has_the_entrypoint_ulimits_ipc_and_a_read_only_model(cle
     spec = rank_specs(s, plan, resolve_pins(s))[1]
     argv = docker_run_argv(s, spec, "h" * 12)
     assert argv[argv.index("--entrypoint") + 1] == "vllm"
-    assert argv[argv.index("--entrypoint") + 2] == "sparkctl-lab/vllm:0.32.0-cpu"
+    assert argv[argv.index("--entrypoint") + 2] == "sparkctl-lab/vllm-chain:cpu"  # the chain's top, FROM the real base
     assert "--ipc" in argv and "--gpus" not in argv
     assert "nofile=16384:16384" in argv
     mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "--mount"]

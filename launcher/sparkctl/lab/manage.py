@@ -322,12 +322,29 @@ def _up(nodes: int, checkpoint: Path | None, tp: int | None = None) -> LabFiles:
 # ------------------------------------------------------------------------------------------- --engine vllm
 ENGINES = ("standin", "vllm")
 MAKE_MODEL = Path(__file__).resolve().parents[3] / "tests" / "realengine" / "make_model.py"
+VLLM_SERVING = Path(__file__).resolve().parent / "ckpt_serving_vllm"  # the real checkpoint's serving/ (its chain)
+
+
+def sync_serving(model_dir: Path) -> None:
+    """The real checkpoint's serving/ folder as ckpt_serving_vllm/ has it (rewritten where it differs, so an
+    existing lab gets a changed layer without remaking the checkpoint)."""
+    dest = model_dir / "serving"
+    want = {p.name: p.read_bytes() for p in sorted(VLLM_SERVING.iterdir()) if p.is_file()}
+    dest.mkdir(exist_ok=True)
+    for old in dest.iterdir():
+        if old.is_file() and old.name not in want:
+            old.unlink()
+    for name, data in want.items():
+        f = dest / name
+        if not f.is_file() or f.read_bytes() != data:
+            f.write_bytes(data)
 
 
 def ensure_vllm_checkpoint(files: LabFiles, venv: Path) -> Path:
     """The real engine's checkpoint, made once offline by make_model.py in the real-engine venv."""
     done = files.vllm_checkpoint / COPY_STAMP
     if done.exists():
+        sync_serving(files.vllm_checkpoint)
         return files.vllm_checkpoint
     if not MAKE_MODEL.is_file():
         raise CheckFailed(f"lab --engine vllm: {MAKE_MODEL} is missing", fix="run it from a sparkctl checkout")
@@ -336,6 +353,7 @@ def ensure_vllm_checkpoint(files: LabFiles, venv: Path) -> Path:
     run([str(venv / "bin" / "python"), str(MAKE_MODEL), str(files.vllm_checkpoint)], timeout=600,
         env={"PATH": "/usr/bin:/bin", "HOME": str(files.root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
         where="lab --engine vllm checkpoint")
+    sync_serving(files.vllm_checkpoint)
     done.write_text("complete\n")
     return files.vllm_checkpoint
 
@@ -346,6 +364,7 @@ def ensure_vllm_models(paths: HostPaths, checkpoint: Path) -> None:
         if paths.vllm_models.exists():
             shutil.rmtree(paths.vllm_models)
         run(["cp", "-a", str(checkpoint), str(paths.vllm_models)], timeout=300)
+    sync_serving(paths.vllm_models)
     hosts.bind_in_host(paths, paths.vllm_models, VLLM_MODEL_PATH)
 
 
