@@ -1,0 +1,120 @@
+"""What `builders` promises about the command lines and environments it returns (issue 32: the
+survivors of `bench/mutation.py builders`, each claim asserted on the argv or env a node receives).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkctl.builders import (
+    LABEL_CONTENT_HASH,
+    LABEL_LAYER,
+    LABEL_RECIPE,
+    LABEL_VERSION,
+    api_bind_host,
+    docker_build_argv,
+    docker_run_argv,
+    image_labels,
+    open_api_warning,
+    rank_specs,
+    speculative_config,
+    vllm_serve_argv,
+)
+from sparkctl.plan import make_plan, read_checkpoint
+from sparkctl.settings import RankPins, Settings, load_settings
+
+NODES = "spark1 spark2 spark3 spark4"
+
+
+def pins_for(n: int) -> dict[str, str]:
+    return {f"RANK{r}_{k}": v for r in range(n) for k, v in
+            (("FABRIC_IP", f"10.0.0.{r + 1}"), ("CX7_IF", "enp1s0f0np0"), ("CX7_IB", "rocep1s0f0"), ("GID_INDEX", "3"))}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    from tests.conftest import write_model
+
+    return write_model(tmp_path / "m", 1_000_000_000, 2)
+
+
+def _load(model: Path, extra: dict[str, str] | None = None, *, nodes: str = NODES, pins: bool = True) -> Settings:
+    environ = {"NODES": nodes, "MODEL": str(model), **(pins_for(len(nodes.split())) if pins else {}), **(extra or {})}
+    return load_settings(cli={}, environ=environ)
+
+
+def _pins(s: Settings) -> list[RankPins]:
+    return [s.rank_pins(r) for r in range(len(s.nodes))]
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_the_dspark_drafter_config_names_the_drafter_folder_and_the_token_count_exactly(clean_env: Any,
+                                                                                           model: Path,
+                                                                                           tmp_path: Path) -> None:
+    """The recipe's template, filled with DSPARK (JSON-escaped: a backslash in the path stays one) and SPEC_K;
+    the method read from an env file, as an operator sets it."""
+    drafter = "/models/dspark\\v2 drafter"
+    env = tmp_path / "cluster.env"
+    env.write_text("RECIPE=glm53-exl3-2.75bpw\nSPEC_METHOD=dspark\nSPEC_K=5\n")
+    s = load_settings(env_file=str(env), cli={},
+                      environ={"NODES": NODES, "MODEL": str(model), **pins_for(4), "DSPARK": drafter})
+    spec = speculative_config(s)
+    assert spec is not None
+    assert json.loads(spec) == {"method": "dspark", "model": drafter, "num_speculative_tokens": 5}
+    plan = make_plan(_load(model), read_checkpoint(model))  # the drafter's own cache is plan.py's business
+    argv = vllm_serve_argv(s, plan, 0, _pins(s))
+    assert json.loads(_flag(argv, "--speculative-config"))["model"] == drafter
+
+
+def test_the_last_host_decides_where_the_api_listens(clean_env: Any, model: Path) -> None:
+    """Only `--host VALUE` and `--host=VALUE` set the address; a flag after it that takes a value does not."""
+    s = _load(model, {"VLLM_EXTRA_ARGS": "--host 127.0.0.1 --dtype auto --tokenizer-mode auto"})
+    assert api_bind_host(s) == "127.0.0.1"
+    assert open_api_warning(s) is None
+
+
+@pytest.mark.parametrize("extra", ["--host", "--enforce-eager --host"])  # --host last at an even and an odd index
+def test_a_trailing_host_without_a_value_leaves_every_interface_and_the_warning(clean_env: Any, model: Path,
+                                                                                  extra: str) -> None:
+    s = _load(model, {"VLLM_EXTRA_ARGS": extra})
+    assert api_bind_host(s) == "0.0.0.0"
+    assert "listen on 0.0.0.0 without an API key" in (open_api_warning(s) or "")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_every_loopback_address_is_private_without_a_key(clean_env: Any, model: Path, host: str) -> None:
+    assert open_api_warning(_load(model, {"VLLM_EXTRA_ARGS": f"--host {host}"})) is None
+    assert open_api_warning(_load(model, {"VLLM_EXTRA_ARGS": f"--host={host}"})) is None
+
+
+def test_docker_build_argv_is_tag_base_sorted_labels_then_the_context_last() -> None:
+    labels = image_labels("r", "serve", "c0ffee")
+    assert labels == {LABEL_RECIPE: "r", LABEL_LAYER: "serve", LABEL_CONTENT_HASH: "c0ffee",
+                      LABEL_VERSION: labels[LABEL_VERSION]}
+    argv = docker_build_argv("t:1", "sha256:abc", {"b": "2", "a": "1"}, "ctx", no_cache=True, base_arg="PARENT")
+    assert argv == ["docker", "build", "--tag", "t:1", "--build-arg", "PARENT=sha256:abc",
+                    "--label", "a=1", "--label", "b=2", "--no-cache", "ctx"]
+    assert docker_build_argv("t", "b", {}, ".") == ["docker", "build", "--tag", "t", "--build-arg", "BASE=b", "."]
+
+
+def test_only_a_replica_of_several_carries_the_replica_label(clean_env: Any, model: Path) -> None:
+    """Two replicas (TP 2 on 4 nodes): each container names its replica; one replica: no replica label at all."""
+    two = _load(model, {"TP": "2", "DCP": "2"})
+    plan = make_plan(two.replica(1), read_checkpoint(model))
+    for index, view in enumerate(two.replicas()):
+        specs = rank_specs(view, plan, _pins(view))
+        assert [_flag(docker_run_argv(view, spec, "h"), "--name") for spec in specs] == \
+            [f"sparkctl-sparkctl-rank{r}" for r in range(2)]
+        for spec in specs:
+            labels = [w for w in docker_run_argv(view, spec, "h") if w.startswith("sparkctl.replica=")]
+            assert labels == [f"sparkctl.replica={index}"]
+    one = _load(model)
+    spec = rank_specs(one, make_plan(one, read_checkpoint(model)), _pins(one))[0]
+    assert not [w for w in docker_run_argv(one, spec, "h") if w.startswith("sparkctl.replica")]

@@ -1,0 +1,82 @@
+"""What `settings` promises: each knob's range to the unit, secrets never shown, unknown or doubled keys
+refused where the cluster changes (issue 32: the survivors of `bench/mutation.py settings`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sparkctl.errors import UsageError
+from sparkctl.settings import MAX_EXTRA_ARGS_CHARS, Settings, load_settings
+
+NODES = "spark1 spark2 spark3 spark4"
+BASE = {"NODES": NODES, "MODEL": "/models/m"}
+
+# Every bounded knob's range, written out here on purpose (not read from settings.KNOBS): (lowest, highest), None
+# where there is no bound. A value at a bound is taken; one step past it is refused, naming the bound.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "TP": (1, 1024), "DCP": (1, 1024), "GPUS_PER_NODE": (1, 64), "REPLICAS": (1, 1024),
+    "MAX_MODEL_LEN": (1, 100_000_000), "MAX_FULL_SEQS": (1, 4096), "GPU_MEMORY_UTILIZATION": (0.01, 1.0),
+    "KV_CACHE_MEMORY_BYTES": (1, None), "NODE_MEMORY_BYTES": (1, None), "PORT": (1, 65535),
+    "MASTER_PORT": (1, 65535), "SPEC_K": (1, 16), "ULIMIT_NOFILE": (1024, None), "ULIMIT_MEMLOCK": (-1, None),
+    "ABLIT": (0, 1), "BUILD_KEEP_CHAINS": (1, 100), "WATCH_INTERVAL_S": (0.2, 3600),
+    "WATCH_CANARY_S": (0.2, 86400), "WATCH_CANARY_TIMEOUT_S": (0.5, 3600), "WATCH_MAX_RESTARTS": (0, 1000),
+    "WATCH_RESTART_WINDOW_S": (1, 10**7), "WATCH_BACKOFF_S": (0, 86400), "WATCH_NODE_WAIT_S": (0, 10**6),
+    "WATCH_READY_TIMEOUT_S": (1, 10**6), "MEMORY_WAIT_S": (0, 3600),
+}
+FLOATS = {"GPU_MEMORY_UTILIZATION", "WATCH_INTERVAL_S", "WATCH_CANARY_S", "WATCH_CANARY_TIMEOUT_S",
+          "WATCH_RESTART_WINDOW_S", "WATCH_BACKOFF_S", "WATCH_NODE_WAIT_S", "WATCH_READY_TIMEOUT_S", "MEMORY_WAIT_S"}
+
+
+def _load(extra: dict[str, str] | None = None, **kw: Any) -> Settings:
+    return load_settings(cli={}, environ={**BASE, **(extra or {})}, **kw)
+
+
+def _range_lines(key: str, value: str) -> list[str]:
+    """The lines of the refusal that say `key` is out of its range (none when the value is taken)."""
+    try:
+        _load({key: value})
+    except UsageError as exc:
+        return [ln for ln in exc.message.splitlines()
+                if ln.startswith(f"{key}=") and ("must be at least" in ln or "must be at most" in ln)]
+    return []
+
+
+def _text(key: str, v: float) -> str:
+    return repr(float(v)) if key in FLOATS else str(int(v))
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_knob_takes_its_whole_range_and_not_one_step_more(clean_env: Any, key: str) -> None:
+    lo, hi = RANGES[key]
+    step = 0.001 if key in FLOATS else 1
+    if lo is not None:
+        assert _range_lines(key, _text(key, lo)) == []
+        below = _range_lines(key, _text(key, lo - step))
+        assert len(below) == 1 and below[0].endswith(f"must be at least {lo:g}"), below
+    if hi is not None:
+        assert _range_lines(key, _text(key, hi)) == []
+        above = _range_lines(key, _text(key, hi + step))
+        assert len(above) == 1 and above[0].endswith(f"must be at most {hi:g}"), above
+
+
+def test_vllm_extra_args_take_8192_characters_and_not_one_more(clean_env: Any) -> None:
+    assert MAX_EXTRA_ARGS_CHARS == 8192
+    def padded(n: int) -> str:  # the value is stripped when read: the padding goes between the words
+        return "--dtype" + " " * (n - len("--dtype") - len("auto")) + "auto"
+
+    assert _load({"VLLM_EXTRA_ARGS": padded(8192)}).vllm_extra_args() == ["--dtype", "auto"]
+    with pytest.raises(UsageError) as exc:
+        _load({"VLLM_EXTRA_ARGS": padded(8193)})
+    assert "VLLM_EXTRA_ARGS" in exc.value.message and "longer than 8192 characters" in exc.value.message
+
+
+def test_a_replica_that_does_not_exist_is_refused_naming_those_that_do(clean_env: Any) -> None:
+    s = _load({"TP": "2", "DCP": "2"})  # 4 nodes, TP 2: replicas 0 and 1
+    assert [r.nodes for r in s.replicas()] == [["spark1", "spark2"], ["spark3", "spark4"]]
+    for index in (2, -1):
+        with pytest.raises(UsageError) as exc:
+            s.replica(index)
+        assert exc.value.message.startswith(f"replica {index} does not exist: there are 2 (0..1; REPLICAS")
