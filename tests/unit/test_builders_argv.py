@@ -18,12 +18,14 @@ from sparkctl.builders import (
     api_bind_host,
     docker_build_argv,
     docker_run_argv,
+    env_file_text,
     image_labels,
     open_api_warning,
     rank_specs,
     speculative_config,
     vllm_serve_argv,
 )
+from sparkctl.errors import UsageError
 from sparkctl.plan import make_plan, read_checkpoint
 from sparkctl.settings import RankPins, Settings, load_settings
 
@@ -80,7 +82,8 @@ def test_the_last_host_decides_where_the_api_listens(clean_env: Any, model: Path
     assert open_api_warning(s) is None
 
 
-@pytest.mark.parametrize("extra", ["--host", "--enforce-eager --host"])  # --host last at an even and an odd index
+# --host last at an even and an odd index, and past the 256th word (where ints stop being shared objects)
+@pytest.mark.parametrize("extra", ["--host", "--enforce-eager --host", "--enforce-eager " * 300 + "--host"])
 def test_a_trailing_host_without_a_value_leaves_every_interface_and_the_warning(clean_env: Any, model: Path,
                                                                                   extra: str) -> None:
     s = _load(model, {"VLLM_EXTRA_ARGS": extra})
@@ -118,3 +121,12 @@ def test_only_a_replica_of_several_carries_the_replica_label(clean_env: Any, mod
     one = _load(model)
     spec = rank_specs(one, make_plan(one, read_checkpoint(model)), _pins(one))[0]
     assert not [w for w in docker_run_argv(one, spec, "h") if w.startswith("sparkctl.replica")]
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\x00b", "\n"])
+def test_an_env_file_line_never_carries_a_newline_cr_or_nul(bad: str) -> None:
+    """One KEY=value per line, sorted: a value that would start another line (or cut one) is refused by key."""
+    assert env_file_text({"B": "2", "A": "x=1 y"}) == "A=x=1 y\nB=2\n"
+    with pytest.raises(UsageError) as exc:
+        env_file_text({"A": "1", "HF_TOKEN": bad})
+    assert exc.value.message.startswith("HF_TOKEN: ") and bad not in exc.value.message

@@ -4,12 +4,13 @@ refused where the cluster changes (issue 32: the survivors of `bench/mutation.py
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sparkctl.errors import UsageError
-from sparkctl.settings import MAX_EXTRA_ARGS_CHARS, Settings, load_settings
+from sparkctl.settings import MAX_EXTRA_ARGS_CHARS, Settings, knob_doc, load_settings
 
 NODES = "spark1 spark2 spark3 spark4"
 BASE = {"NODES": NODES, "MODEL": "/models/m"}
@@ -80,3 +81,22 @@ def test_a_replica_that_does_not_exist_is_refused_naming_those_that_do(clean_env
         with pytest.raises(UsageError) as exc:
             s.replica(index)
         assert exc.value.message.startswith(f"replica {index} does not exist: there are 2 (0..1; REPLICAS")
+
+
+def test_each_key_pattern_has_its_doc_and_an_unknown_key_none() -> None:
+    assert knob_doc("TP") is not None and "Tensor-parallel" in (knob_doc("TP") or "")
+    assert "GID index of the n-th node" in (knob_doc("RANK3_GID_INDEX") or "")
+    assert knob_doc("STANDIN_CRASH_AFTER") == knob_doc("SKIP_X") == "Passed to the containers' environment as it is."
+    assert knob_doc("MAX_MODEL_LENGTH") is None and knob_doc("RANK1_NOPE") is None
+
+
+def test_a_key_set_twice_is_refused_where_the_cluster_changes_and_warned_elsewhere(clean_env: Any,
+                                                                                      tmp_path: Path) -> None:
+    env = tmp_path / "cluster.env"
+    env.write_text("NODES=spark1 spark2 spark3 spark4\nMODEL=/models/m\nPORT=9000\nTP=4\nPORT=9100\n")
+    s = load_settings(env_file=str(env), cli={}, environ={})
+    assert s.getint("PORT") == 9100
+    assert s.warnings == [f"PORT is set 2 times in env file {env} (lines 3, 5): the last one is used"]
+    with pytest.raises(UsageError) as exc:
+        load_settings(env_file=str(env), cli={}, environ={}, strict_keys=True)
+    assert exc.value.message == f"PORT is set 2 times in env file {env} (lines 3, 5)"
