@@ -16,11 +16,14 @@ from sparkctl.builders import (
     LABEL_RECIPE,
     LABEL_VERSION,
     api_bind_host,
+    container_options,
     docker_build_argv,
     docker_run_argv,
     env_file_text,
     image_labels,
+    master_addr,
     open_api_warning,
+    rank_env,
     rank_specs,
     speculative_config,
     vllm_serve_argv,
@@ -130,3 +133,36 @@ def test_an_env_file_line_never_carries_a_newline_cr_or_nul(bad: str) -> None:
     with pytest.raises(UsageError) as exc:
         env_file_text({"A": "1", "HF_TOKEN": bad})
     assert exc.value.message.startswith("HF_TOKEN: ") and bad not in exc.value.message
+
+
+def test_the_drafter_and_the_abliteration_folder_are_mounted_read_only(clean_env: Any, model: Path,
+                                                                        tmp_path: Path) -> None:
+    s = _load(model, {"RECIPE": "glm53-exl3-2.75bpw", "SPEC_METHOD": "dspark", "DSPARK": "/models/drafter",
+                      "ABLIT_HOST_DIR": "/srv/ablit"})
+    mounts = [w for w in container_options(s) if w.startswith("type=bind")]
+    assert mounts == [f"type=bind,source={p},target={p},readonly" for p in (str(model), "/models/drafter", "/srv/ablit")]
+
+
+def test_a_recipe_that_does_not_set_ablit_leaves_abliteration_off(clean_env: Any, model: Path,
+                                                                  tmp_path: Path) -> None:
+    """ABLIT=0 in every rank's environment when neither the recipe nor the operator sets it."""
+    import sparkctl
+
+    shipped = Path(sparkctl.__file__).parent / "recipes" / "lab.toml"
+    mine = tmp_path / "mine.toml"
+    mine.write_text("".join(ln for ln in shipped.read_text().splitlines(keepends=True) if not ln.startswith("ABLIT")))
+    s = _load(model, {"RECIPE": str(mine)})
+    assert s.get("ABLIT") is None
+    assert rank_env(s, 0, s.rank_pins(0))["ABLIT"] == "0"
+
+
+def test_an_unknown_head_fabric_ip_names_the_heads_own_pin_knob(clean_env: Any, model: Path) -> None:
+    """The head of replica 1 (TP 2 on 4 nodes) is the third node: its pin is RANK2_FABRIC_IP."""
+    for s, key in ((_load(model, pins=False), "RANK0_FABRIC_IP"),
+                   (_load(model, {"TP": "2", "DCP": "2"}, pins=False).replica(1), "RANK2_FABRIC_IP")):
+        with pytest.raises(UsageError) as exc:
+            master_addr(s, _pins(s))
+        assert exc.value.message == f"the head's fabric IP is not known ({key} / MASTER_ADDR)"
+        assert key in (exc.value.fix or "")
+    s = _load(model, {"MASTER_ADDR": "10.9.9.9"}, pins=False)
+    assert master_addr(s, _pins(s)) == "10.9.9.9"

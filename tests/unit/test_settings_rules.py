@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sparkctl.errors import UsageError
-from sparkctl.settings import MAX_EXTRA_ARGS_CHARS, Settings, knob_doc, load_settings
+from sparkctl.settings import MAX_EXTRA_ARGS_CHARS, REDACTED, Settings, knob_doc, load_settings
 
 NODES = "spark1 spark2 spark3 spark4"
 BASE = {"NODES": NODES, "MODEL": "/models/m"}
@@ -100,3 +100,27 @@ def test_a_key_set_twice_is_refused_where_the_cluster_changes_and_warned_elsewhe
     with pytest.raises(UsageError) as exc:
         load_settings(env_file=str(env), cli={}, environ={}, strict_keys=True)
     assert exc.value.message == f"PORT is set 2 times in env file {env} (lines 3, 5)"
+
+
+def test_config_shows_every_value_as_read_and_only_secrets_redacted(clean_env: Any) -> None:
+    s = _load({"HF_TOKEN": "hf_abc", "PORT": "9000"})
+    shown = s.as_dict()
+    assert shown["PORT"] == {"value": 9000, "source": "environment"}
+    assert shown["NODES"]["value"] == NODES.split() and shown["GPU_MEMORY_UTILIZATION"]["value"] == 0.8
+    assert shown["HF_TOKEN"] == {"value": REDACTED, "source": "environment"}
+    assert s.as_dict(redact=False)["HF_TOKEN"]["value"] == "hf_abc"
+
+
+def test_a_gid_index_that_is_not_a_number_is_refused_by_name(clean_env: Any) -> None:
+    with pytest.raises(UsageError) as exc:
+        _load({"RANK1_GID_INDEX": "three"})
+    assert exc.value.message == "RANK1_GID_INDEX='three' (from environment) must be a whole number"
+    assert _load({"RANK1_GID_INDEX": "7"}).as_dict()["RANK1_GID_INDEX"]["value"] == 7
+
+
+def test_a_replica_view_is_only_itself(clean_env: Any) -> None:
+    view = _load({"TP": "2", "DCP": "2"}).replica(1)
+    assert view.replica(0) is view and view.nodes == ["spark3", "spark4"]
+    with pytest.raises(UsageError) as exc:
+        view.replica(1)
+    assert exc.value.message == "replica 1 of a replica view (it is replica 1)"
