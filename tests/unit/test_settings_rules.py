@@ -124,3 +124,16 @@ def test_a_replica_view_is_only_itself(clean_env: Any) -> None:
     with pytest.raises(UsageError) as exc:
         view.replica(1)
     assert exc.value.message == "replica 1 of a replica view (it is replica 1)"
+
+
+def test_a_fabric_subnet_may_be_written_with_a_host_address(clean_env: Any) -> None:
+    assert _load({"FABRIC_SUBNET": "192.168.100.7/24"}).get("FABRIC_SUBNET") == "192.168.100.7/24"
+
+
+def test_a_replicas_pins_are_the_knobs_at_its_nodes_positions(clean_env: Any) -> None:
+    """TP 3 on 6 nodes: replica 1 is spark4..spark6, its rank 1 the fifth node, so RANK4_*."""
+    nodes = "spark1 spark2 spark3 spark4 spark5 spark6"
+    view = load_settings(cli={}, environ={"NODES": nodes, "MODEL": "/models/m", "TP": "3", "DCP": "1",
+                                          "RANK4_FABRIC_IP": "10.0.0.5", "RANK4_GID_INDEX": "5"}).replica(1)
+    assert view.rank_key(1, "FABRIC_IP") == "RANK4_FABRIC_IP"
+    assert (view.rank_pins(1).fabric_ip, view.rank_pins(1).gid_index) == ("10.0.0.5", 5)
