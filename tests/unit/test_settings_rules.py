@@ -137,3 +137,21 @@ def test_a_replicas_pins_are_the_knobs_at_its_nodes_positions(clean_env: Any) ->
                                           "RANK4_FABRIC_IP": "10.0.0.5", "RANK4_GID_INDEX": "5"}).replica(1)
     assert view.rank_key(1, "FABRIC_IP") == "RANK4_FABRIC_IP"
     assert (view.rank_pins(1).fabric_ip, view.rank_pins(1).gid_index) == ("10.0.0.5", 5)
+
+
+def test_a_pvc_model_volume_is_taken_by_its_claim_name(clean_env: Any) -> None:
+    assert _load({"LWS_MODEL_VOLUME": "pvc:glm-models"}).get("LWS_MODEL_VOLUME") == "pvc:glm-models"
+    with pytest.raises(UsageError, match="must be hostpath or pvc:<claim>"):
+        _load({"LWS_MODEL_VOLUME": "pvc:Bad_Claim"})
+
+
+def test_a_recipe_without_gpus_per_node_plans_one_gpu_per_node(clean_env: Any, tmp_path: Path) -> None:
+    import sparkctl
+
+    shipped = Path(sparkctl.__file__).parent / "recipes" / "lab.toml"
+    mine = tmp_path / "mine.toml"
+    mine.write_text("".join(ln for ln in shipped.read_text().splitlines(keepends=True)
+                            if not ln.startswith("GPUS_PER_NODE")))
+    s = _load({"RECIPE": str(mine)})
+    assert s.get("GPUS_PER_NODE") is None
+    assert [r.nodes for r in s.topology.replicas] == [NODES.split()]
