@@ -154,4 +154,4 @@ def test_a_recipe_without_gpus_per_node_plans_one_gpu_per_node(clean_env: Any, t
                             if not ln.startswith("GPUS_PER_NODE")))
     s = _load({"RECIPE": str(mine)})
     assert s.get("GPUS_PER_NODE") is None
-    assert [r.nodes for r in s.topology.replicas] == [NODES.split()]
+    assert [list(r.nodes) for r in s.topology.replicas] == [NODES.split()]
