@@ -79,9 +79,12 @@ def hashlib_hex(text: str) -> str:
 
 
 CHAIN_RECIPES = [r for r in available_recipes() if load_recipe(r).prebuilt is None]
+# The model card's chain (dcp -> mul1 -> v145 -> keys -> keys3); lab-vllm builds the real-engine checkpoint's own
+# one-layer chain FROM the real base instead (test_the_real_engine_lab_builds_its_checkpoints_chain_from_the_real_base).
+CARD_CHAIN_RECIPES = [r for r in CHAIN_RECIPES if r != "lab-vllm"]
 
 
-@pytest.mark.parametrize("recipe", CHAIN_RECIPES)
+@pytest.mark.parametrize("recipe", CARD_CHAIN_RECIPES)
 def test_every_recipe_builds_the_checkpoints_own_dockerfiles(recipe: str) -> None:
     chain = im.load_chain(load_recipe(recipe))
     assert [x.name for x in chain] == ["dcp", "mul1", "v145", "keys", "keys3"]
@@ -93,9 +96,23 @@ def test_the_275_recipe_runs_the_serve_recipes_prebuilt_image_not_a_chain() -> N
     recipe = load_recipe("glm53-exl3-2.75bpw")
     assert recipe.prebuilt is not None and "Serve-4-DGXSparks" in recipe.prebuilt.source
     assert not recipe.layers and "IMAGE" not in recipe.defaults and "BASE_IMAGE" not in recipe.defaults
-    assert CHAIN_RECIPES == ["glm53-exl3-tp4", "lab"]
+    assert CHAIN_RECIPES == ["glm53-exl3-tp4", "lab", "lab-vllm"]
     with pytest.raises(UsageError, match="runs a prebuilt image .*no chain"):
         im.load_chain(recipe)
+
+
+def test_the_real_engine_lab_builds_its_checkpoints_chain_from_the_real_base() -> None:
+    """lab-vllm: one layer, serving/Dockerfile.cpu (lab/ckpt_serving_vllm/), FROM BASE = the real base that
+    `lab up --engine vllm` loads; build must find vLLM 0.32.0+cpu in it; the ranks run its top."""
+    from sparkctl.lab.manage import VLLM_SERVING
+
+    recipe = load_recipe("lab-vllm")
+    chain = im.load_chain(recipe)
+    assert [(x.name, dict(x.expect)) for x in chain] == [("cpu", {"vllm": "0.32.0+cpu"})]
+    assert recipe.defaults["BASE_IMAGE"] == "sparkctl-lab/vllm:0.32.0-cpu"
+    assert recipe.defaults["IMAGE"] == chain[-1].tag == "sparkctl-lab/vllm-chain:cpu"
+    text = (VLLM_SERVING / "Dockerfile.cpu").read_text()
+    assert "ARG BASE\nFROM ${BASE}\n" in text and "COPY README.md " in text and "0.32.0" in text
 
 
 def test_the_lab_checkpoints_dockerfiles_copy_what_they_ship_in_one_copy_and_one_run() -> None:
@@ -737,6 +754,6 @@ def test_versions_are_compared_with_the_heads() -> None:
 
 
 def test_every_recipe_expects_exllamav3_1_4_5_after_v145() -> None:
-    for name in CHAIN_RECIPES:
+    for name in CARD_CHAIN_RECIPES:
         chain = im.load_chain(load_recipe(name))
         assert dict(next(x for x in chain if x.name == "v145").expect) == {"exllamav3": "1.4.5"}, name

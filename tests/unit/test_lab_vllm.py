@@ -142,3 +142,17 @@ def test_wait_names_the_gloo_interface_each_rank_really_runs_with(clean_env, tmp
     s.recipe = replace(s.recipe, container=container)
     for spec in rank_specs(s, plan, resolve_pins(s)):
         assert gloo_ifname(s, spec.rank) == spec.env["GLOO_SOCKET_IFNAME"] == "eth9"
+
+
+def test_the_real_checkpoints_serving_folder_follows_ckpt_serving_vllm(tmp_path: Path) -> None:
+    """An existing lab gets a changed chain layer without remaking its checkpoint: serving/ is rewritten where it
+    differs from lab/ckpt_serving_vllm/, and a file no longer there is removed."""
+    from sparkctl.lab.manage import VLLM_SERVING, sync_serving
+
+    want = {p.name: p.read_bytes() for p in VLLM_SERVING.iterdir() if p.is_file()}
+    assert "Dockerfile.cpu" in want
+    (tmp_path / "serving").mkdir()
+    (tmp_path / "serving" / "Dockerfile.cpu").write_text("FROM stale\n")
+    (tmp_path / "serving" / "Dockerfile.gone").write_text("FROM gone\n")
+    sync_serving(tmp_path)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "serving").iterdir()} == want
