@@ -2,7 +2,8 @@
 """Issue 25's figures on the lab's real engine (`sparkctl lab up --engine vllm`, recipe lab-vllm):
 
   up -> ready (wait done: /health 200, /v1/models, a real completion), TP 2 (and TP 4 with --tp 4)
-  sparkctl's own share of it                      <= 3 s
+  sparkctl's own share of it                      <= 3 s   (after `check`, as the user's path runs them:
+      check's argv judge caches its verdict; a first `up` of an argv never judged pays the judge, ~20 s here)
       = up's wall time + wait's lag after the head's /health first answered 200 (polled here every 0.2 s
         by a thread of its own), less the canary completion's own latency (the engine's work: wait's
         --json reports it); the engine's start is everything else. Each part is printed.
@@ -138,6 +139,11 @@ def main() -> int:
     missed = []
     for tp in args.tp or [2]:
         e = env(lab, tp)
+        b = sk(e, "build", timeout=1800)  # the checkpoint's chain FROM the real base on these hosts (once)
+        # the user's path: check before up. check's argv judge (the image's own vLLM, ~20-50 s here the first
+        # time for an argv) leaves its verdict cached, so up pays one SSH round for it, not the judge
+        c = sk(e, "check", timeout=900)
+        print(f"TP{tp}: build (the chain, or its check when up to date) {b:.1f} s; check {c:.1f} s", flush=True)
         runs = []
         for i in range(max(1, args.runs)):
             t = up_to_ready(lab, e)
