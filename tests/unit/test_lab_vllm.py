@@ -85,6 +85,8 @@ def test_the_env_file_names_recipe_lab_vllm_and_the_real_checkpoint(tmp_path: Pa
     assert 'NODES="spark1 spark2"' in text  # one TP group on the first TP hosts
     for line in ("MODEL=/models/lab-vllm", "RECIPE=lab-vllm", "TP=2", "DCP=1"):
         assert line in text.splitlines()
+    # the lab hosts share this machine's page cache: a real-engine `up` must not drop it for everyone (lab.env's rule)
+    assert "DROP_CACHES=0" in text.splitlines()
     assert json.dumps(LLAMA)  # the config above is the one make_model.py writes (kept in step by the lab test)
 
 

@@ -380,6 +380,8 @@ def write_vllm_env(files: LabFiles, specs: list[HostSpec], tp: int | None) -> No
         f"TP={tp}\n"
         "DCP=1\n"
         f"FABRIC_SUBNET={FABRIC_NET}\n"
+        "# The hosts share this machine's one page cache: a lab `up` does not drop it for everyone, as lab.env.\n"
+        "DROP_CACHES=0\n"
     )
 
 
