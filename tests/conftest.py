@@ -28,6 +28,12 @@ if settings is not None:
 
 # This machine's caches (the checkpoint summaries and deep hashes under ~/.cache/sparkctl) are the
 # user's: the suite's hundreds of throwaway checkpoints go to a cache of its own, removed with it.
+# The suite chooses its clusters itself: a user's exported `lab up` lines (SPARKCTL_ENV_FILE, SPARKCTL_SSH_CONFIG,
+# which `lab up` prints for export) must not point the unit tests at the lab's env file (six tests then read
+# lab-vllm.env instead of their own settings). Lab tests pass the lab's files explicitly (Lab.env()).
+for _var in ("SPARKCTL_ENV_FILE", "SPARKCTL_SSH_CONFIG"):
+    os.environ.pop(_var, None)
+
 if "SPARKCTL_TEST_CACHE" not in os.environ:
     import atexit
     import shutil
