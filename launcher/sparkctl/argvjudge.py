@@ -213,6 +213,12 @@ def judge(head: Node, settings: Settings, specs: Sequence[RankSpec], *,
             words = (f"the judge ran past ARGV_JUDGE_TIMEOUT_S={bound:g} s on {head.name}" if stage == "timeout"
                      else f"{head.name}: {exc.reason}")
             return every(NOT_JUDGED, stage, words)
+        except BaseException:  # Ctrl-C or a signal while the judge runs: its container does not outlive `up`
+            from . import signals
+
+            with signals.shielded(deliver=False):
+                _remove(head, settings.cluster_name)
+            raise
         found = parse_output(r.stdout)
         if not all(i in found for i in range(len(specs))):
             tail = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or [f"exit {r.exit_code}"])[-1]

@@ -53,10 +53,16 @@ def running(lab: Lab) -> dict[str, list[str]]:
     return {n: lab.docker(n, "ps", "--filter", LABEL, "--format", "{{.Names}}").stdout.split() for n in NODES}
 
 
+def rank_containers(lab: Lab) -> dict[str, list[str]]:
+    """Only the ranks' containers (the argv judge's short-lived one on the head carries the cluster label too)."""
+    return {n: lab.docker(n, "ps", "-a", "--filter", LABEL, "--filter", "label=sparkctl.rank", "--format",
+                          "{{.Names}}").stdout.split() for n in NODES}
+
+
 def wait_for_first_container(lab: Lab, proc: subprocess.Popen[str], node: str | None = None) -> bool:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
-        c = containers(lab)
+        c = rank_containers(lab)
         if (c[node] if node else any(c.values())):
             return True
         time.sleep(0.02)

@@ -191,3 +191,37 @@ def test_the_verdict_lines_are_read_among_vllms_own_output() -> None:
     text = "\n".join(["INFO vllm says", MARK + '{"rank": 1, "verdict": "ok"}', MARK + "{not json",
                       "@@sparkctl-argv", MARK + '{"rank": 0, "verdict": "refused", "words": "x"}'])
     assert parse_output(text) == {1: {"rank": 1, "verdict": "ok"}, 0: {"rank": 0, "verdict": "refused", "words": "x"}}
+
+
+def test_a_signal_while_the_judge_runs_removes_its_container_and_is_raised(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    """SIGTERM (or Ctrl-C) during the judge's `docker run`: the judge's container is removed by name before the
+    interruption goes on to `up`'s own handling (seen in the lab: `sparkctl-signals-argv-judge` outlived `up`)."""
+    from sparkctl import argvjudge
+    from sparkctl.builders import RankSpec
+    from sparkctl.cluster.channel import RunResult
+    from sparkctl.settings import RankPins
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(argvjudge, "judge_run_argv", lambda settings, specs: ["docker", "run", "--rm", "judge"])
+
+    class Head:
+        name = "spark1"
+        runs: list[list[str]] = []
+
+        def run(self, argv: list[str], **_: Any) -> RunResult:
+            self.runs.append(list(argv))
+            if argv[:3] == ["docker", "run", "--rm"]:
+                raise KeyboardInterrupt
+            return RunResult("@@image sha256:abc\n@@config none\n", "", 0, 0.0)
+
+    class S:
+        image, model, cluster_name = "vendor/vllm:9", "/m", "t"
+
+        def get(self, key: str, default: Any = None) -> Any:
+            return default
+
+    spec = RankSpec(0, "spark1", RankPins(), {}, ["vllm", "serve", "/m"])
+    with pytest.raises(KeyboardInterrupt):
+        argvjudge.judge(Head(), S(), [spec])  # type: ignore[arg-type]
+    assert Head.runs[-1] == ["docker", "rm", "-f", "sparkctl-t-argv-judge"], Head.runs
