@@ -100,7 +100,9 @@ def chat(lab: Lab, timeout: float = 60) -> tuple[int, dict[str, Any]]:
 def rank_containers(lab: Lab, nodes: list[str] = PAIR) -> dict[str, str]:
     out = {}
     for n in nodes:
-        ids = lab.docker(n, "ps", "-aq", "--filter", "label=sparkctl.cluster=vllmlab").stdout.split()
+        # the ranks' only: the argv judge's short-lived container on the head carries the cluster label too
+        ids = lab.docker(n, "ps", "-aq", "--filter", "label=sparkctl.cluster=vllmlab",
+                         "--filter", "label=sparkctl.rank").stdout.split()
         out[n] = ids[0] if ids else ""
     return out
 

@@ -64,6 +64,8 @@ def test_sigterm_during_up_on_the_real_engine_leaves_nothing(real: dict[str, str
     assert proc.returncode == 143, out + err
     assert "rolling back" in out + err, out + err
     assert rank_containers(lab) == NONE
+    # nothing of this cluster's at all (the argv judge's container included)
+    assert [lab.docker(n, "ps", "-aq", "--filter", "label=sparkctl.cluster=vllmlab").stdout.split() for n in PAIR] == [[], []]
     assert _lock_free(env)
 
 
