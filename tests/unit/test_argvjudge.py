@@ -156,11 +156,24 @@ def test_the_judges_container_has_no_network_no_secret_and_a_read_only_model(nod
     assert sent and not any("k-secret-argv" in s.command for s in sent)
 
 
+class _OneRank:
+    """Just what argvjudge.judge reads of the settings, for the tests that drive it with a fake head."""
+    image, model, cluster_name = "vendor/vllm:9", "/m", "t"
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return default
+
+
+def _one_rank() -> Any:
+    from sparkctl.builders import RankSpec
+    from sparkctl.settings import RankPins
+
+    return RankSpec(0, "spark1", RankPins(), {}, ["vllm", "serve", "/m"])
+
+
 def test_a_head_without_the_image_is_not_judged() -> None:
     from sparkctl import argvjudge
-    from sparkctl.builders import RankSpec
     from sparkctl.cluster.channel import RunResult
-    from sparkctl.settings import RankPins
 
     class Head:
         name = "spark1"
@@ -170,13 +183,7 @@ def test_a_head_without_the_image_is_not_judged() -> None:
             self.runs.append(list(argv))
             return RunResult("@@noimage Error: No such image: vendor/vllm:9\n", "", 0, 0.0)
 
-    class S:
-        image, model, cluster_name = "vendor/vllm:9", "/m", "t"
-
-        def get(self, key: str, default: Any = None) -> Any:
-            return default
-
-    spec = RankSpec(0, "spark1", RankPins(), {}, ["vllm", "serve", "/m"])
+    S, spec = _OneRank, _one_rank()
     j = argvjudge.judge(Head(), S(), [spec])  # type: ignore[arg-type]
     (v,) = j.verdicts
     assert v.verdict == "not-judged" and v.stage == "image" and "No such image: vendor/vllm:9" in v.words
@@ -198,9 +205,7 @@ def test_a_signal_while_the_judge_runs_removes_its_container_and_is_raised(monke
     """SIGTERM (or Ctrl-C) during the judge's `docker run`: the judge's container is removed by name before the
     interruption goes on to `up`'s own handling (seen in the lab: `sparkctl-signals-argv-judge` outlived `up`)."""
     from sparkctl import argvjudge
-    from sparkctl.builders import RankSpec
     from sparkctl.cluster.channel import RunResult
-    from sparkctl.settings import RankPins
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(argvjudge, "judge_run_argv", lambda settings, specs: ["docker", "run", "--rm", "judge"])
@@ -215,13 +220,7 @@ def test_a_signal_while_the_judge_runs_removes_its_container_and_is_raised(monke
                 raise KeyboardInterrupt
             return RunResult("@@image sha256:abc\n@@config none\n", "", 0, 0.0)
 
-    class S:
-        image, model, cluster_name = "vendor/vllm:9", "/m", "t"
-
-        def get(self, key: str, default: Any = None) -> Any:
-            return default
-
-    spec = RankSpec(0, "spark1", RankPins(), {}, ["vllm", "serve", "/m"])
+    S, spec = _OneRank, _one_rank()
     with pytest.raises(KeyboardInterrupt):
         argvjudge.judge(Head(), S(), [spec])  # type: ignore[arg-type]
     assert Head.runs[-1] == ["docker", "rm", "-f", "sparkctl-t-argv-judge"], Head.runs
