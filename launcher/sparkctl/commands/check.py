@@ -14,12 +14,13 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ..check import CHECKS, CheckReport, run_check
+from ..check import CHECKS, CheckReport
 from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed, UsageError
 from ..fabric import FabricReport
 from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
+from ..orchestrate.check import run_check
 from ..output import console, emit_json, warn
 from ..render import env_tp4_path, render_all, resolve_pins, write_private
 
