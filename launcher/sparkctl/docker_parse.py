@@ -1,7 +1,7 @@
 """Docker's output, parsed in one place: the CLI's `--format '{{json .}}'` lines, `docker image
 inspect` and `docker inspect` JSON, and the Engine API's answers (JSON bodies and the headers curl
 printed). Every caller that reads what a node's Docker said -- the facts probe (`facts`), `up`/`status`
-(`service`), `build` and its probe (`commands/build`, `images`), the release history (`history`) --
+(`service`), `build` and its probe (`orchestrate/build`, `images`), the release history (`history`) --
 parses it here.
 
 Node output is untrusted: a parser returns its value or raises ParseError (`parsing.guard`), and

@@ -493,7 +493,7 @@ def test_a_stream_carries_bytes_both_ways_as_they_go(sshlab: SshLab) -> None:
 def test_a_merged_stream_reads_stderr_with_stdout(sshlab: SshLab) -> None:
     """build's run_lines over a real channel: stdin in, every line of both streams out (sshd reads two
     pipes, so their interleaving is not promised; each stream's own order is)."""
-    from sparkctl.commands.build import run_lines
+    from sparkctl.orchestrate.build import run_lines
 
     seen: list[str] = []
     with Cluster(["n1"], sshlab.ssh_config) as cluster:

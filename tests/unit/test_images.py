@@ -685,7 +685,8 @@ def test_bake_command_writes_the_file(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_fan_out_ends_every_ranks_stream_before_waiting_for_any_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each `docker load` ends only after its stream's EOF: ending rank 2's stream after rank 1's
     load had finished made the loads run one after another (3 ranks took 3x one)."""
-    from sparkctl.commands import build as B
+    from sparkctl.commands.build import Board
+    from sparkctl.orchestrate import build as B
 
     events: list[tuple[str, str]] = []
 
@@ -724,7 +725,7 @@ def test_fan_out_ends_every_ranks_stream_before_waiting_for_any_load(monkeypatch
     monkeypatch.setattr(B, "_wait_exit", wait)
     ranks = ["spark2", "spark3", "spark4"]
     results = {n: B.RankResult(n, i + 1) for i, n in enumerate(ranks)}
-    board = B.Board(["head", *ranks], ["keys3"], quiet=True)
+    board = Board(["head", *ranks], ["keys3"], quiet=True)
     B.fan_out(Cluster(), Cluster().node("head"), im.Selection([{"Config": f"{'c' * 64}.json"}], [f"{'c' * 64}.json"], ["sha256:l"]),
               ranks, "/var/tmp/sparkctl-ship.x", "zstd", results, board)  # type: ignore[arg-type]  # fmt: skip
     assert all(r.ok and r.shipped_bytes == len(b"stream") for r in results.values()), results

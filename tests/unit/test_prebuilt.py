@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sparkctl.commands.build import transport
+from sparkctl.orchestrate.build import transport
 from tests.conftest import prebuilt_recipe, write_model
 from tests.conftest import run_cli as run
 from tests.unit.localnodes import LocalNodes, local_nodes
