@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from sparkctl import modelsync
-from sparkctl.commands.model import BOOT
 from sparkctl.errors import CheckFailed
 from sparkctl.lab import ckptgen
 from sparkctl.lab.hfhub import StandinHub
+from sparkctl.orchestrate.model_pull import BOOT
 from sparkctl.probes.ckpt_scan import scan
 from sparkctl.probes.model_node import describe, mount_of
 from sparkctl.resources import probe_script

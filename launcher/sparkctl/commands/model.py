@@ -4,13 +4,13 @@
     sparkctl model sync [--from NODE] [--to NODE]... [--json]
                                                         MODEL from the head to the ranks, node to node
 
-pull runs probes/hf_pull.py on the head with its own python (HF_PYTHON, which needs huggingface_hub),
-over the existing SSH connection; the token follows the script on stdin. sync is sparkctl.modelsync.
+The flows: pull is orchestrate/model_pull.py (probes/hf_pull.py on the head with its own python,
+HF_PYTHON, which needs huggingface_hub; the token follows the script on stdin), sync is
+orchestrate/model_sync.py (its pure parts: sparkctl.modelsync). Here: the flags, the progress board, the report.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
@@ -18,13 +18,10 @@ from typing import Any
 import click
 
 from ..errors import CheckFailed, UsageError
+from ..orchestrate.model_pull import pull_on_head, verify_head
 from ..output import console, emit_json
 
-PULL_TIMEOUT = 48 * 3600.0
 PERIOD = 5.0  # seconds between progress lines when the output is not a terminal
-# The head's python reads the script's N bytes from stdin, then the script reads the token line.
-BOOT = ("import sys;n=int(sys.argv.pop(1));src=sys.stdin.buffer.read(n);"
-        "exec(compile(src,'hf_pull.py','exec'),{'__name__':'__main__'})")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -85,62 +82,6 @@ def _rate_text(done: int, total: int, seconds: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------- pull
-def _pull_on_head(g: Any, s: Any, repo: str, revision: str, board: Board) -> dict[str, Any]:
-    from ..cluster import Cluster
-    from ..resources import probe_script
-
-    script = probe_script("hf_pull.py")
-    token = s.secrets().get("HF_TOKEN", "")
-    env = {"HF_HUB_DISABLE_TELEMETRY": "1"}
-    if s.get("HF_ENDPOINT"):
-        env["HF_ENDPOINT"] = str(s.get("HF_ENDPOINT"))
-    python = str(s.get("HF_PYTHON") or "python3")
-    head = s.head
-    with Cluster([head], g.ssh_config_path()) as cluster:
-        if head in cluster.errors:
-            err = cluster.errors[head]
-            raise CheckFailed(f"the head {head} is unreachable: {err.reason}", fix=err.fix)
-        node = cluster.node(head)
-        session = node.start([python, "-c", BOOT, str(len(script)), repo, revision, str(s.model)], env=env,
-                             timeout=PULL_TIMEOUT)
-        started = time.monotonic()
-        board.update(head, "starting", f"{repo}@{revision}")
-        # The script and the token go in; the script says @@ready once it has read the token.
-        session.read_until(b"@@ready\n", stdin=script + token.encode() + b"\n")
-        result = _drive(session, head, board, started)
-    lines = [ln for ln in result.stdout.splitlines() if ln.strip().startswith("{")]
-    try:
-        doc: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    except ValueError:
-        doc = {}
-    if not doc:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        raise CheckFailed(f"{head}: the download did not run (exit {result.exit_code}): {tail}",
-                          fix=f"check that {python} exists on {head} (HF_PYTHON) and has huggingface_hub")
-    return doc
-
-
-def _drive(session: Any, head: str, board: Board, started: float) -> Any:
-    """Read the pull's progress lines until it ends."""
-    from ..cluster import RunResult
-
-    pending = ""
-    while session.poll(0.5):
-        pending += bytes(session.err).decode("utf-8", "replace")
-        del session.err[:]
-        *done_lines, pending = pending.split("\n")
-        for line in done_lines:
-            if line.startswith("@@progress "):
-                try:
-                    p = json.loads(line[len("@@progress "):])
-                    board.update(head, "downloading",
-                                 _rate_text(int(p["bytes"]), int(p["total"]), time.monotonic() - started))
-                except (ValueError, KeyError, TypeError):
-                    pass
-    res: RunResult = session.finish()
-    return res
-
-
 @click.group("model")
 def group() -> None:
     """Get the checkpoint onto the cluster: pull it to the head, sync it to the ranks."""
@@ -165,7 +106,10 @@ def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
                              "recorded at pull time)")
     out = console(as_json)
     with Board(as_json, quiet=g.verbosity < 0) as board:
-        doc = _pull_on_head(g, s, str(repo), str(revision), board)
+        doc = pull_on_head(s, g.ssh_config_path(), str(repo), str(revision),
+                           started=lambda head: board.update(head, "starting", f"{repo}@{revision}"),
+                           progress=lambda done, total, secs: board.update(s.head, "downloading",
+                                                                           _rate_text(done, total, secs)))
         status = doc.get("status")
         board.update(s.head, str(status), f"{_fmt_bytes(int(doc.get('downloaded_bytes') or 0))} downloaded "
                      f"in {doc.get('seconds', 0)}s")
@@ -202,21 +146,10 @@ def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
 
 
 def _verify_head(g: Any, s: Any, layout_name: str | None) -> Any:
-    from .verify_model import resolve_layout, verify_cluster
+    from .verify_model import resolve_layout
 
     layout, _, settings = resolve_layout(g, layout_name)
-    head_only = _HeadOnly(settings or s)
-    report, _ = verify_cluster(g, head_only, layout, False, 100 * 1024 * 1024)
-    return report
-
-
-class _HeadOnly:
-    """Settings as verify-model's cluster mode reads them, limited to the head."""
-
-    def __init__(self, s: Any) -> None:
-        self._s = s
-        self.nodes = [s.head]
-        self.model = s.model
+    return verify_head(settings or s, g.ssh_config_path(), layout)
 
 
 # ------------------------------------------------------------------------------------------- sync
@@ -228,6 +161,7 @@ class _HeadOnly:
 def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...], as_json: bool) -> None:
     """Copy MODEL from the head to every rank that lacks it or differs, node to node over the fabric."""
     from .. import modelsync
+    from ..orchestrate.model_sync import sync
 
     g = ctx.obj
     as_json = as_json or bool(getattr(g, "json", False))
@@ -247,7 +181,7 @@ def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...],
                 board.update(r.node, r.status, r.message or _fmt_bytes(r.need_bytes))
 
         try:
-            report = modelsync.sync(s, g.ssh_config_path(), source_node=source_node, progress=progress, stop=stop,
+            report = sync(s, g.ssh_config_path(), source_node=source_node, progress=progress, stop=stop,
                                     only=list(only) or None)
         except KeyboardInterrupt:
             raise click.exceptions.Exit(130) from None

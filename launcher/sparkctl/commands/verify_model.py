@@ -7,12 +7,12 @@ Cluster mode ships probes/ckpt_scan.py to every node over its SSH connection: th
 shards' summaries (cached there: an unchanged checkpoint is not re-read), the others only
 fingerprints; the head's scan is verified against the recipe's layout and every node's fingerprints
 are compared. When the summaries show a problem, the head sends its full headers (compressed) so
-the finding names the tensor and the shard. Exit 1 if any finding is an error.
+the finding names the tensor and the shard (the flow: orchestrate/verify_model.py; here the flags, the
+layout's resolution and the report). Exit 1 if any finding is an error.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,22 +20,14 @@ from typing import Any
 import click
 
 from ..errors import UsageError
+from ..orchestrate import verify_model
+from ..orchestrate.verify_model import verify_local
 from ..output import console, emit_json
-from ..probes.ckpt_scan import scan
-from ..resources import probe_script
 from ..verify import (
     Finding,
-    NeedHeaders,
     Report,
-    Summary,
-    compare_nodes,
     load_layout,
-    verify_scan,
-    verify_with,
 )
-
-DEEP_TIMEOUT = 6 * 3600.0  # 308 GB over NFS at a few hundred MB/s, with room to spare
-SCAN_TIMEOUT = 120.0
 
 
 def resolve_layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str, Any]:
@@ -86,75 +78,19 @@ def _verify_local(directory: Path, layout: dict[str, Any] | None, deep: bool, wo
     bar, tick = _progress(total, deep and show_progress)
     if bar is not None:
         bar.start()
-    try:  # from the shards' summaries (cached in ~/.cache/sparkctl), the headers when they show a problem
-        report = verify_with(lambda headers: scan(str(directory), headers=headers, deep=deep, workers=workers,
-                                                  max_header_bytes=max_header, progress=tick), layout)
+    try:
+        return verify_local(directory, layout, deep, workers, max_header, tick)
     finally:
         if bar is not None:
             bar.stop()
-    return report, {}
 
 
 def verify_cluster(g: Any, settings: Any, layout: dict[str, Any] | None, deep: bool,
-                    max_header: int) -> tuple[Report, dict[str, Any]]:
-    try:
-        from ..cluster import Cluster
-    except ImportError:
-        raise UsageError("cluster mode needs sparkctl.cluster, which this build lacks",
-                         fix="use --local DIR to verify a folder on this machine") from None
+                   max_header: int) -> tuple[Report, dict[str, Any]]:
+    """MODEL on every node (orchestrate/verify_model.py); settings None: the global ones."""
     if settings is None:
         settings = g.settings()  # raises the UsageError that says which setting is missing
-    nodes = list(settings.nodes)
-    head = nodes[0]
-    model = str(settings.model)
-    script = probe_script("ckpt_scan.py")
-
-    def job(node: Any, headers: str = "") -> Any:
-        args = [model, "--headers", headers or ("summary" if node.name == head else "none"), "--fingerprints",
-                "--max-header-bytes", str(max_header)]
-        if deep:
-            args.append("--deep")
-        return node.run_script(script, args, interpreter=("python3", "-"),
-                               timeout=DEEP_TIMEOUT if deep else SCAN_TIMEOUT)
-
-    with Cluster(nodes, g.ssh_config_path()) as cluster:
-        results = cluster.run_all(job, nodes=nodes)
-        scans, findings = _scans(results)
-        report = Report([], Summary())
-        if head in scans:
-            try:
-                report = verify_scan(scans[head], layout)
-            except NeedHeaders:  # the summaries show a problem: the head's full headers name it
-                again, more = _scans(cluster.run_all(lambda node: job(node, "zlib"), nodes=[head]))
-                findings += more
-                if head in again:
-                    report = verify_scan(again[head], layout)
-    report.findings = findings + compare_nodes(scans, head) + report.findings
-    nodes_doc = {n: {"host": s.get("host"), "shards": len(s.get("shards") or {})} for n, s in scans.items()}
-    return report, {"nodes": nodes_doc, "head": head}
-
-
-def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Finding]]:
-    """Each node's scan document, and a finding for each node that gave none."""
-    scans: dict[str, dict[str, Any]] = {}
-    findings: list[Finding] = []
-    for node, r in results.items():
-        if isinstance(r, Exception):
-            findings.append(Finding("error", "node-unreachable", f"{node}: {getattr(r, 'message', r)}",
-                                    getattr(r, "fix", None) or f"check that {node} is up and reachable over SSH",
-                                    node))
-            continue
-        try:
-            doc = json.loads(r.stdout) if r.ok else None
-        except ValueError:
-            doc = None
-        if not isinstance(doc, dict):
-            findings.append(Finding("error", "node-scan-failed",
-                                    f"{node}: the checkpoint scan failed (exit {r.exit_code}): {r.stderr.strip()[-300:]}",
-                                    f"check that python3 (>= 3.10) exists on {node}", node))
-            continue
-        scans[node] = doc
-    return scans, findings
+    return verify_model.verify_cluster(settings, g.ssh_config_path(), layout, deep, max_header)
 
 
 def _human(report: Report, where: str, layout_src: str, as_json: bool) -> None:

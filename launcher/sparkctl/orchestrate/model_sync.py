@@ -1,0 +1,269 @@
+"""`sparkctl model sync`'s flow (`sync`): MODEL from one node to the ranks that lack it or differ, node to
+node, with rsync. The steps (scan, refuse a shared folder, plan and check space, node-to-node keys,
+one rsync per rank, compare) are in `sparkctl.modelsync`'s docstring, beside the pure parts they use
+(the file plan, the authorized_keys line, the rsync argv, its output's parsers, the report types).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import posixpath
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..cluster import Cluster, Node, NodeError
+from ..errors import CheckFailed, UsageError
+from ..modelsync import (
+    INSTALL_KEY,
+    LIFELINE,
+    SCAN_TIMEOUT,
+    SOURCE_KEY,
+    SYNC_TIMEOUT,
+    Progress,
+    RankSync,
+    SyncReport,
+    authorized_line,
+    key_tag,
+    parse_progress,
+    parse_sent,
+    plan_bytes,
+    plan_files,
+    rsync_argv,
+    same_folder,
+    state_dir,
+    why,
+)
+from ..resources import probe_script
+from ..threads import spawn, wait_all, wait_bounded
+from ..verify import Finding, compare_nodes
+
+
+def scan_node(node: Node, model: str) -> dict[str, Any]:
+    r = node.run_script(probe_script("ckpt_scan.py"), [model, "--headers", "none", "--fingerprints"],
+                        interpreter=("python3", "-"), timeout=SCAN_TIMEOUT)
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        doc = None
+    if not r.ok or not isinstance(doc, dict):
+        raise NodeError(node.name, "scan", f"the checkpoint scan of {model} failed (exit {r.exit_code}): "
+                        f"{r.stderr.strip()[-300:]}", f"check that python3 (>= 3.8) exists on {node.name}")
+    return doc
+
+
+def describe_node(node: Node, model: str) -> dict[str, Any]:
+    r = node.run_script(probe_script("model_node.py"), [model], interpreter=("python3", "-"), timeout=60)
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        doc = None
+    if not r.ok or not isinstance(doc, dict):
+        raise NodeError(node.name, "probe", f"describing {model} failed (exit {r.exit_code}): {r.stderr.strip()[-300:]}",
+                        f"check that python3 (>= 3.8) exists on {node.name}")
+    return doc
+
+
+def _resolve_ips(cluster: Cluster, settings: Any, names: Sequence[str]) -> dict[str, str]:
+    """Fabric address per node: RANK<n>_FABRIC_IP when pinned, else discovered as `up` does."""
+    ips: dict[str, str] = {}
+    for rank, name in enumerate(settings.nodes):
+        pinned = settings.rank_pins(rank).fabric_ip
+        if pinned:
+            ips[name] = str(pinned)
+    if all(n in ips for n in names):
+        return ips
+    from ..pins import live_pins
+
+    for name, pins in zip(settings.nodes, live_pins(cluster, settings), strict=True):
+        if pins.fabric_ip and name not in ips:
+            ips[name] = pins.fabric_ip
+    return ips
+
+
+def _setup_auth(cluster: Cluster, settings: Any, src: str, targets: Sequence[str], ips: Mapping[str, str]) -> tuple[str, str]:
+    """Key on the source, its public half on each target, the targets' host keys on the source."""
+    state = state_dir(settings.cluster_name)
+    key, known = f"{state}/sync_ed25519", f"{state}/sync_known_hosts"
+    src_node = cluster.node(src)
+    r = src_node.run(["sh", "-c", SOURCE_KEY, "sh", key, f"sparkctl-sync@{settings.cluster_name}"], timeout=60)
+    if not r.ok or not r.stdout.strip():
+        raise CheckFailed(f"{src}: could not make the sync key {key}: {r.stderr.strip()[-300:]}",
+                          fix=f"check that ssh-keygen exists on {src} and its home is writable")
+    home, pub = r.stdout.strip().splitlines()[0], r.stdout.strip().splitlines()[-1]
+    line = authorized_line(pub, ips[src], key_tag(settings.cluster_name, src))
+    lines = []
+    for t in targets:
+        ktype, b64 = cluster.node(t).host_key()
+        lines.append(f"{ips[t]} {ktype} {b64}")
+    src_node.put_bytes(known, ("\n".join(lines) + "\n").encode(), mode=0o600)
+
+    def install(node: Node) -> None:
+        res = node.run(["sh", "-c", INSTALL_KEY, "sh", line, key_tag(settings.cluster_name, src)], timeout=60)
+        if not res.ok:
+            raise NodeError(node.name, "sync-key", f"could not add the sync key to ~/.ssh/authorized_keys: "
+                            f"{res.stderr.strip()[-300:]}", f"check {node.name}'s home and ~/.ssh permissions")
+
+    for err in cluster.run_all(install, nodes=list(targets)).failed.values():
+        raise err  # the first node that refused the key
+    # rsync and the ssh it starts get absolute paths: neither promises which folder it runs in.
+    return f"{home}/{key}", f"{home}/{known}"
+
+
+def _push(node: Node, argv: list[str], rank: RankSync, progress: Progress, stop: threading.Event) -> None:
+    """rsync on the source for one rank, reporting as it goes; stop -> the lifeline ends it."""
+    started = time.monotonic()
+    session = node.start(["sh", "-c", LIFELINE, "sh", *argv], timeout=SYNC_TIMEOUT)
+    text = ""
+    running = True
+    try:
+        while running:
+            if stop.is_set():
+                session.close()
+                rank.status, rank.message = "resumable", "interrupted"
+                return
+            running = session.poll(0.5)
+            chunk = bytes(session.out).decode("utf-8", "replace")
+            del session.out[:]
+            text = (text + chunk)[-65536:]
+            got = parse_progress(chunk)
+            if got:
+                rank.bytes_done, rank.rate = got
+            rank.seconds = time.monotonic() - started
+            progress(rank)
+        result = session.finish()
+    finally:
+        rank.seconds = time.monotonic() - started
+    rank.bytes_sent = parse_sent(text)
+    if result.exit_code == 0:
+        rank.status, rank.bytes_done = "complete", rank.need_bytes
+    else:
+        rank.status = "resumable"
+        rank.message = f"rsync exit {result.exit_code}: {why(bytes(session.err).decode('utf-8', 'replace'))}"
+    progress(rank)
+
+
+def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, progress: Progress | None = None,
+         stop: threading.Event | None = None, only: Sequence[str] | None = None) -> SyncReport:
+    started = time.monotonic()
+    progress = progress or (lambda r: None)
+    stop = stop or threading.Event()
+    nodes = list(settings.nodes)
+    src = source_node or nodes[0]
+    if src not in nodes:
+        raise UsageError(f"--from {src}: not one of NODES ({' '.join(nodes)})", fix="name one of the nodes")
+    targets = [n for n in nodes if n != src and (not only or n in only)]
+    if not targets:
+        raise UsageError("only one node: nothing to sync to", fix="set NODES to the head and its ranks")
+    model = str(settings.model)
+    report = SyncReport(src, {t: RankSync(t) for t in targets}, [])
+    with Cluster(nodes, ssh_config) as cluster:
+        if src in cluster.errors:
+            err = cluster.errors[src]
+            raise CheckFailed(f"the source {src} is unreachable: {err.reason}", fix=err.fix)
+
+        def look(node: Node) -> tuple[dict[str, Any], dict[str, Any]]:
+            return scan_node(node, model), describe_node(node, model)
+
+        seen = cluster.run_all(look, nodes=[src, *targets])
+        answered, lost = seen.ok, seen.failed
+        if src in lost:
+            raise lost[src]
+        src_scan, src_desc = answered[src]
+        if src_scan.get("error") or not src_scan.get("shards"):
+            raise UsageError(f"{src}:{model} holds no checkpoint to sync "
+                             f"({(src_scan.get('error') or {}).get('message', 'no shards')})",
+                             fix="run `sparkctl model pull` first, or name the node that has it with --from")
+        scans: dict[str, dict[str, Any]] = {src: src_scan}
+        refused: list[str] = []
+        for t in targets:
+            r = report.ranks[t]
+            if t in lost:
+                r.status, r.message = "unreachable", f"{lost[t].reason}"
+                continue
+            scan, desc = answered[t]
+            scans[t] = scan
+            r.free_bytes = int(desc.get("free_bytes") or 0)
+            r.partial_bytes = int((desc.get("partial") or {}).get("bytes") or 0)
+            if same_folder(src_desc, desc):
+                mount = desc.get("mount") or {}
+                r.status = "refused"
+                r.message = (f"{t}:{model} is {src}'s own folder ({mount.get('fstype', '?')} mount of "
+                             f"{mount.get('source', '?')} on {mount.get('mountpoint', '?')}): copying would write "
+                             "every file onto itself")
+                refused.append(r.message)
+                continue
+            if not desc.get("rsync"):
+                r.status, r.message = "refused", f"{t} has no rsync"
+                refused.append(f"{t}: rsync is not installed (apt-get install rsync)")
+                continue
+            r.files = plan_files(src_scan, scan if not scan.get("error") else None)
+            r.need_bytes = plan_bytes(src_scan, r.files)
+            if not r.files:
+                r.status = "up-to-date"
+        if refused:
+            raise UsageError("model sync refused before copying anything:\n  " + "\n  ".join(refused),
+                             fix="a rank that shares the head's folder (NFS) needs no sync: leave it out of "
+                                 "NODES for the sync, or give it MODEL on its own disk")
+        if not src_desc.get("rsync"):
+            raise UsageError(f"{src} has no rsync", fix=f"apt-get install rsync on {src}")
+        short = [r for r in report.ranks.values() if r.files and r.free_bytes is not None and r.need_bytes > r.free_bytes]
+        if short:
+            lines = [f"{r.node}: needs {r.need_bytes:,} B for {len(r.files)} file(s), has {r.free_bytes:,} B free on "
+                     f"{model}'s filesystem" for r in short]
+            raise CheckFailed("not enough disk, nothing was copied:\n  " + "\n  ".join(lines),
+                              fix="free space on those ranks (or point MODEL at a bigger disk), then run "
+                                  "`sparkctl model sync` again")
+        todo = [t for t, r in report.ranks.items() if r.files]
+        if todo:
+            ips = _resolve_ips(cluster, settings, [src, *todo])
+            missing = [n for n in [src, *todo] if n not in ips]
+            if missing:
+                raise CheckFailed(f"no fabric address for {', '.join(missing)}",
+                                  fix="run `sparkctl check` (it writes RANK<n>_FABRIC_IP) or set them")
+            key, known = _setup_auth(cluster, settings, src, todo, ips)
+            state = state_dir(settings.cluster_name)
+            src_node = cluster.node(src)
+            for t in todo:
+                src_node.put_bytes(f"{state}/sync-{t}.list", ("\n".join(report.ranks[t].files) + "\n").encode())
+
+            def push(node: Node, t: str) -> None:
+                r = report.ranks[t]
+                argv = rsync_argv(model, cluster.target(t).user or "root", ips[t], model,
+                                  f"{posixpath.dirname(key)}/sync-{t}.list", key, known)
+                _push(node, argv, r, progress, stop)
+
+            # One channel per rank on the source's one connection, all at once.
+            # (waited for through Events, not join: a join that Ctrl-C interrupts stops waiting for
+            # good, and the rank's final report would be lost: sparkctl.threads)
+            workers: list[threading.Event] = []
+            try:
+                for t in todo:
+                    workers.append(spawn(functools.partial(_guard, push, src_node, t, report.ranks[t]), f"sync-{t}"))
+                wait_all(workers, 0.2)
+            except KeyboardInterrupt:
+                stop.set()
+                report.interrupted = True
+                wait_bounded(workers, 10 * len(workers))
+        # The end: verify-model's cross-node comparison on what every node holds now (the scans
+        # already taken when nothing was copied).
+        if not todo:
+            report.findings = compare_nodes(scans, src)
+        elif not report.interrupted:
+            again = cluster.run_all(lambda n: scan_node(n, model), nodes=[src, *targets])
+            report.findings = compare_nodes(again.ok, src)
+            for n, e in again.failed.items():
+                report.findings.append(Finding("error", "node-unreachable", f"{n}: {e.reason}", e.fix or "", n))
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _guard(push: Callable[[Node, str], None], node: Node, t: str, rank: RankSync) -> None:
+    try:
+        push(node, t)
+    except NodeError as exc:
+        rank.status, rank.message = "resumable", exc.reason
+    except Exception as exc:  # a bug must not take the other ranks down with it
+        rank.status, rank.message = "failed", f"{type(exc).__name__}: {exc}"
