@@ -11,7 +11,7 @@ and after WATCH_MAX_RESTARTS within WATCH_RESTART_WINDOW_S it tears the cluster 
 the reason. A `down` run by a person (seen in the head's audit log) ends it with exit 0.
 
 The loop (`Supervisor.run`) is pure policy over an `Ops` object, so it is unit-tested with a fake;
-`commands/watch.py` supplies the real one (SSH, Docker, HTTP).
+`orchestrate/watch.py` (`WatchOps`) supplies the real one (SSH, Docker, HTTP).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def diagnose(obs: Observation, nodes: list[str], bad_health_rounds: int, policy:
 
 
 class Ops(Protocol):
-    """What the loop needs from the world; `commands/watch.py` has the real one."""
+    """What the loop needs from the world; `orchestrate.watch.WatchOps` is the real one."""
 
     nodes: list[str]
 

@@ -1,0 +1,60 @@
+"""`sparkctl export systemd`: the supervisor (`sparkctl watch`) as a systemd unit on the head (or --node);
+`--print` prints it. The install over SSH: orchestrate/export_systemd.py."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+import click
+
+from ..errors import UsageError
+from ..orchestrate.export_systemd import install_unit
+from ..output import console, emit_json, warn
+from .common import globals_of, one_replica, settings_of
+
+
+@click.group("export")
+def export_cmd() -> None:
+    """Export the supervisor for another manager (`export systemd`)."""
+
+
+@export_cmd.command("systemd")
+@click.option("--print", "print_only", is_flag=True, help="Print the unit instead of installing it.")
+@click.option("--node", help="Install on this node (default: the head).")
+@click.option("--sparkctl", "program", metavar="PATH",
+              help="The sparkctl on that node (default: this one's Python, `-m sparkctl`).")
+@click.pass_context
+def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, program: str | None) -> None:
+    """A systemd unit that runs `sparkctl watch` for this cluster, after docker and the network."""
+    from ..systemd_unit import pinned_environment, unit_name, unit_text
+
+    g = globals_of(ctx)
+    s = one_replica(settings_of(g), "export systemd")
+    target = node or s.head
+    if target not in s.nodes:
+        raise UsageError(f"--node {target}: not one of this cluster's nodes ({' '.join(s.nodes)})")
+    argv = shlex.split(program) if program else [sys.executable, "-m", "sparkctl"]
+    if s.env_file is not None:
+        argv += ["--env-file", str(s.env_file.resolve())]
+    argv += ["--recipe", str(s.recipe.path if s.get("RECIPE", "").endswith(".toml") else s.recipe.name), "watch"]
+    env, warnings = pinned_environment(s, os.path.abspath(g.ssh_config_path()))
+    warn(warnings)
+    text = unit_text(cluster=s.cluster_name, argv=argv, env=env)
+    name = unit_name(s.cluster_name)
+    if print_only:
+        if g.json:
+            emit_json({"unit": name, "text": text})
+        else:
+            sys.stdout.write(text)
+        return
+    install_unit(g.ssh_config_path(), target, s.cluster_name, name, text)
+    if g.json:
+        emit_json({"unit": name, "node": target, "installed": True})
+    else:
+        console(False).print(f"installed and started {name} on {target}; `sparkctl down` stops and disables it",
+                             markup=False)
+
+
+COMMANDS = {"export": export_cmd}

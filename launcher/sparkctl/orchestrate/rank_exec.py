@@ -1,0 +1,14 @@
+"""`sparkctl exec`'s flow: one command (argv, no shell) in a rank's container, over one SSH connection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..cluster import Cluster, RunResult
+
+
+def run_in_rank(ssh_config: Any, node_name: str, container: str, argv: Sequence[str], timeout: float) -> RunResult:
+    """`docker exec CONTAINER ARGV...` on `node_name`; its exit code, stdout and stderr."""
+    with Cluster([node_name], ssh_config) as cluster:
+        return cluster.node(node_name).run(["docker", "exec", container, *argv], timeout=timeout)
