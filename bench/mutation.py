@@ -129,7 +129,7 @@ MODULES: dict[str, Module] = {
                        ("tests/lab/test_secrets_lab.py",), "redaction and strict keys"),
     "systemd_unit": Module((f"{PKG}/systemd_unit.py",), ("tests/unit/test_watch.py",),
                            ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; M62 equivalent
-    "fabric": Module((f"{PKG}/fabric.py",), ("tests/unit/test_fabric.py", "tests/unit/test_safety_offline.py"),
+    "fabric": Module((f"{PKG}/orchestrate/fabric_test.py",), ("tests/unit/test_fabric.py", "tests/unit/test_safety_offline.py"),
                      ("tests/lab/test_fabric_lab.py",), "the fabric test and its sweep"),
     "probes": Module((f"{PKG}/probes/ckpt_scan.py", f"{PKG}/probes/hf_pull.py", f"{PKG}/probes/model_node.py",
                       f"{PKG}/probes/save_filter.py"),

@@ -1,7 +1,7 @@
 """The words every rule speaks: a `Finding` and its statuses, and `Needs` (what the settings and
 recipe ask of every node, distilled so the rules need no Settings).
 
-`check` (its rules), `pins` (fabric discovery), `fabric` (check --fabric) and `nccl` (NCCL_DEBUG
+`check` (its rules), `pins` (fabric discovery), `orchestrate.fabric_test` (check --fabric) and `nccl` (NCCL_DEBUG
 findings) all return Findings; the commands print them. Pure: no I/O.
 """
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from sparkctl import fabric
 from sparkctl.builders import rank_env
 from sparkctl.check import CLUSTER_ROW, FAIL, OK
 from sparkctl.cluster import NodeError, RunResult
+from sparkctl.orchestrate import fabric_test as fabric
 from sparkctl.probes import fabric_allreduce
 from sparkctl.recipes import FabricTest
 from sparkctl.settings import load_settings
@@ -321,6 +321,15 @@ def test_a_lab_without_the_torch_image_is_told_to_run_lab_torch(clean_env: dict[
         assert "`sparkctl lab torch`" in f.fix and "Docker engine" not in f.fix, f
 
 
+def test_the_lab_image_the_hint_names_is_the_one_lab_torch_loads() -> None:
+    """The fabric test names the lab's torch image itself (production code does not import the lab); it must
+    stay the image `sparkctl lab torch` loads and the lab recipe's [fabric] image."""
+    from sparkctl.lab.state import TORCH_IMAGE
+    from sparkctl.recipes import load_recipe
+
+    assert fabric.LAB_TORCH_IMAGE == TORCH_IMAGE == load_recipe("lab").fabric.image
+
+
 def test_one_host_without_the_image_is_named_and_the_others_were_stopped(clean_env: dict[str, str]) -> None:
     report = _run_without_image(_settings("lab"), {"spark2"})
     by_node = {f.node: f for f in report.findings if f.status == FAIL}
@@ -357,7 +366,7 @@ def test_recipe_fabric_section_is_validated(tmp_path: Path, body: str, key: str)
     from sparkctl.errors import UsageError
     from sparkctl.recipes import load_recipe
 
-    text = (Path(fabric.__file__).parent / "recipes" / "lab.toml").read_text().partition("\n[fabric]")[0]
+    text = (Path(fabric.__file__).parent.parent / "recipes" / "lab.toml").read_text().partition("\n[fabric]")[0]
     bad = tmp_path / "bad.toml"
     bad.write_text(text + "\n[fabric]\n" + body + "\n")
     with pytest.raises(UsageError, match=f"bad.toml/fabric.*{key}" if key != "fabric" else "bad.toml/fabric"):

@@ -18,9 +18,9 @@ from ..check import CHECKS, CheckReport
 from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed, UsageError
-from ..fabric import FabricReport
 from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
 from ..orchestrate.check import run_check
+from ..orchestrate.fabric_test import FabricReport
 from ..output import console, emit_json, warn
 from ..render import env_tp4_path, render_all, resolve_pins, write_private
 
@@ -86,7 +86,7 @@ def _fabric(g: Globals, s: Any, report: CheckReport, cluster: Cluster,
             fabric_timeout: float | None) -> FabricReport | None:
     """Run the fabric test with the pins this check found, over check's own connections; its findings
     join the report's."""
-    from ..fabric import run_fabric_test, skipped
+    from ..orchestrate.fabric_test import run_fabric_test, skipped
 
     pins = resolve_pins(s, report.pins)
     missing = [f"rank {r}" for r, p in enumerate(pins) if p.missing()]
@@ -101,7 +101,7 @@ def _fabric(g: Globals, s: Any, report: CheckReport, cluster: Cluster,
 
 
 def _print_fabric(fr: FabricReport) -> None:
-    from ..fabric import size_label
+    from ..orchestrate.fabric_test import size_label
 
     c = console(False)
     sizes = ", ".join(f"{size_label(k)} {v:g}" for k, v in fr.busbw_by_size().items())

@@ -276,7 +276,7 @@ def render_now_and_master(cluster: Cluster, s: Settings, source: str) -> tuple[R
 def fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any],
                 say: Callable[[str], None]) -> None:
     """`up --fabric-test`: the collective must pass before any container of the service starts."""
-    from ..fabric import run_fabric_test, size_label
+    from .fabric_test import run_fabric_test, size_label
 
     if any(c.running for cs in states.values() for c in cs):
         say("fabric test skipped: this cluster's service is running (it holds the GPUs and "

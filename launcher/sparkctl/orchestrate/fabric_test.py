@@ -1,4 +1,5 @@
-"""`check --fabric` / `up --fabric-test`: a real all-reduce across the ranks before the model loads.
+"""The fabric test (`check --fabric` / `up --fabric-test`): a real all-reduce across the ranks before the
+model loads.
 
 On every rank a short-lived container of the image that will serve (the recipe's `[fabric] image`
 where the lab names its own) runs sparkctl's fabric program (probes/fabric_allreduce.py, on stdin)
@@ -14,27 +15,31 @@ was expected, NCCL versions that differ, busbw below the recipe's floor.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import nccl
-from .builders import LABEL_CLUSTER, LABEL_RANK, LABEL_RECIPE, container_options, master_addr, rank_env
-from .cluster import Cluster, Node, NodeError, RunResult
-from .findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
-from .lab.state import TORCH_IMAGE
-from .recipes import FabricTest
-from .resources import probe_script
-from .settings import RankPins, Settings
-from .threads import spawn, wait_all, wait_bounded
+from .. import nccl
+from ..builders import LABEL_CLUSTER, LABEL_RANK, LABEL_RECIPE, container_options, master_addr, rank_env
+from ..cluster import Cluster, Node, NodeError, RunResult
+from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
+from ..recipes import FabricTest
+from ..resources import probe_script
+from ..settings import RankPins, Settings
+from ..threads import spawn, wait_all, wait_bounded
 
 CHECK = "collective"
 LABEL_PURPOSE = "sparkctl.purpose"
 PURPOSE = "fabric-test"
 START_ALLOWANCE_S = 30.0  # docker run + interpreter + torch import, beyond the program's own bound
 PROGRAM = "fabric_allreduce.py"
+
+# The lab's fabric-test image (`sparkctl lab torch` loads it; lab.state.TORCH_IMAGE, which a unit test keeps
+# equal): named here so that production code does not import the lab.
+LAB_TORCH_IMAGE = "sparkctl-lab/torch:latest"
 
 # Remove this cluster's fabric-test containers (both labels must match: never the service's own).
 _SWEEP = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1" --filter "label=$2") || exit $?
@@ -206,8 +211,8 @@ def missing_image_fix(fab: FabricTest, node: str) -> str:
     """What puts the fabric test's image on a node that lacks it: the lab loads its torch image, production
     builds (or pulls, or ships) the serving image, and a recipe's own [fabric] image is the user's to load."""
     again = "then run `sparkctl check --fabric` again"
-    if fab.image == TORCH_IMAGE:
-        return f"run `sparkctl lab torch` (it loads {TORCH_IMAGE} into every lab host), {again}"
+    if fab.image == LAB_TORCH_IMAGE:
+        return f"run `sparkctl lab torch` (it loads {LAB_TORCH_IMAGE} into every lab host), {again}"
     if not fab.image:
         return (f"run `sparkctl build` (the test runs in the serving image, IMAGE: build makes it on every rank, "
                 f"or pulls or ships a prebuilt one), {again}")
@@ -319,11 +324,9 @@ def _sweep_all(cluster: Cluster, settings: Settings) -> tuple[dict[str, int], di
         except Exception as exc:  # a sweep must never hide the run's own result
             problems[name] = f"{type(exc).__name__}: {exc}"
 
-    threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in settings.nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
+    done = [spawn(functools.partial(one, n), f"fabric-sweep-{n}") for n in settings.nodes]
+    for ended in done:  # up to 90 s each, as the sweeps run side by side; a Ctrl-C goes through
+        ended.wait(90)
     return swept, problems
 
 
