@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from .errors import CheckFailed, UsageError
 from .settings import Settings
@@ -62,12 +62,6 @@ class CheckpointInfo:
         return sum(s.size or 0 for s in self.shards)
 
 
-class _Runs(Protocol):
-    name: str
-
-    def run(self, argv: list[str], *, stdin: bytes | None = ..., timeout: float | None = ...) -> Any: ...
-
-
 def read_checkpoint(model: Path, drafter: Path | None = None) -> CheckpointInfo:
     """config.json + the shard list (from the index, else *.safetensors) with their sizes on disk; with
     `drafter`, the DSpark drafter's config.json too (None when it cannot be read: make_plan says so)."""
@@ -76,53 +70,14 @@ def read_checkpoint(model: Path, drafter: Path | None = None) -> CheckpointInfo:
     info = checkpoint_from_scan(scan(str(model), headers="summary", shards=False), model, "this machine")
     if drafter is None:
         return info
-    return replace(info, drafter_config=_config_or_none(scan(str(drafter), headers="summary", shards=False)))
+    return replace(info, drafter_config=config_or_none(scan(str(drafter), headers="summary", shards=False)))
 
 
-def read_checkpoint_on(node: _Runs, model: Path, drafter: Path | None = None) -> CheckpointInfo:
-    """The checkpoint as `node` sees it (MODEL is on the nodes' shared storage, maybe not here), with
-    the DSpark drafter's config.json when `drafter` is given."""
-    info = checkpoint_from_scan(scan_on(node, model, shards=False), model, node.name)
-    if drafter is None:
-        return info
-    return replace(info, drafter_config=read_drafter_config_on(node, drafter))
-
-
-def read_drafter_config_on(node: _Runs, drafter: Path) -> dict[str, Any] | None:
-    """DSPARK/config.json as `node` sees it; None when it cannot be read (make_plan says so)."""
-    return _config_or_none(scan_on(node, drafter, shards=False))
-
-
-def _config_or_none(scan: dict[str, Any]) -> dict[str, Any] | None:
+def config_or_none(scan: dict[str, Any]) -> dict[str, Any] | None:
     try:
         return checkpoint_from_scan(scan, Path(str(scan.get("dir", "?"))), "", config_only=True).config or None
     except (UsageError, CheckFailed):
         return None
-
-
-def scan_on(node: _Runs, model: Path | str, *, headers: str = "summary", shards: bool = True,
-            fingerprints: bool = False, timeout: float = 60.0) -> dict[str, Any]:
-    """The checkpoint scan (probes/ckpt_scan.py, the one reader) of `model` on `node`, as a dict.
-    CheckFailed when it cannot run or prints something that is not a JSON object."""
-    from .resources import probe_script
-
-    argv = ["python3", "-", str(model), "--headers", headers, *([] if shards else ["--no-shards"]),
-            *(["--fingerprints"] if fingerprints else [])]
-    r = node.run(argv, stdin=probe_script("ckpt_scan.py"), timeout=timeout)
-    fix = f"check that python3 exists on {node.name} and MODEL={model} is readable there"
-    if r.exit_code == 127:
-        raise CheckFailed(f"python3 is not installed on {node.name}", fix=fix)
-    if r.exit_code != 0:
-        last = (r.stderr.strip().splitlines() or [f"exit status {r.exit_code}"])[-1]
-        raise CheckFailed(f"cannot read the checkpoint on {node.name}: {last[:300]}", fix=fix)
-    try:
-        doc = json.loads(r.stdout)
-    except (ValueError, RecursionError) as exc:
-        raise CheckFailed(f"the checkpoint scan on {node.name} printed something that is not JSON "
-                          f"({str(exc)[:100]})") from None
-    if not isinstance(doc, dict):
-        raise CheckFailed(f"the checkpoint scan on {node.name} printed something that is not a JSON object")
-    return doc
 
 
 def checkpoint_from_scan(scan: Any, model: Path, where: str, *, config_only: bool = False) -> CheckpointInfo:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed
+from ..orchestrate.checkpoint import read_checkpoint_on
 from ..output import warn_console
-from ..plan import CheckpointInfo, drafter_dir, read_checkpoint, read_checkpoint_on
+from ..plan import CheckpointInfo, drafter_dir, read_checkpoint
 from ..settings import Settings
 
 

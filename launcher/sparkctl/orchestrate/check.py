@@ -50,11 +50,10 @@ from ..plan import (
     drafter_dir,
     make_plan,
     nodes_compute_capability,
-    read_drafter_config_on,
-    scan_on,
 )
 from ..resources import probe_script
 from ..settings import RankPins, Settings
+from .checkpoint import read_drafter_config_on, scan_on
 
 
 class Probes:

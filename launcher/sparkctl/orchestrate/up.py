@@ -44,12 +44,12 @@ from ..plan import (
     drafter_dir,
     make_plan,
     nodes_compute_capability,
-    read_checkpoint_on,
     require_fit,
 )
 from ..render import Rendered, env_tp4_path, render_all, write_private
 from ..settings import Settings
 from . import require_all
+from .checkpoint import read_checkpoint_on
 from .locking import lock_cluster, record_identities
 
 ENV_TP4 = Path("env/env.tp4")
