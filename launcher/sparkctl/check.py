@@ -667,11 +667,9 @@ def rule_checkpoint(report: Any, error: str | None) -> list[Finding]:
         ]
     if report is None:
         return []
-    errors = [f for f in report.findings if f.severity == "error"]
-    warns = [f for f in report.findings if f.severity == "warn"]
     details = "run `sparkctl verify-model` for the details"
-    out = [_f(CLUSTER_ROW, "checkpoint", FAIL, "invalid", e.message, e.fix or details) for e in errors]
-    out += [_f(CLUSTER_ROW, "checkpoint", WARN, "warning", w.message, w.fix) for w in warns]
+    out = [replace(f, fix=f.fix or details) for f in report.findings if f.status == FAIL]
+    out += [f for f in report.findings if f.status == WARN]
     if not out:
         s = report.summary
         out.append(

@@ -34,9 +34,10 @@ from typing import Any
 
 from .cluster import Cluster, Node, NodeError
 from .errors import CheckFailed, UsageError
+from .findings import FAIL, Finding
 from .resources import probe_script
 from .threads import spawn, wait_all, wait_bounded
-from .verify import Finding, compare_nodes
+from .verify import compare_nodes, finding_doc, issue
 
 PARTIAL_DIR = ".sparkctl-partial"
 SCAN_TIMEOUT = 300.0
@@ -212,7 +213,7 @@ class SyncReport:
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "source": self.source, "seconds": round(self.seconds, 3),
                 "interrupted": self.interrupted, "ranks": [r.as_dict() for r in self.ranks.values()],
-                "findings": [f.to_dict() for f in self.findings]}
+                "findings": [finding_doc(f) for f in self.findings]}
 
 
 Progress = Callable[[RankSync], None]
@@ -437,7 +438,7 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             again = cluster.run_all(lambda n: scan_node(n, model), nodes=[src, *targets])
             report.findings = compare_nodes(again.ok, src)
             for n, e in again.failed.items():
-                report.findings.append(Finding("error", "node-unreachable", f"{n}: {e.reason}", e.fix or "", n))
+                report.findings.append(issue(FAIL, "node-unreachable", f"{n}: {e.reason}", e.fix or "", n))
     report.seconds = time.monotonic() - started
     return report
 

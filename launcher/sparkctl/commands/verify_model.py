@@ -20,15 +20,16 @@ from typing import Any
 import click
 
 from ..errors import UsageError
+from ..findings import FAIL, INFO, Finding
 from ..output import console, emit_json
 from ..probes.ckpt_scan import scan
 from ..resources import probe_script
 from ..verify import (
-    Finding,
     NeedHeaders,
     Report,
     Summary,
     compare_nodes,
+    issue,
     load_layout,
     verify_scan,
     verify_with,
@@ -140,7 +141,7 @@ def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Fin
     findings: list[Finding] = []
     for node, r in results.items():
         if isinstance(r, Exception):
-            findings.append(Finding("error", "node-unreachable", f"{node}: {getattr(r, 'message', r)}",
+            findings.append(issue(FAIL, "node-unreachable", f"{node}: {getattr(r, 'message', r)}",
                                     getattr(r, "fix", None) or f"check that {node} is up and reachable over SSH",
                                     node))
             continue
@@ -149,7 +150,7 @@ def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Fin
         except ValueError:
             doc = None
         if not isinstance(doc, dict):
-            findings.append(Finding("error", "node-scan-failed",
+            findings.append(issue(FAIL, "node-scan-failed",
                                     f"{node}: the checkpoint scan failed (exit {r.exit_code}): {r.stderr.strip()[-300:]}",
                                     f"check that python3 (>= 3.10) exists on {node}", node))
             continue
@@ -180,7 +181,7 @@ def _human(report: Report, where: str, layout_src: str, as_json: bool) -> None:
     out.print(t)
     style = {"error": "bold red", "warn": "yellow", "info": "dim"}
     for f in report.findings:
-        out.print(f"[{style.get(f.severity, '')}]{f.severity}[/] [bold]{f.code}[/]: {f.message}",
+        out.print(f"[{style.get(f.severity, '')}]{f.severity}[/] [bold]{f.code}[/]: {f.reason}",
                   markup=True, highlight=False)
         if f.fix:
             out.print(f"    fix: {f.fix}", markup=False, highlight=False)
@@ -216,7 +217,7 @@ def command(ctx: click.Context, local_dir: Path | None, deep: bool, as_json: boo
         report, extra = verify_cluster(g, settings, layout, deep, max_header)
         where = f"{extra.get('head')}:{settings.model if settings else '?'} (+{len(extra.get('nodes', {})) - 1} nodes)"
     if layout is None:
-        report.findings.append(Finding("info", "no-layout", "no recipe layout: only structure and the EXL3 ABI "
+        report.findings.append(issue(INFO, "no-layout", "no recipe layout: only structure and the EXL3 ABI "
                                        "were checked, not the recipe's scope and bits",
                                        "pass --layout NAME or set RECIPE"))
     if as_json:
