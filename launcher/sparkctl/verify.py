@@ -49,7 +49,6 @@ from typing import Any
 from .findings import CLUSTER_ROW, FAIL, INFO, WARN, Finding
 from .probes.ckpt_scan import decode_blob
 from .probes.ckpt_scan import scan as scan_dir
-from .resources import recipes_dir
 from .safetensors import DTYPE_BITS, Header, HeaderError, TensorKind, nbytes, parse_header
 
 INDEX = "model.safetensors.index.json"
@@ -113,24 +112,6 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "summary": self.summary.to_dict(), "findings": [finding_doc(f) for f in self.findings]}
-
-
-# ---------------------------------------------------------------- layouts
-
-
-def load_layout(name: str) -> dict[str, Any]:
-    """A layout by name (recipes/layouts/NAME.json) or by path. Raises ValueError with the reason."""
-    path = Path(name) if name.endswith(".json") else recipes_dir() / "layouts" / f"{name}.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        known = sorted(p.stem for p in (recipes_dir() / "layouts").glob("*.json"))
-        raise ValueError(f"checkpoint layout {name!r} not found (known: {', '.join(known)})") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"checkpoint layout {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"checkpoint layout {path}: expected a JSON object")
-    return data
 
 
 # ---------------------------------------------------------------- helpers

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from sparkctl.cli import cli
 from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
+from sparkctl.recipes import load_layout
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import _validate, read_header
 from sparkctl.verify import (
@@ -25,7 +26,6 @@ from sparkctl.verify import (
     _Issues,
     classify,
     compare_nodes,
-    load_layout,
     ranges,
     verify_dir,
 )

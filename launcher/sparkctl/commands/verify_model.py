@@ -23,6 +23,7 @@ from ..errors import UsageError
 from ..findings import FAIL, INFO, Finding
 from ..output import console, emit_json
 from ..probes.ckpt_scan import scan
+from ..recipes import load_layout
 from ..resources import probe_script
 from ..verify import (
     NeedHeaders,
@@ -30,7 +31,6 @@ from ..verify import (
     Summary,
     compare_nodes,
     issue,
-    load_layout,
     verify_scan,
     verify_with,
 )
