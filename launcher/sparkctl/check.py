@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import docker_parse as D
@@ -645,11 +645,9 @@ def rule_checkpoint(report: Any, error: str | None) -> list[Finding]:
         ]
     if report is None:
         return []
-    errors = [f for f in report.findings if f.severity == "error"]
-    warns = [f for f in report.findings if f.severity == "warn"]
     details = "run `sparkctl verify-model` for the details"
-    out = [_f(CLUSTER_ROW, "checkpoint", FAIL, "invalid", e.message, e.fix or details) for e in errors]
-    out += [_f(CLUSTER_ROW, "checkpoint", WARN, "warning", w.message, w.fix) for w in warns]
+    out = [replace(f, fix=f.fix or details) for f in report.findings if f.status == FAIL]
+    out += [f for f in report.findings if f.status == WARN]
     if not out:
         s = report.summary
         out.append(

@@ -1,8 +1,9 @@
 """The words every rule speaks: a `Finding` and its statuses, and `Needs` (what the settings and
 recipe ask of every node, distilled so the rules need no Settings).
 
-`check` (its rules), `pins` (fabric discovery), `orchestrate.fabric_test` (check --fabric) and `nccl` (NCCL_DEBUG
-findings) all return Findings; the commands print them. Pure: no I/O.
+`check` (its rules), `pins` (fabric discovery), `orchestrate.fabric_test` (check --fabric), `nccl` (NCCL_DEBUG
+findings) and `verify` (the checkpoint rules: `check`'s `checkpoint` row, `verify-model`, `model
+sync`) all return Findings; the commands print them. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from dataclasses import dataclass
 from . import facts as F
 from .settings import RankPins, Settings
 
-OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
-SYMBOL = {OK: "✓", FAIL: "✗", WARN: "!", SKIP: "·"}
+OK, FAIL, WARN, SKIP, INFO = "ok", "fail", "warn", "skip", "info"
+SYMBOL = {OK: "✓", FAIL: "✗", WARN: "!", SKIP: "·", INFO: "i"}
+# A status in the checkpoint reports' words (verify-model's and model sync's "severity").
+SEVERITY = {FAIL: "error", WARN: "warn", INFO: "info"}
 CLUSTER_ROW = "(cluster)"
 
 # The container variables that carry a rank's own fabric pins (builders.rank_env): what each must name.
@@ -26,14 +29,21 @@ PIN_ENV = {"NCCL_SOCKET_IFNAME": "netdev", "GLOO_SOCKET_IFNAME": "netdev", "NCCL
 class Finding:
     node: str  # a node alias, or CLUSTER_ROW for what concerns the whole cluster
     check: str
-    status: str  # ok | fail | warn | skip
+    status: str  # ok | fail | warn | skip | info (said, neither good nor bad)
     short: str  # the table cell
     reason: str = ""  # the whole story (defaults to short)
     fix: str = ""
+    code: str = ""  # the rule's own name within its check, e.g. "shard-missing" (the checkpoint rules)
+    where: str = ""  # the file, tensor or node within `node` that it is about
 
     @property
     def text(self) -> str:
         return self.reason or self.short
+
+    @property
+    def severity(self) -> str:
+        """The status in the checkpoint reports' words: error, warn, info."""
+        return SEVERITY.get(self.status, self.status)
 
     def to_dict(self) -> dict[str, str]:
         return {"node": self.node, "check": self.check, "status": self.status, "short": self.short,

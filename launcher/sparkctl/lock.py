@@ -28,8 +28,8 @@ value is ever parsed by a shell.
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime as _dt
+import functools
 import getpass
 import json
 import os
@@ -42,7 +42,9 @@ from typing import Any, Protocol
 
 from . import signals
 from .builders import REMOTE_STATE_DIR
+from .cluster import parallel
 from .errors import CheckFailed
+from .threads import spawn, wait_bounded
 
 _ACQUIRE = r'''
 d="$1"; owner="$2"
@@ -341,8 +343,7 @@ class _Heartbeat:
         self._argv = heartbeat_argv(cluster, owner.token)
         self._nodes = list(nodes)
         self._every = max(1.0, owner.lease_s / 4)
-        self._thread = threading.Thread(target=self._run, name="lock-heartbeat", daemon=True)
-        self._thread.start()
+        self._ended = spawn(self._run, "lock-heartbeat")
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
@@ -354,7 +355,7 @@ class _Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        wait_bounded([self._ended], 5)
 
 
 def _release_all(nodes: Sequence[Runner], cluster: str, token: str) -> None:
@@ -368,9 +369,7 @@ def _release_all(nodes: Sequence[Runner], cluster: str, token: str) -> None:
     if len(nodes) == 1:
         one(nodes[0])
         return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(nodes)) or 1,
-                                               thread_name_prefix="unlock") as pool:
-        list(pool.map(one, nodes))
+    parallel([functools.partial(one, node) for node in nodes], limit=32)
 
 
 @contextmanager

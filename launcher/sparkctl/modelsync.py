@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckFailed
-from .verify import Finding
+from .findings import Finding
+from .verify import finding_doc
 
 PARTIAL_DIR = ".sparkctl-partial"
 SCAN_TIMEOUT = 300.0
@@ -206,7 +207,7 @@ class SyncReport:
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "source": self.source, "seconds": round(self.seconds, 3),
                 "interrupted": self.interrupted, "ranks": [r.as_dict() for r in self.ranks.values()],
-                "findings": [f.to_dict() for f in self.findings]}
+                "findings": [finding_doc(f) for f in self.findings]}
 
 
 Progress = Callable[[RankSync], None]

@@ -92,19 +92,29 @@ class Recipe:
     @property
     def checkpoint_layout(self) -> dict[str, Any]:
         """The rules `verify-model` applies (recipes/layouts/<layout>.json)."""
-        path = recipes_dir() / "layouts" / f"{self.layout_name}.json"
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UsageError(f"recipe {self.name}: checkpoint layout {self.layout_name!r} not found ({path})") from None
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"checkpoint layout {path}: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise UsageError(f"checkpoint layout {path}: expected a JSON object")
-        return data
+            return load_layout(self.layout_name)
+        except ValueError as exc:
+            raise UsageError(f"recipe {self.name}: {exc}") from None
 
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self.layers]
+
+
+def load_layout(name: str) -> dict[str, Any]:
+    """A checkpoint layout, the rules `verify-model` applies (see `verify`'s docstring), by name
+    (recipes/layouts/NAME.json) or by path (NAME ending in .json). Raises ValueError with the reason."""
+    path = Path(name) if name.endswith(".json") else recipes_dir() / "layouts" / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        known = sorted(p.stem for p in (recipes_dir() / "layouts").glob("*.json"))
+        raise ValueError(f"checkpoint layout {name!r} not found (known: {', '.join(known)})") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"checkpoint layout {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"checkpoint layout {path}: expected a JSON object")
+    return data
 
 
 def available_recipes() -> list[str]:

@@ -10,6 +10,7 @@ container, a Ctrl-C — it removes every container of this cluster it can reach 
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -35,6 +36,7 @@ from .lock import audit_append_argv, audit_line, state_dir
 from .memory import DEFAULT_WAIT_S, NodeMemory, not_back
 from .parsing import ParseError
 from .settings import Settings
+from .threads import spawn, wait_all
 
 T = TypeVar("T")
 
@@ -232,13 +234,10 @@ def settled(call: Callable[[], T]) -> T:
         except BaseException as exc:  # handed to the caller's thread below
             box["error"] = exc
 
-    t = threading.Thread(target=target, daemon=True)
-    # Shielded from the thread's start to its end (a signal inside t.start() would leave the fan-out
+    # Shielded from the thread's start to its end (a signal inside spawn() would leave the fan-out
     # running unseen); a signal meanwhile is raised once it has ended.
     with signals.shielded():
-        t.start()
-        while t.is_alive():
-            t.join(0.1)
+        wait_all([spawn(target, "settled")], poll=0.1)
     if "error" in box:
         raise box["error"]
     result: T = box["result"]
@@ -504,13 +503,9 @@ def stream_logs(cluster: Cluster, settings: Settings, ranks: Sequence[int], *, t
         except NodeError as exc:
             errors[node_name] = exc
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
+    ended = [spawn(functools.partial(one, r), f"logs-rank{r}") for r in ranks]
     try:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)
+        wait_all(ended, poll=0.2)
     except KeyboardInterrupt:
         stop.set()
     return errors

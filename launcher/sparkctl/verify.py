@@ -46,9 +46,9 @@ from operator import add, itemgetter
 from pathlib import Path
 from typing import Any
 
+from .findings import CLUSTER_ROW, FAIL, INFO, WARN, Finding
 from .probes.ckpt_scan import decode_blob
 from .probes.ckpt_scan import scan as scan_dir
-from .resources import recipes_dir
 from .safetensors import DTYPE_BITS, Header, HeaderError, TensorKind, nbytes, parse_header
 
 INDEX = "model.safetensors.index.json"
@@ -60,16 +60,19 @@ _Group = tuple[str, int | None, int, str]  # (class, layer, bits, codebook marke
 _Groups = dict[_Group, int]  # how many linears per group
 
 
-@dataclass(frozen=True)
-class Finding:
-    severity: str  # "error" | "warn" | "info"
-    code: str
-    message: str
-    fix: str = ""
-    where: str = ""  # file, tensor or node the finding is about
+# The checkpoint rules' findings: the cluster's `checkpoint` row, `code` naming the rule.
+SHORT = {FAIL: "invalid", WARN: "warning", INFO: "info"}
 
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
+
+def issue(status: str, code: str, message: str, fix: str = "", where: str = "") -> Finding:
+    """A checkpoint finding: `status` FAIL, WARN or INFO, `message` the whole story, `where` the file,
+    tensor or node it is about."""
+    return Finding(CLUSTER_ROW, "checkpoint", status, SHORT[status], message, fix, code=code, where=where)
+
+
+def finding_doc(f: Finding) -> dict[str, str]:
+    """A checkpoint finding as verify-model's and model sync's JSON say it."""
+    return {"severity": f.severity, "code": f.code, "message": f.reason, "fix": f.fix, "where": f.where}
 
 
 @dataclass
@@ -105,28 +108,10 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not any(f.severity == "error" for f in self.findings)
+        return not any(f.status == FAIL for f in self.findings)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "summary": self.summary.to_dict(), "findings": [f.to_dict() for f in self.findings]}
-
-
-# ---------------------------------------------------------------- layouts
-
-
-def load_layout(name: str) -> dict[str, Any]:
-    """A layout by name (recipes/layouts/NAME.json) or by path. Raises ValueError with the reason."""
-    path = Path(name) if name.endswith(".json") else recipes_dir() / "layouts" / f"{name}.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        known = sorted(p.stem for p in (recipes_dir() / "layouts").glob("*.json"))
-        raise ValueError(f"checkpoint layout {name!r} not found (known: {', '.join(known)})") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"checkpoint layout {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"checkpoint layout {path}: expected a JSON object")
-    return data
+        return {"ok": self.ok, "summary": self.summary.to_dict(), "findings": [finding_doc(f) for f in self.findings]}
 
 
 # ---------------------------------------------------------------- helpers
@@ -205,7 +190,7 @@ class _Issues:
             rest = total - sum(r[3] for r in shown)
             more = f"; and {rest:,} more" if rest > 0 else ""
             noun = "linear" if total == 1 else "linears"
-            out.append(Finding(severity, code, f"{total:,} {cls.replace('_', ' ')} {noun}{scope}: {ex}{more}",
+            out.append(issue(severity, code, f"{total:,} {cls.replace('_', ' ')} {noun}{scope}: {ex}{more}",
                                self.fixes[(severity, code, cls)], where))
         return out
 
@@ -217,18 +202,18 @@ def _json_file(scan: Mapping[str, Any], name: str, findings: list[Finding], *, r
     entry = (scan.get("json") or {}).get(name) or {"missing": True}
     if entry.get("missing"):
         if required:
-            findings.append(Finding("error", "file-missing", f"{name} is missing from the checkpoint folder",
+            findings.append(issue(FAIL, "file-missing", f"{name} is missing from the checkpoint folder",
                                     "download the complete checkpoint (it ships with the shards)", name))
         return None
     if entry.get("error"):
-        findings.append(Finding("error", "json-unreadable", f"{name}: {entry['error'].get('message')}",
+        findings.append(issue(FAIL, "json-unreadable", f"{name}: {entry['error'].get('message')}",
                                 "re-download the file", name))
         return None
     try:
         raw = decode_blob(entry.get("data"))
         return None if raw is None else json.loads(raw)
     except ValueError as exc:
-        findings.append(Finding("error", "json-invalid", f"{name} is not valid JSON: {str(exc)[:120]}",
+        findings.append(issue(FAIL, "json-invalid", f"{name} is not valid JSON: {str(exc)[:120]}",
                                 "re-download the file (it is damaged)", name))
         return None
 
@@ -237,7 +222,7 @@ def _shard_header(name: str, entry: Mapping[str, Any], findings: list[Finding]) 
     fix = f"re-download {name}: the file is damaged or not a safetensors file"
     if entry.get("error"):
         err = entry["error"]
-        findings.append(Finding("error", str(err.get("code", "shard-unreadable")),
+        findings.append(issue(FAIL, str(err.get("code", "shard-unreadable")),
                                 f"{name}: {err.get('message')}", fix, name))
         return None
     try:
@@ -246,10 +231,10 @@ def _shard_header(name: str, entry: Mapping[str, Any], findings: list[Finding]) 
             return None
         header = parse_header(raw)
     except HeaderError as exc:
-        findings.append(Finding("error", exc.code, f"{name}: {exc.message}", fix, name))
+        findings.append(issue(FAIL, exc.code, f"{name}: {exc.message}", fix, name))
         return None
     except ValueError as exc:  # a damaged transfer of the header blob
-        findings.append(Finding("error", "header-transfer", f"{name}: header blob unreadable ({exc})", fix, name))
+        findings.append(issue(FAIL, "header-transfer", f"{name}: header blob unreadable ({exc})", fix, name))
         return None
     _size_findings(name, int(entry.get("size", 0)), header.file_size, findings)
     return header
@@ -258,11 +243,11 @@ def _shard_header(name: str, entry: Mapping[str, Any], findings: list[Finding]) 
 def _size_findings(name: str, size: int, want: int, findings: list[Finding]) -> None:
     """The file on disk vs the size its header says it has."""
     if size < want:
-        findings.append(Finding("error", "shard-truncated",
+        findings.append(issue(FAIL, "shard-truncated",
                                 f"{name} is {want - size:,} bytes short: {size:,} on disk, the header says {want:,}",
                                 f"re-download {name} (an interrupted copy leaves it short)", name))
     elif size > want:
-        findings.append(Finding("error", "shard-oversize",
+        findings.append(issue(FAIL, "shard-oversize",
                                 f"{name} has {size - want:,} bytes after its last tensor ({size:,} on disk, "
                                 f"the header says {want:,})", f"re-download {name}", name))
 
@@ -282,27 +267,27 @@ def _exl3_modules(tensors: Mapping[str, TensorKind], trellis_mods: list[str], mt
         has_mcg, has_mul1 = mod + ".mcg" in tensors, mod + ".mul1" in tensors
         accounted += (suh is not None) + (svh is not None) + has_mcg + has_mul1
         if suh is None or svh is None:
-            issues.add("error", "exl3-incomplete", cls, mod, layer,
+            issues.add(FAIL, "exl3-incomplete", cls, mod, layer,
                        "no " + " and no ".join(p for p, t in ((".suh", suh), (".svh", svh)) if t is None), reload)
             continue
         if not (has_mcg or has_mul1):
-            issues.add("error", "exl3-marker-missing", cls, mod, layer, "trellis without .mcg/.mul1 marker",
+            issues.add(FAIL, "exl3-marker-missing", cls, mod, layer, "trellis without .mcg/.mul1 marker",
                        "re-quantize these layers: the overlay reads the codebook from the marker tensor")
         elif has_mcg and has_mul1:
-            issues.add("error", "exl3-marker-duplicate", cls, mod, layer, "both .mcg and .mul1",
+            issues.add(FAIL, "exl3-marker-duplicate", cls, mod, layer, "both .mcg and .mul1",
                        "keep exactly one codebook marker per linear (the one the quantizer used)")
         shape = tr.shape
         if tr.dtype != "I16" or len(shape) != 3 or shape[2] % 16 or not shape[2]:
-            issues.add("error", "exl3-trellis", cls, mod, layer, f"trellis {tr.dtype}{list(shape)}",
+            issues.add(FAIL, "exl3-trellis", cls, mod, layer, f"trellis {tr.dtype}{list(shape)}",
                        "expected int16 [in/16, out/16, 16·bits]: " + reload)
             continue
         bits = shape[2] >> 4
         if suh.shape != (shape[0] * 16,) or svh.shape != (shape[1] * 16,):
-            issues.add("error", "exl3-scales", cls, mod, layer,
+            issues.add(FAIL, "exl3-scales", cls, mod, layer,
                        f"suh {list(suh.shape)} / svh {list(svh.shape)} vs trellis in={shape[0] * 16} "
                        f"out={shape[1] * 16}", reload)
         if mod + ".weight" in tensors:
-            issues.add("error", "exl3-and-native", cls, mod, layer, "both .weight and .trellis",
+            issues.add(FAIL, "exl3-and-native", cls, mod, layer, "both .weight and .trellis",
                        "remove the stale .weight (a partly re-quantized pack)")
         if mod.endswith("kv_a_proj_with_mqa"):
             widths[mod] = shape[1] * 16
@@ -392,7 +377,7 @@ def _check_abi(tensors: Mapping[str, TensorKind], rules: Mapping[str, Any], layo
             if suffix in ("suh", "svh", "mcg", "mul1") and mod not in has_trellis:
                 has_trellis.add(mod)  # report each such module once
                 cls, layer = classify(mod, mtp_layer)
-                issues.add("error", "exl3-incomplete", cls, mod, layer, "no .trellis", reload)
+                issues.add(FAIL, "exl3-incomplete", cls, mod, layer, "no .trellis", reload)
     _group_rules(groups, example, rules, layout, issues, summary, codebook_layers)
 
     present = set(trellis_mods)
@@ -415,7 +400,7 @@ def _native_rule(cls: str, mod: str, layer: int | None, t: TensorKind, count: in
         return
     summary.native_linears += count
     if rules.get(cls, {"format": layout.get("default_format", "any")}).get("format") == "exl3":
-        issues.add("error", "native-in-scope", cls, mod, layer, f"{t.dtype}{list(t.shape)}",
+        issues.add(FAIL, "native-in-scope", cls, mod, layer, f"{t.dtype}{list(t.shape)}",
                    f"{layout.get('name', 'this layout')} expects {cls.replace('_', ' ')} linears as EXL3: use the "
                    "checkpoint this recipe is for", count)
 
@@ -425,17 +410,17 @@ def _index_vs_folder(counts: Mapping[str, int], shards_scan: Mapping[str, Any], 
     """Shards the index names (with how many tensors) vs the folder's: missing, extra, how many."""
     top_level = {n for n in shards_scan if "/" not in n}
     for sname in sorted(set(counts) - top_level):
-        findings.append(Finding("error", "shard-missing",
+        findings.append(issue(FAIL, "shard-missing",
                                 f"{sname} is named by the index ({counts[sname]:,} tensors) but is not in the folder",
                                 f"download {sname} into the checkpoint folder", sname))
     if has_map:
         for sname in sorted(top_level - set(counts)):
-            findings.append(Finding("warn", "shard-extra", f"{sname} is in the folder but not in the index; "
+            findings.append(issue(WARN, "shard-extra", f"{sname} is in the folder but not in the index; "
                                     "loaders that glob *.safetensors would load it twice or from another revision",
                                     f"remove {sname} or re-download the index that lists it", sname))
     summary.shards = len(top_level & set(counts)) if has_map else len(top_level)
     if summary.expected_shards and counts and len(counts) != summary.expected_shards:
-        findings.append(Finding("warn", "shard-count",
+        findings.append(issue(WARN, "shard-count",
                                 f"the index names {len(counts)} shards; {layout.get('name')} expects "
                                 f"{summary.expected_shards}", "check that MODEL is the checkpoint this recipe is for",
                                 INDEX))
@@ -445,7 +430,7 @@ def _index_vs_folder(counts: Mapping[str, int], shards_scan: Mapping[str, Any], 
 
 def _total_size_finding(total_size: Any, data_total: int, findings: list[Finding]) -> None:
     if isinstance(total_size, int) and total_size != data_total:
-        findings.append(Finding("warn", "index-total-size",
+        findings.append(issue(WARN, "index-total-size",
                                 f"index metadata.total_size is {total_size:,} but the shards hold {data_total:,} bytes",
                                 "re-download the index from the shards' revision", INDEX))
 
@@ -462,7 +447,7 @@ def _config_checks(config: Any, qconf: Any, layout: Mapping[str, Any], findings:
         for key, want in (layout.get("config") or {}).items():
             got = config.get(key)
             if got != want:
-                findings.append(Finding(_expected_severity(layout, "config"), "config-mismatch",
+                findings.append(issue(_expected_severity(layout, "config"), "config-mismatch",
                                         f"config.json {key} is {got!r}; {layout.get('name')} expects {want!r}"
                                         + _assumed_note(layout, "config"),
                                         "use the checkpoint this recipe is for, or pick the matching RECIPE",
@@ -470,18 +455,18 @@ def _config_checks(config: Any, qconf: Any, layout: Mapping[str, Any], findings:
         if qconf is None and isinstance(config.get("quantization_config"), dict):
             qconf = config["quantization_config"]
     elif config is not None:
-        findings.append(Finding("error", "json-invalid", "config.json is not a JSON object", "re-download it",
+        findings.append(issue(FAIL, "json-invalid", "config.json is not a JSON object", "re-download it",
                                 "config.json"))
     if layout.get("quant_method"):
         if not isinstance(qconf, dict):
-            findings.append(Finding("error", "quant-config-missing",
+            findings.append(issue(FAIL, "quant-config-missing",
                                     "no quantization_config.json and no quantization_config in config.json",
                                     "download the checkpoint's quantization_config.json", "quantization_config.json"))
         else:
             for key in ("quant_method", "bits", "scope"):
                 want = layout.get(key)
                 if want is not None and qconf.get(key) != want:
-                    findings.append(Finding(_expected_severity(layout, key), "quant-config-mismatch",
+                    findings.append(issue(_expected_severity(layout, key), "quant-config-mismatch",
                                             f"quantization config {key} is {qconf.get(key)!r}; "
                                             f"{layout.get('name')} expects {want!r}" + _assumed_note(layout, key),
                                             "use the checkpoint this recipe is for, or pick the matching RECIPE",
@@ -505,16 +490,16 @@ def _finish(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], main_shards
     summary.codebooks = " · ".join(f"{label}: {ranges(ls)}" for label, ls in _runs(labels))
     used = {cb for cbs in codebook_layers.values() for cb in cbs}
     if len(used) > 1:
-        sev = "error" if layout.get("mixed_codebooks") == "error" else "warn"
-        findings.append(Finding(sev, "codebook-mixed", f"codebooks are mixed ({summary.codebooks})",
+        sev = FAIL if layout.get("mixed_codebooks") == "error" else WARN
+        findings.append(issue(sev, "codebook-mixed", f"codebooks are mixed ({summary.codebooks})",
                                 layout.get("codebook_note") or "serve with an overlay that detects the codebook "
                                 "per layer", "shards"))
 
     _optional_files(scan, shards_scan, set(main_shards), layout, findings, summary, mtp_layer)
     _serving_files(scan, layout, findings)
     _deep(scan, findings, summary)
-    order = {"error": 0, "warn": 1, "info": 2}
-    findings.sort(key=lambda f: order.get(f.severity, 3))
+    order = {FAIL: 0, WARN: 1, INFO: 2}
+    findings.sort(key=lambda f: order.get(f.status, 3))
 
 
 def _group_rules(groups: _Groups, example: Mapping[_Group, str], rules: Mapping[str, Any],
@@ -536,30 +521,30 @@ def _group_rules(groups: _Groups, example: Mapping[_Group, str], rules: Mapping[
         if marker and layer is not None:
             codebook_layers.setdefault(layer, set()).add(marker)
         if marker and marker not in known_cbs:
-            issues.add("error", "codebook-unsupported", cls, mod, layer, f"codebook {marker}",
+            issues.add(FAIL, "codebook-unsupported", cls, mod, layer, f"codebook {marker}",
                        f"the overlay understands {', '.join(sorted(known_cbs))}: re-quantize with one of them", count)
         fmt = rule.get("format", "any")
         if fmt == "native":
-            issues.add("error", "exl3-out-of-scope", cls, mod, layer, f"EXL3 {bits}-bit",
+            issues.add(FAIL, "exl3-out-of-scope", cls, mod, layer, f"EXL3 {bits}-bit",
                        f"{name} keeps {cls.replace('_', ' ')} linears native (bf16/fp16): use a checkpoint "
                        f"quantized to the recipe's scope ({layout.get('scope', '?')}) or the recipe that "
                        "matches this pack", count)
             continue
         if allowed and bits not in allowed:
-            issues.add("error", "exl3-bits-unsupported", cls, mod, layer, f"{bits}-bit",
+            issues.add(FAIL, "exl3-bits-unsupported", cls, mod, layer, f"{bits}-bit",
                        f"the serving overlay loads {', '.join(map(str, sorted(allowed)))}-bit EXL3 only: "
                        "re-quantize to a supported width", count)
         elif rule.get("bits") and bits not in rule["bits"]:
-            issues.add("error", "exl3-bits-mismatch", cls, mod, layer,
+            issues.add(FAIL, "exl3-bits-mismatch", cls, mod, layer,
                        f"{bits}-bit, the layout expects {'/'.join(map(str, rule['bits']))}",
                        "use the checkpoint this recipe is for, or the recipe that matches the checkpoint", count)
         if rule.get("codebooks") and marker and marker in known_cbs and marker not in rule["codebooks"]:
-            issues.add("error", "codebook-mismatch", cls, mod, layer,
+            issues.add(FAIL, "codebook-mismatch", cls, mod, layer,
                        f"{marker}, the layout expects {'/'.join(rule['codebooks'])}",
                        "use the checkpoint this recipe is for", count)
     for cls, bitset in class_bits.items():
         if rules.get(cls, default).get("uniform") and len(bitset) > 1:
-            issues.add("error", "exl3-bits-not-uniform", cls, cls, None, f"widths {sorted(bitset)} mixed",
+            issues.add(FAIL, "exl3-bits-not-uniform", cls, cls, None, f"widths {sorted(bitset)} mixed",
                        f"the overlay needs one width for all {cls.replace('_', ' ')} linears: use the "
                        "checkpoint this recipe is for")
 
@@ -590,7 +575,7 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
     summary = Summary(expected_shards=int(layout.get("shards") or 0))
     if scan.get("error"):
         err = scan["error"]
-        findings.append(Finding("error", str(err.get("code", "scan-failed")), str(err.get("message")),
+        findings.append(issue(FAIL, str(err.get("code", "scan-failed")), str(err.get("message")),
                                 "set MODEL to the checkpoint folder (the same path on every node)", str(scan.get("dir"))))
         return Report(findings, summary)
 
@@ -604,7 +589,7 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
     if index is not None:
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict) or not set(map(type, wm.values())) <= {str}:
-            findings.append(Finding("error", "index-invalid", f"{INDEX} has no weight_map of tensor → shard names",
+            findings.append(issue(FAIL, "index-invalid", f"{INDEX} has no weight_map of tensor → shard names",
                                     "re-download the index", INDEX))
         else:
             weight_map = wm
@@ -651,7 +636,7 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
         ex = "; ".join(f"{n}" + (f" (found in {where_is[n]})" if n in where_is else " (in no shard)")
                        for n in names[:EXAMPLES])
         more = f"; and {len(names) - EXAMPLES:,} more" if len(names) > EXAMPLES else ""
-        findings.append(Finding("error", "index-tensor-absent",
+        findings.append(issue(FAIL, "index-tensor-absent",
                                 f"the index puts {len(names):,} tensors in {sname} that its header lacks: {ex}{more}",
                                 "re-download the index and the shard from the same revision", sname))
     if len(merged) != summary.tensors:  # some name is in two shards
@@ -659,7 +644,7 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
         for sname, h in headers.items():
             dup = [t for t in h.kinds if t in seen]
             if dup:
-                findings.append(Finding("error", "tensor-duplicate",
+                findings.append(issue(FAIL, "tensor-duplicate",
                                         f"{len(dup):,} tensors of {sname} are also stored in another shard, "
                                         f"e.g. {dup[0]} (also in {seen[dup[0]]})",
                                         "the folder mixes two revisions: re-download it", sname))
@@ -668,7 +653,7 @@ def _verify_scan(scan: Mapping[str, Any], layout: Mapping[str, Any] | None) -> R
         for sname, h in ([] if consistent else headers.items()):
             unindexed = set(h.kinds).difference(weight_map)  # not keys()-keys(): that walks weight_map
             if unindexed:
-                findings.append(Finding("warn", "tensor-not-in-index",
+                findings.append(issue(WARN, "tensor-not-in-index",
                                         f"{len(unindexed):,} tensors of {sname} are not in the index, "
                                         f"e.g. {min(unindexed)}",
                                         "re-download the index from the shards' revision", sname))
@@ -694,11 +679,11 @@ PROVENANCES = ("seed", "vllm source", "assumed")
 
 def _expected_severity(layout: Mapping[str, Any], key: str) -> str:
     """An expected value the layout only assumes is checked as a warning; a known one as an error."""
-    return "warn" if (layout.get("provenance") or {}).get(key) == "assumed" else "error"
+    return WARN if (layout.get("provenance") or {}).get(key) == "assumed" else FAIL
 
 
 def _assumed_note(layout: Mapping[str, Any], key: str) -> str:
-    if _expected_severity(layout, key) == "error":
+    if _expected_severity(layout, key) == FAIL:
         return ""
     return " (the recipe only assumes this value: no model card states it, so this is not an error)"
 
@@ -746,7 +731,7 @@ def _expected_experts(cfg: Mapping[str, Any], present: set[str], headers: Mappin
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 mod = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
                 if mod not in present:
-                    issues.add("error", "expert-missing", "routed_expert", mod, layer, "not in any shard",
+                    issues.add(FAIL, "expert-missing", "routed_expert", mod, layer, "not in any shard",
                                "the checkpoint is incomplete: re-download it (config.json expects "
                                f"{n} routed experts in layers {first}–{layers + mtp - 1})")
 
@@ -760,7 +745,7 @@ def _optional_files(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], mai
             continue  # top-level extras were reported against the index
         spec = optional.get(rel)
         if spec is None:
-            findings.append(Finding("info", "file-ignored", f"{rel} is not part of the index or the layout; "
+            findings.append(issue(INFO, "file-ignored", f"{rel} is not part of the index or the layout; "
                                     "vLLM will not load it", "", rel))
             continue
         entry = shards_scan[rel]
@@ -782,7 +767,7 @@ def _optional_files(scan: Mapping[str, Any], shards_scan: Mapping[str, Any], mai
         summary.optional_files.append(f"{rel}: {desc or 'no EXL3 linears'}")
     for rel, spec in optional.items():
         if rel not in shards_scan:
-            findings.append(Finding("info", "optional-absent", f"optional {rel} is not present"
+            findings.append(issue(INFO, "optional-absent", f"optional {rel} is not present"
                                     + (f" ({spec.get('note')})" if spec.get("note") else ""), "", rel))
 
 
@@ -793,12 +778,12 @@ def _serving_files(scan: Mapping[str, Any], layout: Mapping[str, Any], findings:
     shipped = [name for name in wanted if f"serving/{name}" in files]
     for name in wanted:
         if name not in shipped:
-            findings.append(Finding("warn", "serving-file-missing",
+            findings.append(issue(WARN, "serving-file-missing",
                                     f"serving/{name} is missing: `sparkctl build` cannot build the image layer it defines",
                                     "download the checkpoint's serving/ folder too", f"serving/{name}"))
     if wanted:
         missing = [n for n in wanted if n not in shipped]
-        findings.append(Finding("info", "serving-chain",
+        findings.append(issue(INFO, "serving-chain",
                                 f"image chain in serving/: ships {', '.join(shipped) or 'none'}"
                                 + (f"; missing {', '.join(missing)}" if missing else ""), "", "serving/"))
 
@@ -806,7 +791,7 @@ def _serving_files(scan: Mapping[str, Any], layout: Mapping[str, Any], findings:
 def _deep(scan: Mapping[str, Any], findings: list[Finding], summary: Summary) -> None:
     for name, entry in sorted((scan.get("deep") or {}).items()):
         if entry.get("error"):
-            findings.append(Finding("error", "deep-unreadable", f"{name}: {entry['error'].get('message')}",
+            findings.append(issue(FAIL, "deep-unreadable", f"{name}: {entry['error'].get('message')}",
                                     "check the file's permissions and the disk", name))
         elif entry.get("sha256"):
             summary.deep[name] = entry["sha256"]
@@ -859,7 +844,7 @@ def compare_nodes(scans: Mapping[str, Mapping[str, Any]], head: str | None = Non
     for node, s in scans.items():
         if s.get("error"):
             err = s["error"]
-            findings.append(Finding("error", "node-scan-failed", f"{node}: {err.get('message')}",
+            findings.append(issue(FAIL, "node-scan-failed", f"{node}: {err.get('message')}",
                                     f"make MODEL exist at the same path on {node} (shared storage mounted, or "
                                     "the NFS server bind-mounting its export there)", node))
             continue
@@ -879,7 +864,7 @@ def compare_nodes(scans: Mapping[str, Mapping[str, Any]], head: str | None = Non
                 diffs[node].append(f"{name} ({_what_differs(v, ref)})")
     for node, files in diffs.items():
         more = f", and {len(files) - 8} more" if len(files) > 8 else ""
-        findings.append(Finding("error", "node-differs",
+        findings.append(issue(FAIL, "node-differs",
                                 f"{node}: {len(files)} file(s) differ from the other nodes' (reference: majority, "
                                 f"then {head}): {', '.join(files[:8])}{more}",
                                 f"re-sync {node}'s copy from {head} (or fix its mount so it sees the shared folder)",

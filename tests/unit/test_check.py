@@ -30,8 +30,7 @@ from sparkctl.pins import discover_fabric
 from sparkctl.plan import GB, CheckpointInfo, Plan, Shard, make_plan
 from sparkctl.probes.ckpt_scan import _encode
 from sparkctl.settings import RankPins, Settings, load_settings
-from sparkctl.verify import Finding as VerifyFinding
-from sparkctl.verify import Report, Summary
+from sparkctl.verify import Report, Summary, issue
 from tests.conftest import GLM53_CONFIG
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
@@ -600,8 +599,8 @@ def test_checkpoint_verification() -> None:
     good = Report([], Summary(shards=3, tensors=120, quantized_by_bits={3: 96}))
     (f,) = C.rule_checkpoint(good, None)
     assert f.status == OK and "3 shards" in f.short and "96 × 3-bit" in f.text
-    bad = Report([VerifyFinding("error", "missing-shard", "model-00002 is missing", ""),
-                  VerifyFinding("warn", "codebook", "codebooks are mixed", "use mul1")], Summary())
+    bad = Report([issue(FAIL, "missing-shard", "model-00002 is missing", ""),
+                  issue(WARN, "codebook", "codebooks are mixed", "use mul1")], Summary())
     err, warn = C.rule_checkpoint(bad, None)
     fails_with_fix(err, "model-00002 is missing")  # a verifier finding without a fix still gets one
     assert warn.status == WARN and warn.fix == "use mul1"

@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 
 from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
+from sparkctl.recipes import load_layout
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import DTYPE_BITS, TensorKind, nbytes, read_header
-from sparkctl.verify import NeedHeaders, Report, load_layout, verify_scan
+from sparkctl.verify import NeedHeaders, Report, verify_scan
 
 TINY = load_layout("tiny")
 Fault = Callable[[Path], Any]

@@ -4,6 +4,7 @@ broken (mutants of these lines survived tests/unit/test_crash_safety.py; bench/m
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -125,7 +126,8 @@ def test_the_heartbeat_beats_every_quarter_lease_and_never_keeps_a_dead_command_
         short = lock._Heartbeat([head], "c", lock.LockOwner("ann", 1, "now", "up", "t0k", lease_s=4))
         short.stop()
         assert short._every == 1.0  # a quarter of a 4 s lease
-        assert beat._thread.daemon  # a command that dies without stop() does not stay alive heartbeating
+        beats = [t for t in threading.enumerate() if t.name == "lock-heartbeat"]
+        assert beats and all(t.daemon for t in beats)  # a command that dies without stop() does not stay alive heartbeating
     finally:
         beat.stop()
 

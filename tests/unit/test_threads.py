@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +48,38 @@ def test_a_thread_that_raises_is_ended_too(monkeypatch: pytest.MonkeyPatch) -> N
     events = [spawn(boom, "boom")]
     wait_all(events)
     assert events[0].is_set() and seen == [RuntimeError]
+
+
+# Where a module may start its own threads: threads.py (spawn), cluster/fanout.py (the fan-out's pool and
+# cluster.parallel), the probes (they run on a node, without sparkctl), and fabric.py until the flows
+# change moves its fan-out onto these (issue 28).
+_MAY_START_THREADS = {"threads.py", "cluster/fanout.py", "fabric.py"}
+
+
+def _starts_threads(path: Path) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("Thread", "ThreadPoolExecutor"):
+                found.append(f"{name} at line {node.lineno}")
+    return found
+
+
+def test_work_runs_in_parallel_through_spawn_or_cluster_parallel_only() -> None:
+    """One parallel primitive: no module builds its own Thread (whose join a Ctrl-C breaks, see
+    threads.py) or ThreadPoolExecutor; it uses threads.spawn/wait_all or cluster.parallel."""
+    import sparkctl
+
+    root = Path(sparkctl.__file__).parent
+    offenders = {
+        rel: hits
+        for path in sorted(root.rglob("*.py"))
+        if not (rel := path.relative_to(root).as_posix()).startswith(("probes/", "lab/"))
+        and rel not in _MAY_START_THREADS
+        and (hits := _starts_threads(path))
+    }
+    assert offenders == {}

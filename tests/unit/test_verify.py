@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from sparkctl.cli import cli
 from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
+from sparkctl.recipes import load_layout
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import _validate, read_header
 from sparkctl.verify import (
@@ -25,7 +26,6 @@ from sparkctl.verify import (
     _Issues,
     classify,
     compare_nodes,
-    load_layout,
     ranges,
     verify_dir,
 )
@@ -112,7 +112,7 @@ def test_faults(tmp_path: Path, fault: Fault, code: str, where: str) -> None:
     assert not r.ok
     hit = [f for f in r.findings if f.code == code]
     assert hit, r.findings
-    assert where in hit[0].message + hit[0].where
+    assert where in hit[0].reason + hit[0].where
     assert hit[0].fix
     # and the command line says the same, with exit 1 and one JSON document
     res = CliRunner().invoke(cli, ["--json", "verify-model", "--local", str(d), "--layout", "tiny"])
@@ -127,7 +127,7 @@ def test_quantized_mtp_under_300_rules(tmp_path: Path) -> None:
     ckptgen.quantize_mtp(d)
     r = verify_dir(d, load_layout("glm53-3.00bpw"))
     f = next(f for f in r.findings if f.code == "exl3-out-of-scope")
-    assert "768 mtp expert linears in layer 78" in f.message and "native" in f.fix
+    assert "768 mtp expert linears in layer 78" in f.reason and "native" in f.fix
 
 
 def test_garbage_header_reads_little(tmp_path: Path) -> None:
@@ -146,7 +146,7 @@ def test_missing_files_and_garbage_json(tmp_path: Path) -> None:
     assert {"file-missing", "json-invalid"} <= codes(r)
     assert "serving-file-missing" in codes(r, "warn")
     chain = next(f for f in r.findings if f.code == "serving-chain")
-    assert chain.message == ("image chain in serving/: ships Dockerfile.dcp, Dockerfile.mul1, Dockerfile.keys, "
+    assert chain.reason == ("image chain in serving/: ships Dockerfile.dcp, Dockerfile.mul1, Dockerfile.keys, "
                              "Dockerfile.keys3; missing Dockerfile.v145")
 
 
@@ -175,7 +175,7 @@ def test_compare_nodes_names_the_odd_node(tmp_path: Path) -> None:
     assert compare_nodes({"spark1": scans["spark1"], "spark2": scans["spark2"]}) == []
     found = compare_nodes(scans)
     assert [f.where for f in found] == ["spark3"]
-    assert "model-00002-of-00003.safetensors (size, " in found[0].message
+    assert "model-00002-of-00003.safetensors (size, " in found[0].reason
     missing = compare_nodes({**scans, "spark4": {"error": {"message": "/models/x is not a folder"}}})
     assert "node-scan-failed" in {f.code for f in missing}
 
@@ -297,7 +297,7 @@ def test_an_assumed_scope_that_differs_is_a_warning_naming_what_was_found(tmp_pa
     r = verify_dir(d, load_layout("glm53-2.75bpw"))
     assert r.ok, r.findings
     (w,) = [f for f in r.findings if f.code == "quant-config-mismatch"]
-    assert w.severity == "warn" and "'glm53_whatever_the_card_says'" in w.message and "assumes" in w.message
+    assert w.severity == "warn" and "'glm53_whatever_the_card_says'" in w.reason and "assumes" in w.reason
 
 
 def test_a_seed_stated_scope_that_differs_stays_an_error(tmp_path: Path) -> None:

@@ -17,9 +17,10 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 
 import paramiko
+
+from ..threads import spawn
 
 _TAIL_LINES = 8
 
@@ -43,8 +44,7 @@ class ProxyCommandSocket(paramiko.ProxyCommand):
         self._out = self.process.stdout.fileno()
         self._in = self.process.stdin.fileno()
         os.set_blocking(self._in, False)  # send() writes what fits, as a socket's send does
-        self._stderr = threading.Thread(target=self._relay_stderr, name=f"proxycommand-{label}", daemon=True)
-        self._stderr.start()
+        self._relayed = spawn(self._relay_stderr, f"proxycommand-{label}")  # set once stderr has ended
 
     def _relay_stderr(self) -> None:
         assert self.process.stderr is not None
@@ -87,7 +87,7 @@ class ProxyCommandSocket(paramiko.ProxyCommand):
 
     def why(self) -> str:
         """What the command said on stderr last, for an error message."""
-        self._stderr.join(timeout=0.5)
+        self._relayed.wait(0.5)
         return " | ".join(line for line in self._tail if line)[-400:]
 
     def close(self) -> None:

@@ -197,7 +197,7 @@ def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...],
                     "failed": f"failed: {r.message}"}.get(r.status, f"{r.status}: {r.message}")
             out.print(f"{r.node}: {what} ({r.seconds:.1f}s)", markup=False, highlight=False)
         for f in report.findings:
-            out.print(f"{f.severity} {f.code}: {f.message}", markup=False, highlight=False)
+            out.print(f"{f.severity} {f.code}: {f.reason}", markup=False, highlight=False)
             if f.fix:
                 out.print(f"    fix: {f.fix}", markup=False, highlight=False)
         out.print(("OK" if report.ok else ("INTERRUPTED" if report.interrupted else "FAILED"))

@@ -20,14 +20,12 @@ from typing import Any
 import click
 
 from ..errors import UsageError
+from ..findings import INFO
 from ..orchestrate import verify_model
 from ..orchestrate.verify_model import verify_local
 from ..output import console, emit_json
-from ..verify import (
-    Finding,
-    Report,
-    load_layout,
-)
+from ..recipes import load_layout
+from ..verify import Report, issue
 
 
 def resolve_layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str, Any]:
@@ -116,7 +114,7 @@ def _human(report: Report, where: str, layout_src: str, as_json: bool) -> None:
     out.print(t)
     style = {"error": "bold red", "warn": "yellow", "info": "dim"}
     for f in report.findings:
-        out.print(f"[{style.get(f.severity, '')}]{f.severity}[/] [bold]{f.code}[/]: {f.message}",
+        out.print(f"[{style.get(f.severity, '')}]{f.severity}[/] [bold]{f.code}[/]: {f.reason}",
                   markup=True, highlight=False)
         if f.fix:
             out.print(f"    fix: {f.fix}", markup=False, highlight=False)
@@ -152,7 +150,7 @@ def command(ctx: click.Context, local_dir: Path | None, deep: bool, as_json: boo
         report, extra = verify_cluster(g, settings, layout, deep, max_header)
         where = f"{extra.get('head')}:{settings.model if settings else '?'} (+{len(extra.get('nodes', {})) - 1} nodes)"
     if layout is None:
-        report.findings.append(Finding("info", "no-layout", "no recipe layout: only structure and the EXL3 ABI "
+        report.findings.append(issue(INFO, "no-layout", "no recipe layout: only structure and the EXL3 ABI "
                                        "were checked, not the recipe's scope and bits",
                                        "pass --layout NAME or set RECIPE"))
     if as_json:

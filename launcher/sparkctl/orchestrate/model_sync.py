@@ -16,6 +16,7 @@ from typing import Any
 
 from ..cluster import Cluster, Node, NodeError
 from ..errors import CheckFailed, UsageError
+from ..findings import FAIL
 from ..modelsync import (
     INSTALL_KEY,
     LIFELINE,
@@ -38,7 +39,7 @@ from ..modelsync import (
 )
 from ..resources import probe_script
 from ..threads import spawn, wait_all, wait_bounded
-from ..verify import Finding, compare_nodes
+from ..verify import compare_nodes, issue
 
 
 def scan_node(node: Node, model: str) -> dict[str, Any]:
@@ -255,7 +256,7 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             again = cluster.run_all(lambda n: scan_node(n, model), nodes=[src, *targets])
             report.findings = compare_nodes(again.ok, src)
             for n, e in again.failed.items():
-                report.findings.append(Finding("error", "node-unreachable", f"{n}: {e.reason}", e.fix or "", n))
+                report.findings.append(issue(FAIL, "node-unreachable", f"{n}: {e.reason}", e.fix or "", n))
     report.seconds = time.monotonic() - started
     return report
 

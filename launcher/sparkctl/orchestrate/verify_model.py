@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster import Cluster
+from ..findings import FAIL, Finding
 from ..probes.ckpt_scan import scan
 from ..resources import probe_script
-from ..verify import Finding, NeedHeaders, Report, Summary, compare_nodes, verify_scan, verify_with
+from ..verify import NeedHeaders, Report, Summary, compare_nodes, issue, verify_scan, verify_with
 
 DEEP_TIMEOUT = 6 * 3600.0  # 308 GB over NFS at a few hundred MB/s, with room to spare
 SCAN_TIMEOUT = 120.0
@@ -72,7 +73,7 @@ def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Fin
     findings: list[Finding] = []
     for node, r in results.items():
         if isinstance(r, Exception):
-            findings.append(Finding("error", "node-unreachable", f"{node}: {getattr(r, 'message', r)}",
+            findings.append(issue(FAIL, "node-unreachable", f"{node}: {getattr(r, 'message', r)}",
                                     getattr(r, "fix", None) or f"check that {node} is up and reachable over SSH",
                                     node))
             continue
@@ -81,7 +82,7 @@ def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Fin
         except ValueError:
             doc = None
         if not isinstance(doc, dict):
-            findings.append(Finding("error", "node-scan-failed",
+            findings.append(issue(FAIL, "node-scan-failed",
                                     f"{node}: the checkpoint scan failed (exit {r.exit_code}): {r.stderr.strip()[-300:]}",
                                     f"check that python3 (>= 3.10) exists on {node}", node))
             continue
