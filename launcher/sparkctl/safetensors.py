@@ -38,6 +38,7 @@ DTYPE_BITS: dict[str, int] = {
     "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
     "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
 #: Bytes per element for the byte-aligned dtypes (the sub-byte ones are packed, see nbytes()).
@@ -136,12 +137,20 @@ class Header:
 _new_info = partial(tuple.__new__, TensorInfo)  # a TensorInfo from a 4-tuple, with no Python frame
 
 
-def nbytes(dtype: str, shape: Iterable[int]) -> int:
-    """Bytes a tensor of `dtype` and `shape` occupies (packed for sub-byte dtypes)."""
+def _count(shape: Iterable[int]) -> int:
     n = 1
     for d in shape:
         n *= d
-    return (n * DTYPE_BITS[dtype] + 7) // 8
+    return n
+
+
+def nbytes(dtype: str, shape: Iterable[int]) -> int:
+    """Bytes a tensor of `dtype` and `shape` occupies (packed for sub-byte dtypes).
+
+    A header may only hold a packed tensor that fills whole bytes (its bits a multiple of 8), as the
+    reference implementation insists; nbytes rounds up for the others, which no valid header holds.
+    """
+    return (_count(shape) * DTYPE_BITS[dtype] + 7) // 8
 
 
 def read_header_bytes(f: BinaryIO, file_size: int, *, max_header_bytes: int = MAX_HEADER_BYTES) -> bytes:
@@ -186,6 +195,12 @@ def parse_header(raw: bytes) -> Header:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise HeaderError("header-json", f"header is not valid JSON: {str(exc)[:200]}") from None
+        if b"\\" in raw:
+            try:  # JSON may escape a lone surrogate ("\\ud800"), which json.loads takes and no reader can
+                json.dumps(doc, ensure_ascii=False).encode()
+            except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+                raise HeaderError("header-json", "header holds a string that is not valid Unicode "
+                                                 "(a lone surrogate escape)") from None
         return _validate(doc, len(raw))
     finally:
         if enabled:
@@ -222,6 +237,8 @@ class _Kinds(dict[tuple[str, str], TensorKind]):
         if dtype not in DTYPE_BITS or m is None or shape_s.count(",") > MAX_DIMS:
             raise ValueError(key)
         shape = tuple(map(int, m[1].split(","))) if m[1] else ()  # ValueError past int()'s digit limit
+        if _count(shape) * DTYPE_BITS[dtype] % 8:
+            raise ValueError(key)  # a packed tensor that ends inside a byte: the slow path's finding
         kind = self[key] = TensorKind(dtype, shape, nbytes(dtype, shape))
         return kind
 
@@ -318,6 +335,9 @@ def _validate(doc: Any, header_len: int) -> Header:
         if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
             raise _entry_error(name, dtype, shape, offsets)
         want = (n * bits[dtype] + 7) >> 3
+        if n * bits[dtype] & 7:
+            raise HeaderError("tensor-bytes", f"tensor {name}: {dtype}{shape} is {n * bits[dtype]} bits, not a "
+                                              "whole number of bytes (the safetensors reference refuses it)")
         if end - begin != want:
             raise HeaderError("tensor-bytes", f"tensor {name}: {dtype}{shape} needs {want} bytes but data_offsets "
                                               f"[{begin}, {end}] hold {end - begin}")

