@@ -3,7 +3,7 @@
 
 The lab's stand-in engine serves on loopback (a subprocess: its CPU is not the client's) at
 STANDIN_DECODE_TOK_S per stream, one token per chunk (no speculation: the client's worst case, one
-wake-up per token). sparkctl's load generator (loadgen.run_level, in this process) runs C streams at
+wake-up per token). sparkctl's load generator (loadgen.level.run_level, in this process) runs C streams at
 C = 1, 8, 32 and 64, one wave of C requests of OUTPUT_LEN tokens each, and measures its own CPU time
 (time.process_time, all its threads) over the level's wall time. Printed per level: the client's CPU
 in % of one core, per stream, per chunk (µs), the chunks per second it read, and the server's rate.
@@ -24,10 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
-
-from sparkctl import loadgen  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.lab.local import local_standin  # noqa: E402
+from sparkctl.loadgen import inputs, level, request  # noqa: E402
 
 LEVELS = (1, 8, 32, 64)
 TARGET_PCT = 10.0  # of one core, at C = 64
@@ -43,18 +42,18 @@ def main() -> int:
         make_checkpoint(model, "tiny")
         env = {"STANDIN_DECODE_TOK_S": str(args.tok_s), "STANDIN_TTFT_S": "0.05"}
         with local_standin(model, env=env, served_name="m", extra_args=["--max-num-seqs", "256"]) as url:
-            cfg = loadgen.BenchConfig(endpoint=loadgen.Endpoint.parse(url), model="m", warmup=0,
+            cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse(url), model="m", warmup=0,
                                       max_tokens=args.output_len, timeout=120,
-                                      workloads=[loadgen.builtin_workload("prose")])
-            sampling = loadgen.Sampling(cfg, "cpu")
+                                      workloads=[inputs.builtin_workload("prose")])
+            sampling = level.Sampling(cfg, "cpu")
             print(f"stand-in at {args.tok_s:g} tok/s per stream, one token per chunk, {args.output_len}-token "
                   f"outputs, one wave of C requests per level")
             print(f"{'C':>4} {'client CPU % core':>18} {'per stream %':>13} {'µs/chunk':>9} {'chunks/s':>9} "
                   f"{'server tok/s':>13} {'failed':>7}")
             worst = None
             for c in LEVELS:
-                lv = loadgen.run_level(cfg, sampling, cfg.workloads[0], c, c, loadgen.Canceller(),
-                                       loadgen.ProgressSink(), measure_spec=False)
+                lv = level.run_level(cfg, sampling, cfg.workloads[0], c, c, request.Canceller(),
+                                       level.ProgressSink(), measure_spec=False)
                 d = lv.to_dict()
                 chunks = d["output_chunks"]
                 pct = 100.0 * lv.cpu_s / lv.wall_s if lv.wall_s > 0 else float("nan")

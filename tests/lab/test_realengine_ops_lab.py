@@ -19,8 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
-from sparkctl import loadgen, vllmbench
+from sparkctl import vllmbench
 from sparkctl.lab.client import Lab
+from sparkctl.loadgen import inputs, level
+from sparkctl.orchestrate import bench as flow
 from tests.lab.realengine import PAIR, START_S, chat, fresh, head_url, must, rank_containers, sk
 
 pytestmark = pytest.mark.realengine_lab
@@ -95,10 +97,10 @@ def _vllm_bench_beside_sparkctl(lab: Lab, env: dict[str, str], head_cid: str) ->
         if nice:
             os.setpriority(os.PRIO_PROCESS, 0, -10)
         try:
-            cfg = loadgen.BenchConfig(endpoint=loadgen.Endpoint.parse(head_url(lab, "")), model="lab-llama",
+            cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse(head_url(lab, "")), model="lab-llama",
                                       concurrency=[1], requests=n, warmup=1, max_tokens=output_len,
-                                      input_len=input_len, timeout=120, workloads=[loadgen.builtin_workload("prose")])
-            run = loadgen.run_bench(cfg)
+                                      input_len=input_len, timeout=120, workloads=[inputs.builtin_workload("prose")])
+            run = flow.run_bench(cfg)
         finally:
             if nice:
                 os.setpriority(os.PRIO_PROCESS, 0, 0)

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl import loadgen, vllmbench
+from sparkctl import vllmbench
+from sparkctl.loadgen import inputs, level
+from sparkctl.orchestrate import bench as flow
 from tests.realengine.test_conformance import model, real_venv, start, wait_ready  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.realengine
@@ -68,7 +70,7 @@ def test_sparkctl_and_vllm_bench_serve_agree_on_the_real_engine(real_venv: Path,
     g = start("vllm", real_venv, model, tmp_path, nnodes=1)
     try:
         assert wait_ready(g), f"the real engine did not start:\n{g.head.text()[-3000:]}"
-        ep = loadgen.Endpoint.parse(g.url)
+        ep = inputs.Endpoint.parse(g.url)
         env = {**os.environ, "PATH": f"{real_venv / 'bin'}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TMPDIR": str(tmp_path)}
         env.pop("VIRTUAL_ENV", None)
@@ -89,10 +91,10 @@ def test_sparkctl_and_vllm_bench_serve_agree_on_the_real_engine(real_venv: Path,
             if "Starting main benchmark run" in line or time.monotonic() > deadline:
                 break
         assert any("Starting main benchmark run" in x for x in log), "".join(log[-40:])
-        cfg = loadgen.BenchConfig(endpoint=ep, model="lab", concurrency=[1], requests=N, warmup=0,
+        cfg = level.BenchConfig(endpoint=ep, model="lab", concurrency=[1], requests=N, warmup=0,
                                   max_tokens=OUTPUT_LEN, input_len=INPUT_LEN, timeout=120,
-                                  workloads=[loadgen.builtin_workload("prose")])
-        run = loadgen.run_bench(cfg)
+                                  workloads=[inputs.builtin_workload("prose")])
+        run = flow.run_bench(cfg)
         killer = threading.Timer(300, ref.kill)  # bounds the read below
         killer.start()
         try:

@@ -20,9 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkctl import loadgen as b
 from sparkctl.errors import CheckFailed, UsageError
 from sparkctl.lab.local import local_standin
+from sparkctl.loadgen import inputs, level, report, wire
+from sparkctl.loadgen import request as rq
+from sparkctl.orchestrate import bench as flow
 from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,16 +138,16 @@ def ok_stream(n: int = 8, *, with_usage: bool = True) -> list[bytes]:
     return out + ([usage(n)] if with_usage else []) + [b"[DONE]"]
 
 
-def request(url: str, **kw: Any) -> b.RequestResult:
+def request(url: str, **kw: Any) -> rq.RequestResult:
     body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
-    return b.stream_request(b.Endpoint.parse(url), "/v1/chat/completions", body, **kw)
+    return rq.stream_request(inputs.Endpoint.parse(url), "/v1/chat/completions", body, **kw)
 
 
 # ============================================================================ wire formats
 
 
 def test_sse_events_split_across_reads_crlf_comments_and_multiline_data():
-    p = b.SSEParser()
+    p = wire.SSEParser()
     assert p.feed(b"data: {\"a\":1}\n") == []
     assert p.feed(b"\ndata: [DONE]\n\n") == [b'{"a":1}', b"[DONE]"]
     # CRLF line ends, a CR left dangling at the end of a read, comments and other fields ignored
@@ -155,23 +157,23 @@ def test_sse_events_split_across_reads_crlf_comments_and_multiline_data():
 
 
 def test_sse_feed_bulk_cuts_at_the_last_complete_event():
-    p = b.SSEParser()
+    p = wire.SSEParser()
     region = p.feed_bulk(b"data: 1\n\ndata: 2\n\ndata: 3")
     assert region == b"data: 1\n\ndata: 2\n\n"
-    assert b.SSEParser.split(region) == [b"1", b"2"]
+    assert wire.SSEParser.split(region) == [b"1", b"2"]
     assert p.feed(b"\n\n") == [b"3"]
 
 
 @given(st.lists(st.binary(min_size=0, max_size=40), max_size=12), st.data())
 @settings(max_examples=60, deadline=None)
 def test_chunked_decoder_any_split(pieces: list[bytes], data: st.DataObject) -> None:
-    wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n\r\n"
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=8)))
-    dec = b.ChunkedDecoder()
+    raw = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n\r\n"
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=8)))
+    dec = wire.ChunkedDecoder()
     out = b""
     prev = 0
-    for c in [*cuts, len(wire)]:
-        out += dec.feed(wire[prev:c])
+    for c in [*cuts, len(raw)]:
+        out += dec.feed(raw[prev:c])
         prev = c
     assert out == b"".join(pieces)
     assert dec.done
@@ -179,11 +181,11 @@ def test_chunked_decoder_any_split(pieces: list[bytes], data: st.DataObject) -> 
 
 def test_chunked_decoder_rejects_garbage():
     with pytest.raises(ValueError, match="chunk size"):
-        b.ChunkedDecoder().feed(b"zz\r\n")
+        wire.ChunkedDecoder().feed(b"zz\r\n")
 
 
 def test_tracker_role_chunk_is_not_the_first_token_and_usage_wins():
-    tr = b._Tracker()
+    tr = rq._Tracker()
     tr.feed([chunk(role=True)], 1.0)
     assert tr.first_t is None
     tr.feed([chunk("Hi", compact=True), chunk(" there")], 2.0)
@@ -192,11 +194,11 @@ def test_tracker_role_chunk_is_not_the_first_token_and_usage_wins():
 
 
 def test_tracker_malformed_and_error_events():
-    tr = b._Tracker()
+    tr = rq._Tracker()
     # Every event is parsed (vLLM's benchmark does): each broken one counts.
     tr.feed([b"not json", b"{broken", b'{"usage": {broken', b'{"error": {"message": "boom", "code": 500}}'], 1.0)
     assert tr.malformed == 3 and tr.error == "boom" and tr.usage_tokens is None
-    tr2 = b._Tracker()
+    tr2 = rq._Tracker()
     tr2.feed([b'{"object": "error", "message": "old style"}'], 1.0)
     assert tr2.error == "old style"
 
@@ -204,8 +206,8 @@ def test_tracker_malformed_and_error_events():
 def test_tracker_bulk_path_agrees_with_the_event_path():
     body = sse(*[chunk(f" w{i}") for i in range(50)])
     end = sse(chunk(" last"), chunk(finish="length"), usage(51), b"[DONE]")
-    slow, fast = b._Tracker(), b._Tracker()
-    slow.feed(b.SSEParser.split(body + end), 1.0)
+    slow, fast = rq._Tracker(), rq._Tracker()
+    slow.feed(wire.SSEParser.split(body + end), 1.0)
     fast.first_t = slow.first_t
     fast.feed_bulk(body, 1.0)
     fast.feed_bulk(end, 2.0)
@@ -225,53 +227,53 @@ weird{label="a \\"quoted\\" value"} 1
 vllm:gpu_cache_usage_perc NaN
 garbage line here
 """
-    samples = b.parse_prometheus(text)
-    assert b.counter_total(samples, b.SPEC_DRAFTS, "m") == 150
-    assert b.counter_total(samples, b.SPEC_DRAFTS) == 1149
-    assert b.counter_total(samples, b.SPEC_DRAFTS, "absent") == 1149  # unknown model: all series
-    assert b.counter_total(samples, "nope") is None
+    samples = wire.parse_prometheus(text)
+    assert wire.counter_total(samples, wire.SPEC_DRAFTS, "m") == 150
+    assert wire.counter_total(samples, wire.SPEC_DRAFTS) == 1149
+    assert wire.counter_total(samples, wire.SPEC_DRAFTS, "absent") == 1149  # unknown model: all series
+    assert wire.counter_total(samples, "nope") is None
     assert [s.labels for s in samples if s.name == "weird"] == [{"label": 'a "quoted" value'}]
-    before = b.spec_counters(samples, "m")
-    assert before == b.SpecCounters(150, 450, 180)
-    after = b.SpecCounters(250, 750, 330)
-    delta = b.spec_delta(before, after)
+    before = wire.spec_counters(samples, "m")
+    assert before == wire.SpecCounters(150, 450, 180)
+    after = wire.SpecCounters(250, 750, 330)
+    delta = wire.spec_delta(before, after)
     assert delta is not None
     # 100 drafts (request-steps), 150 accepted: 1.5 accepted per step + the sampled token = 2.5 per step
     assert (delta.accepted_per_step, delta.tokens_per_step, delta.acceptance_rate) == (1.5, 2.5, 0.5)
-    assert b.spec_counters(b.parse_prometheus("vllm:num_requests_running 1\n")) is None
-    assert b.spec_delta(None, after) is None
-    assert b.SpecDelta(0, 0, 0).tokens_per_step is None
+    assert wire.spec_counters(wire.parse_prometheus("vllm:num_requests_running 1\n")) is None
+    assert wire.spec_delta(None, after) is None
+    assert wire.SpecDelta(0, 0, 0).tokens_per_step is None
 
 
 def test_percentiles_linear_between_ranks():
-    assert b.percentile([], 50) is None
-    assert b.percentile([7.0], 90) == 7.0
-    assert b.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert b.percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
-    assert b.percentile([float(i) for i in range(1, 11)], 90) == pytest.approx(9.1)
+    assert wire.percentile([], 50) is None
+    assert wire.percentile([7.0], 90) == 7.0
+    assert wire.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert wire.percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+    assert wire.percentile([float(i) for i in range(1, 11)], 90) == pytest.approx(9.1)
 
 
 def test_inputs_are_checked():
-    assert b.parse_int_list("1, 2,4,8", "--concurrency") == [1, 2, 4, 8]
+    assert inputs.parse_int_list("1, 2,4,8", "--concurrency") == [1, 2, 4, 8]
     for bad in ("0", "1,x", "", "2,2", "-1"):
         with pytest.raises(UsageError):
-            b.parse_int_list(bad, "--concurrency")
+            inputs.parse_int_list(bad, "--concurrency")
     with pytest.raises(UsageError, match="unknown workload"):
-        b.builtin_workload("poetry")
-    ep = b.Endpoint.parse("10.0.0.1:8888/v1/")
+        inputs.builtin_workload("poetry")
+    ep = inputs.Endpoint.parse("10.0.0.1:8888/v1/")
     assert (ep.scheme, ep.host, ep.port, ep.base, ep.url) == ("http", "10.0.0.1", 8888, "", "http://10.0.0.1:8888")
-    assert b.Endpoint.parse("https://h/api").url == "https://h:443/api"
+    assert inputs.Endpoint.parse("https://h/api").url == "https://h:443/api"
     for bad in ("ftp://x", "http://", "http://h:99999"):
         with pytest.raises(UsageError):
-            b.Endpoint.parse(bad)
+            inputs.Endpoint.parse(bad)
 
 
 def test_builtin_prompts_share_no_prefix():
-    for name, prompts in b.PROMPTS.items():
+    for name, prompts in inputs.PROMPTS.items():
         assert len(prompts) >= 6, name
         assert len({p.split()[0] for p in prompts}) == len(prompts), f"{name}: two prompts open alike"
-    cfg = b.BenchConfig(endpoint=b.Endpoint.parse("http://h:1"), model="m")
-    s = b.Sampling(cfg, "n0nce")
+    cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse("http://h:1"), model="m")
+    s = level.Sampling(cfg, "n0nce")
     one, two = (json.loads(s.body("same prompt")) for _ in range(2))
     assert one["messages"][0]["content"] != two["messages"][0]["content"]
     assert one["messages"][0]["content"].startswith("[n0nce-0] ")
@@ -282,17 +284,17 @@ def test_builtin_prompts_share_no_prefix():
 
 def test_prompt_file_text_and_jsonl(tmp_path):
     (tmp_path / "mine.txt").write_text("first prompt\n\n  second prompt  \n")
-    assert b.load_prompt_file(tmp_path / "mine.txt") == b.Workload("mine", ("first prompt", "second prompt"))
+    assert inputs.load_prompt_file(tmp_path / "mine.txt") == inputs.Workload("mine", ("first prompt", "second prompt"))
     (tmp_path / "j.jsonl").write_text('"a"\n{"prompt": "b"}\n')
-    assert b.load_prompt_file(tmp_path / "j.jsonl").prompts == ("a", "b")
+    assert inputs.load_prompt_file(tmp_path / "j.jsonl").prompts == ("a", "b")
     (tmp_path / "bad.jsonl").write_text("{nope\n")
     with pytest.raises(UsageError, match="line 1"):
-        b.load_prompt_file(tmp_path / "bad.jsonl")
+        inputs.load_prompt_file(tmp_path / "bad.jsonl")
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(UsageError, match="no prompts"):
-        b.load_prompt_file(tmp_path / "empty.txt")
+        inputs.load_prompt_file(tmp_path / "empty.txt")
     with pytest.raises(UsageError, match="cannot be read"):
-        b.load_prompt_file(tmp_path / "missing.txt")
+        inputs.load_prompt_file(tmp_path / "missing.txt")
 
 
 # ============================================================================ one request, loopback
@@ -386,7 +388,7 @@ def test_timeout_bounds_a_stalled_stream():
 
 def test_a_cancelled_stream_is_cancelled_not_truncated():
     """Ctrl-C shuts the socket down; the read then sees an EOF, which must not pass for the server's."""
-    canceller = b.Canceller()
+    canceller = rq.Canceller()
     release = threading.Event()
 
     def cancel_while_the_client_waits() -> None:
@@ -405,14 +407,14 @@ def test_a_cancelled_stream_is_cancelled_not_truncated():
 
 
 def synthetic_level(task: str, c: int, rate: float, ttft: float, drafts: float, accepted: float,
-                    n: int | None = None) -> b.LevelResult:
+                    n: int | None = None) -> level.LevelResult:
     reqs = []
     for i in range(n or c):
         decode = 255 / rate  # (N − 1) ÷ (E2EL − TTFT) = rate
-        reqs.append(b.RequestResult(index=i, ok=True, start=100.0, end=100.0 + ttft + decode, ttft_s=ttft,
+        reqs.append(rq.RequestResult(index=i, ok=True, start=100.0, end=100.0 + ttft + decode, ttft_s=ttft,
                                     latency_s=ttft + decode, completion_tokens=256, tokens_from="usage"))
-    return b.LevelResult(task, c, reqs, wall_s=ttft + 256 / rate, cpu_s=0.01,
-                         spec=b.SpecDelta(drafts, drafts * 3, accepted))
+    return level.LevelResult(task, c, reqs, wall_s=ttft + 256 / rate, cpu_s=0.01,
+                         spec=wire.SpecDelta(drafts, drafts * 3, accepted))
 
 
 SEED = {  # the model card's table (facts.md), rebuilt from per-stream rates
@@ -422,8 +424,8 @@ SEED = {  # the model card's table (facts.md), rebuilt from per-stream rates
 
 
 def seed_doc(scale: float = 1.0) -> dict[str, Any]:
-    cfg = b.BenchConfig(endpoint=b.Endpoint.parse("http://spark1:8888"), model="GLM-5.3-EXL3")
-    run = b.BenchRun(cfg, started=1_700_000_000.0, finished=1_700_000_100.0)
+    cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse("http://spark1:8888"), model="GLM-5.3-EXL3")
+    run = level.BenchRun(cfg, started=1_700_000_000.0, finished=1_700_000_100.0)
     for task, levels in SEED.items():
         acc = 800.0 if task == "prose" else 1500.0
         for c, rate, ttft in levels:
@@ -444,18 +446,18 @@ TTFT 0.60–2.00 s (p50 per level) across C1–C8."""
 
 
 def test_table_golden_in_the_seed_layout():
-    assert b.render_table(seed_doc()) == GOLDEN_TABLE
+    assert report.render_table(seed_doc()) == GOLDEN_TABLE
 
 
 def test_table_marks_partial_levels_and_missing_cells():
-    cfg = b.BenchConfig(endpoint=b.Endpoint.parse("http://h:1"), model="m")
-    run = b.BenchRun(cfg, started=0.0)
+    cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse("http://h:1"), model="m")
+    run = level.BenchRun(cfg, started=0.0)
     lv = synthetic_level("prose", 1, 10.0, 0.5, 10, 5)
-    lv.requests.append(b.RequestResult(index=9).fail("http", "HTTP 500"))
+    lv.requests.append(rq.RequestResult(index=9).fail("http", "HTTP 500"))
     run.levels.append(lv)
-    lv2 = b.LevelResult("prose", 2, [b.RequestResult(index=0).fail("connect", "refused")], spec=None)
+    lv2 = level.LevelResult("prose", 2, [rq.RequestResult(index=0).fail("connect", "refused")], spec=None)
     run.levels.append(lv2)
-    table = b.render_table(run.to_dict())
+    table = report.render_table(run.to_dict())
     assert "| prose | 10.0* | — | 1.50 | 0.50–0.50 |" in table
     assert "* some requests of that level failed" in table
 
@@ -470,7 +472,7 @@ def test_json_document_has_p50_p90_and_definitions():
     assert ten["per_stream_tok_s"]["p90"] == 7.7 and ten["ttft_s"]["p90"] == 0.9
     assert lv["spec_decode"]["tokens_per_step"] == 1.8 and lv["spec_decode"]["acceptance_rate"] == pytest.approx(0.2667, abs=1e-4)
     assert lv["results"][0]["decode_tok_s"] == 7.7
-    assert doc["schema"] == b.SCHEMA and "agg_tok_s" in doc["definitions"]["sparkctl"]
+    assert doc["schema"] == report.SCHEMA and "agg_tok_s" in doc["definitions"]["sparkctl"]
     assert "tpot" in doc["definitions"]["vllm"]
     json.dumps(doc)
 
@@ -478,33 +480,33 @@ def test_json_document_has_p50_p90_and_definitions():
 def test_compare_per_cell_percent_change(tmp_path):
     base = seed_doc()
     new = seed_doc(scale=1.1)
-    cmp = b.compare(new, base)
+    cmp = report.compare(new, base)
     cell = cmp["tasks"]["prose"]["C1 per-stream"]
     assert cell["old"] == 11.1 and cell["new"] == pytest.approx(12.21) and cell["change_pct"] == pytest.approx(10.0)
     assert cmp["tasks"]["code"]["accepted tok/step"]["change_pct"] == 0.0
-    text = b.render_compare(new, base)
+    text = report.render_compare(new, base)
     assert "| prose | 11.1 → 12.2 (+10.0%) | 15.4 → 16.9 (+10.0%) |" in text
     assert "1.80 → 1.80 (+0.0%)" in text and "0.60–2.00 → 0.60–2.00 (+0.0%)" in text
     # a saved file round-trips; a wrong file is bad input (exit 2)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(base))
-    assert b.load_saved(path) == base
+    assert report.load_saved(path) == base
     path.write_text('{"schema": "something-else"}')
     with pytest.raises(UsageError, match="not a sparkctl bench run"):
-        b.load_saved(path)
+        report.load_saved(path)
     path.write_text("{")
     with pytest.raises(UsageError, match="not JSON"):
-        b.load_saved(path)
+        report.load_saved(path)
 
 
-def quick_cfg(url: str, **kw: Any) -> b.BenchConfig:
-    kw.setdefault("workloads", [b.builtin_workload("prose")])
+def quick_cfg(url: str, **kw: Any) -> level.BenchConfig:
+    kw.setdefault("workloads", [inputs.builtin_workload("prose")])
     kw.setdefault("concurrency", [1, 2])
     kw.setdefault("requests", 2)
     kw.setdefault("warmup", 0)
     kw.setdefault("max_tokens", 8)
     kw.setdefault("timeout", 5.0)
-    return b.BenchConfig(endpoint=b.Endpoint.parse(url), model="m", **kw)
+    return level.BenchConfig(endpoint=inputs.Endpoint.parse(url), model="m", **kw)
 
 
 def test_run_against_a_server_that_refuses_ignore_eos_drops_it_and_retries():
@@ -520,7 +522,7 @@ def test_run_against_a_server_that_refuses_ignore_eos_drops_it_and_retries():
         ok(h)
 
     with tiny_server(app) as url:
-        run = b.run_bench(quick_cfg(url, concurrency=[1], requests=3))
+        run = flow.run_bench(quick_cfg(url, concurrency=[1], requests=3))
     assert [len(lv.ok) for lv in run.levels] == [3]
     assert run.levels[0].requests[0].retried_without == "ignore_eos"
     assert sum("ignore_eos" in body for body in seen) == 1
@@ -532,7 +534,7 @@ def test_run_stops_when_no_request_of_a_level_succeeds():
         send_json(h, 503, {"error": {"message": "overloaded"}})
 
     with tiny_server(lambda h: models_or(h, post)) as url:
-        run = b.run_bench(quick_cfg(url, warmup=1))
+        run = flow.run_bench(quick_cfg(url, warmup=1))
     assert run.levels == [] and run.stopped and "overloaded" in run.stopped
     doc = run.to_dict()
     assert doc["failures"]["total"] == 1 and "HTTP 503" in doc["failures"]["by_kind"]["http"]["first"]
@@ -563,14 +565,14 @@ def test_ctrl_c_stops_cleanly_with_what_was_measured():
 
     try:
         with tiny_server(app) as url:
-            run = b.run_bench(quick_cfg(url, concurrency=[1, 2], requests=2))
+            run = flow.run_bench(quick_cfg(url, concurrency=[1, 2], requests=2))
     finally:
         release.set()
     assert posts["n"] >= 3  # C2 started: the interrupt came from its held stream
     assert run.interrupted
     assert run.levels and run.levels[0].ok and run.levels[0].concurrency == 1  # C1 finished and is kept
     assert not run.failures()  # cancelled requests are not failures
-    table = b.render_table(run.to_dict())
+    table = report.render_table(run.to_dict())
     assert table.startswith("| Task | C1 per-stream")
 
 
@@ -664,7 +666,7 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_standin_measures_known_speed_ttft_and_tokens_per_step(standin):
-    run = b.run_bench(quick_cfg(standin, concurrency=[1, 2], requests=2, max_tokens=96, warmup=1))
+    run = flow.run_bench(quick_cfg(standin, concurrency=[1, 2], requests=2, max_tokens=96, warmup=1))
     doc = run.to_dict()
     assert not run.failures() and not run.interrupted
     # Speeds are timing: their ±5% accuracy is bench/bench_accuracy.py's job, not a unit test's.
@@ -717,10 +719,10 @@ def test_cli_wrong_model_name_is_bad_input(standin, capsys):
 
 
 def test_list_models_errors(standin):
-    assert b.list_models(b.Endpoint.parse(standin), None) == ["m"]
+    assert rq.list_models(inputs.Endpoint.parse(standin), None) == ["m"]
 
     def deny(h: Any) -> None:
         send_json(h, 401, {"error": "Unauthorized"})
 
     with tiny_server(deny) as url, pytest.raises(CheckFailed, match="refused the API key"):
-        b.list_models(b.Endpoint.parse(url), "k")
+        rq.list_models(inputs.Endpoint.parse(url), "k")

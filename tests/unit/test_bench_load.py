@@ -11,9 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparkctl import benchmetrics, loadgen
+from sparkctl import benchmetrics
 from sparkctl.errors import CheckFailed
 from sparkctl.lab.local import local_standin
+from sparkctl.loadgen import inputs, level, request
+from sparkctl.orchestrate import bench as flow
 from tests.conftest import run_cli
 
 
@@ -27,21 +29,21 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def cfg(url: str, **kw: object) -> loadgen.BenchConfig:
-    base: dict[str, object] = {"workloads": [loadgen.builtin_workload("prose")], "concurrency": [2], "requests": 4,
+def cfg(url: str, **kw: object) -> level.BenchConfig:
+    base: dict[str, object] = {"workloads": [inputs.builtin_workload("prose")], "concurrency": [2], "requests": 4,
                                "warmup": 0, "max_tokens": 8}
     base.update(kw)
-    return loadgen.BenchConfig(endpoint=loadgen.Endpoint.parse(url), model="m", **base)  # type: ignore[arg-type]
+    return level.BenchConfig(endpoint=inputs.Endpoint.parse(url), model="m", **base)  # type: ignore[arg-type]
 
 
 def test_tokenizer_builds_prompts_of_the_asked_length_each_with_its_tag(standin):
-    tok = loadgen.Tokenizer(loadgen.Endpoint.parse(standin), "m", None)
+    tok = request.Tokenizer(inputs.Endpoint.parse(standin), "m", None)
     text, n = tok.prompt_of("[abc-1]", "a few words of filler", 40)
     assert n == 40 and len(tok.encode(text)) == 40 and text.startswith("[abc-1]")
 
 
 def test_input_len_prompts_are_counted_by_the_server_too(standin):
-    run = loadgen.run_bench(cfg(standin, input_len=24))
+    run = flow.run_bench(cfg(standin, input_len=24))
     lv = run.to_dict()["workloads"]["prose"][0]
     assert lv["completed"] == 4 and lv["prompt_tokens_built"] == 4 * 24
     # the stand-in counts a chat prompt as its tokenizer counts the text: the server's usage agrees
@@ -54,14 +56,14 @@ def test_input_len_on_a_server_without_tokenize_fails_naming_it(monkeypatch, sta
     def no_tokenize(*a: object, **k: object) -> tuple[int, object]:
         return 404, {"detail": "Not Found"}
 
-    monkeypatch.setattr(loadgen, "http_post_json", no_tokenize)
+    monkeypatch.setattr(request, "http_post_json", no_tokenize)
     with pytest.raises(CheckFailed, match="needs the server's /tokenize"):
-        loadgen.run_bench(cfg(standin, input_len=8))
+        flow.run_bench(cfg(standin, input_len=8))
 
 
 def test_request_rate_sends_on_vllms_poisson_schedule(standin):
     c = cfg(standin, requests=6, request_rate=50.0, seed=3, concurrency=[6])
-    run = loadgen.run_bench(c)
+    run = flow.run_bench(c)
     lv = run.levels[0]
     assert lv.request_rate == 50.0 and len(lv.ok) == 6
     doc = lv.to_dict()
@@ -75,7 +77,7 @@ def test_request_rate_sends_on_vllms_poisson_schedule(standin):
 def test_duration_without_num_prompts_runs_until_time_is_up(standin):
     c = cfg(standin, requests=None, duration=0.5, concurrency=[2])
     assert c.requests_for(2) is None
-    lv = loadgen.run_bench(c).levels[0]
+    lv = flow.run_bench(c).levels[0]
     assert lv.ok and not lv.failed and len(lv.requests) >= 2
     # no request is sent once the duration is up (0.25 s: between the clock check and the send)
     assert max(r.start for r in lv.requests) - min(r.start for r in lv.requests) <= 0.5 + 0.25

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from sparkctl import loadgen as b
 from sparkctl.errors import UsageError
 from sparkctl.lab.local import free_port, local_standin
+from sparkctl.loadgen import inputs, level, replicas, report, wire
+from sparkctl.orchestrate import bench as flow
 from tests.conftest import run_cli
 from tests.unit.test_bench import models_or, ok_stream, send_json, stream_app, tiny_server
 
@@ -49,8 +50,8 @@ def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, port: int, *, nodes
 def served(url: str) -> float:
     """Requests the stand-in has completed (its /metrics' vllm:request_success_total)."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:  # noqa: S310 - loopback
-        samples = b.parse_prometheus(resp.read().decode())
-    return b.counter_total(samples, "vllm:request_success_total") or 0.0
+        samples = wire.parse_prometheus(resp.read().decode())
+    return wire.counter_total(samples, "vllm:request_success_total") or 0.0
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_every_replica_is_measured_at_once_and_the_total_is_their_sum(heads, mon
     code, out, err = run_cli([*flags, "--json", "bench", *QUICK], capsys)
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["schema"] == b.MULTI_SCHEMA
+    assert doc["schema"] == report.MULTI_SCHEMA
     assert [(d["replica"], d["head"], d["url"]) for d in doc["replicas"]] == [
         (0, "spark1", f"http://127.0.0.1:{port}"), (1, "spark5", f"http://127.0.0.2:{port}")]
     # each head served the warm-up and both levels (1 + 2 + 2 requests), counted on the server
@@ -111,7 +112,7 @@ def test_replica_r_measures_that_replicas_head_only(heads, monkeypatch, tmp_path
     assert code == 0, err
     doc = json.loads(out)
     assert (doc["replica"], doc["head"], doc["url"]) == (1, "spark5", f"http://127.0.0.2:{port}")
-    assert doc["schema"] == b.SCHEMA and "total" not in doc and "replicas" not in doc
+    assert doc["schema"] == report.SCHEMA and "total" not in doc and "replicas" not in doc
     assert [served(u) - n for u, n in zip(urls, before, strict=True)] == [0.0, 5.0]
     for bad in ("2", "-1"):
         code, _, err = run_cli([*flags, "bench", "--replica", bad, *QUICK], capsys)
@@ -163,7 +164,7 @@ def test_levels_run_in_step_across_replicas():
     order: list[tuple[int, str, str]] = []
     lock = threading.Lock()
 
-    class Record(b.ProgressSink):
+    class Record(level.ProgressSink):
         def __init__(self, r: int) -> None:
             self.r = r
 
@@ -171,17 +172,17 @@ def test_levels_run_in_step_across_replicas():
             with lock:
                 order.append((self.r, "start", f"{workload} C{concurrency}"))
 
-        def level_done(self, level: b.LevelResult) -> None:
+        def level_done(self, lv: level.LevelResult) -> None:
             with lock:
-                order.append((self.r, "done", f"{level.workload} C{level.concurrency}"))
+                order.append((self.r, "done", f"{lv.workload} C{lv.concurrency}"))
 
     port = free_port()
     with tiny_server(stream_app(ok_stream(4)), "127.0.0.1", port) as fast, \
             tiny_server(stream_app(ok_stream(4), delay=0.03), "127.0.0.2", port) as slow:
-        cfgs = [b.BenchConfig(endpoint=b.Endpoint.parse(u), model="m", workloads=[b.builtin_workload("list")],
+        cfgs = [level.BenchConfig(endpoint=inputs.Endpoint.parse(u), model="m", workloads=[inputs.builtin_workload("list")],
                               concurrency=[1, 2, 4], requests=4, warmup=1, max_tokens=4, timeout=5.0)
                 for u in (fast, slow)]
-        runs = b.run_replicas(cfgs, [Record(0), Record(1)])
+        runs = flow.run_replicas(cfgs, [Record(0), Record(1)])
     assert all(not r.failures() and not r.stopped and len(r.levels) == 3 for r in runs)
     labels = ["warmup C1", "list C1", "list C2", "list C4"]
     for prev, nxt in zip(labels, labels[1:], strict=False):
@@ -191,17 +192,17 @@ def test_levels_run_in_step_across_replicas():
 
 
 def test_level_sync_a_party_that_leaves_or_a_timeout_never_holds_the_others():
-    sync = b.LevelSync(2)
+    sync = replicas.LevelSync(2)
     results: list[bool] = []
     th = threading.Thread(target=lambda: results.append(sync.arrive(0, "x C1")), daemon=True)
     th.start()
     sync.leave(1)  # party 1 ended (stopped early, failed): party 0 goes on without it
     th.join(10)
     assert not th.is_alive() and results == [True] and sync.broken is None
-    sync = b.LevelSync(2, timeout=0.05)  # party 1 never arrives: the wait ends, the sync is broken
+    sync = replicas.LevelSync(2, timeout=0.05)  # party 1 never arrives: the wait ends, the sync is broken
     assert sync.arrive(0, "x C2") is False and sync.broken and "replica(s) 1" in sync.broken
     assert sync.arrive(0, "x C4") is False  # broken stays broken: no more waiting
-    sync = b.LevelSync(2)
+    sync = replicas.LevelSync(2)
     sync.abort("interrupted")
     assert sync.arrive(1, "x C1") is False
 
@@ -244,8 +245,8 @@ def test_save_and_compare_like_with_like(heads, monkeypatch, tmp_path, capsys):
     multi, single = tmp_path / "multi.json", tmp_path / "single.json"
     code, _, err = run_cli([*flags, "bench", *QUICK, "--save", str(multi)], capsys)
     assert code == 0, err
-    saved = b.load_saved(multi)
-    assert saved["schema"] == b.MULTI_SCHEMA and [d["replica"] for d in saved["replicas"]] == [0, 1]
+    saved = report.load_saved(multi)
+    assert saved["schema"] == report.MULTI_SCHEMA and [d["replica"] for d in saved["replicas"]] == [0, 1]
     code, out, err = run_cli([*flags, "--json", "bench", *QUICK, "--compare", str(multi)], capsys)
     assert code == 0, err
     cmp = json.loads(out)["compare"]
@@ -273,7 +274,7 @@ def test_save_and_compare_like_with_like(heads, monkeypatch, tmp_path, capsys):
     bad["replicas"][1]["workloads"]["code"][1]["agg_tok_s"] = "fast"
     multi.write_text(json.dumps(bad))
     with pytest.raises(UsageError, match="damaged"):
-        b.load_saved(multi)
+        report.load_saved(multi)
 
 
 def test_one_replica_keeps_todays_output(heads, monkeypatch, tmp_path, capsys):
@@ -285,7 +286,7 @@ def test_one_replica_keeps_todays_output(heads, monkeypatch, tmp_path, capsys):
     doc = json.loads(out)
     assert list(doc) == ["schema", "url", "model", "started", "duration_s", "config", "definitions", "interrupted",
                          "stopped", "notes", "warmup", "workloads", "failures"]
-    assert doc["schema"] == b.SCHEMA and doc["url"] == f"http://127.0.0.1:{port}"
+    assert doc["schema"] == report.SCHEMA and doc["url"] == f"http://127.0.0.1:{port}"
     code, out, err = run_cli([*flags, "bench", *QUICK], capsys)
     assert code == 0, err
     assert out.startswith("| Task | C1 per-stream | C2 agg | accepted tok/step | TTFT p50 (s) |")
@@ -298,11 +299,11 @@ def test_a_saved_run_of_replicas_any_damage_is_bad_input(tmp_path):
     from tests.unit.test_bench import seed_doc
 
     docs = [{"replica": r, "head": h, **seed_doc(1.0 + r / 10)} for r, h in enumerate(HEADS)]
-    good = {"schema": b.MULTI_SCHEMA, "replicas": docs, "total": b.total_doc(docs)}
+    good = {"schema": report.MULTI_SCHEMA, "replicas": docs, "total": replicas.total_doc(docs)}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(good))
-    assert b.load_saved(path) == good
-    assert "| prose | 2 | 4 | 2/2 |" in b.render_total(good["total"])
+    assert report.load_saved(path) == good
+    assert "| prose | 2 | 4 | 2/2 |" in report.render_total(good["total"])
     damaged: list[Any] = [
         {**good, "replicas": "two"}, {**good, "replicas": [1, 2]}, {**good, "replicas": []},
         {k: v for k, v in good.items() if k != "total"}, {**good, "total": []},
@@ -315,4 +316,4 @@ def test_a_saved_run_of_replicas_any_damage_is_bad_input(tmp_path):
     for doc in damaged:
         path.write_text(json.dumps(doc))
         with pytest.raises(UsageError, match="damaged|not a sparkctl bench run"):
-            b.load_saved(path)
+            report.load_saved(path)

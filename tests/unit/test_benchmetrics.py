@@ -10,7 +10,7 @@ import random
 import pytest
 
 from sparkctl import benchmetrics as m
-from sparkctl import loadgen
+from sparkctl.loadgen import level, report, request
 
 # Two requests sent at t=0 and t=1 (seconds), one failed one.
 # A: first chunk at 0.5, then 0.6, 0.8, 1.0 (4 chunks); usage: 7 output tokens, 20 prompt tokens.
@@ -106,7 +106,7 @@ def test_streamed_output_as_vllm_decides(chunk, counts):
 def test_tracker_times_a_real_vllm_stream_as_vllm_does():
     """TTFT at the first content chunk (not the role chunk), E2EL at the last content chunk (not the
     usage chunk, not [DONE]), one ITL per content chunk after the first, both usage counts kept."""
-    tr = loadgen._Tracker()
+    tr = request._Tracker()
     for t, c in zip((1.0, 1.1, 1.4, 1.5), REAL_STREAM, strict=True):
         tr.feed([json.dumps(c).encode()], t)
     tr.feed([b"[DONE]"], 1.6)
@@ -116,11 +116,11 @@ def test_tracker_times_a_real_vllm_stream_as_vllm_does():
 
 
 def test_request_result_rates_are_vllms_tpot_and_its_inverse():
-    r = loadgen.RequestResult(index=0, ok=True, start=10.0, end=12.5, ttft_s=0.5, latency_s=2.0,
+    r = request.RequestResult(index=0, ok=True, start=10.0, end=12.5, ttft_s=0.5, latency_s=2.0,
                               completion_tokens=4, tokens_from="usage")
     assert r.tpot_s == pytest.approx(0.5)  # (2.0 − 0.5) / (4 − 1)
     assert r.decode_tok_s == pytest.approx(2.0)  # sparkctl's per-stream rate = 1 / TPOT, not N / (wall − TTFT)
-    assert loadgen.RequestResult(index=0, ok=True, ttft_s=0.5, latency_s=0.5, completion_tokens=1).tpot_s is None
+    assert request.RequestResult(index=0, ok=True, ttft_s=0.5, latency_s=0.5, completion_tokens=1).tpot_s is None
 
 
 def test_arrivals_are_vllms_normalised_poisson_schedule():
@@ -136,13 +136,13 @@ def test_arrivals_are_vllms_normalised_poisson_schedule():
 def test_level_document_carries_vllms_names_beside_sparkctls_own():
     reqs = []
     for i in range(12):
-        r = loadgen.RequestResult(index=i, ok=True, start=100.0 + i, end=101.2 + i, ttft_s=0.2, latency_s=1.1,
+        r = request.RequestResult(index=i, ok=True, start=100.0 + i, end=101.2 + i, ttft_s=0.2, latency_s=1.1,
                                   completion_tokens=10, prompt_tokens=40, tokens_from="usage",
                                   itl=[0.1] * 9, content_chunks=10)
         reqs.append(r)
-    reqs.append(loadgen.RequestResult(index=12).fail("http", "HTTP 500"))  # failed: vLLM's `failed`
-    reqs.append(loadgen.RequestResult(index=13).fail("cancelled", "stopped (Ctrl-C)"))  # never measured
-    lv = loadgen.LevelResult("prose", 1, reqs, wall_s=12.2).to_dict()
+    reqs.append(request.RequestResult(index=12).fail("http", "HTTP 500"))  # failed: vLLM's `failed`
+    reqs.append(request.RequestResult(index=13).fail("cancelled", "stopped (Ctrl-C)"))  # never measured
+    lv = level.LevelResult("prose", 1, reqs, wall_s=12.2).to_dict()
     assert (lv["completed"], lv["failed"]) == (12, 1)
     for key in ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                 "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms",
@@ -153,10 +153,10 @@ def test_level_document_carries_vllms_names_beside_sparkctls_own():
     assert lv["total_input_tokens"] == 480 and lv["output_throughput"] == pytest.approx(120 / 12.2, abs=1e-3)
     assert lv["p90_ttft_ms"] == pytest.approx(200.0) and lv["p99_ttft_ms"] is None  # 12 samples: p99 needs 100
     assert lv["per_stream_tok_s"]["mean"] == pytest.approx(10.0) and lv["per_stream_tok_s"]["n"] == 12
-    text = loadgen.render_details({"workloads": {"prose": [lv]}})
+    text = report.render_details({"workloads": {"prose": [lv]}})
     assert "n<100" in text and "TPOT mean" in text
 
 
 def test_default_requests_give_a_p90_at_every_level():
-    assert [loadgen.default_requests(c) for c in (1, 2, 4, 8, 16)] == [10, 10, 10, 16, 32]
-    assert all(loadgen.default_requests(c) >= m.min_samples(90) for c in range(1, 65))
+    assert [level.default_requests(c) for c in (1, 2, 4, 8, 16)] == [10, 10, 10, 16, 32]
+    assert all(level.default_requests(c) >= m.min_samples(90) for c in range(1, 65))

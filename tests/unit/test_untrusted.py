@@ -20,9 +20,9 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sparkctl import loadgen
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.errors import SparkctlError
+from sparkctl.loadgen import report, request, wire
 from sparkctl.lock import LockOwner
 from sparkctl.orchestrate.status import metrics_summary
 from sparkctl.plan import CheckpointInfo, checkpoint_from_scan, kv_terms
@@ -334,20 +334,20 @@ def test_head_api_shapes_and_caps(head: tuple[str, Answers]) -> None:
 @FAST
 @given(st.text(max_size=400))
 def test_bench_prometheus_and_error_bodies(text: str) -> None:
-    for s in loadgen.parse_prometheus(text):
+    for s in wire.parse_prometheus(text):
         assert isinstance(s.value, float) and isinstance(s.labels, dict)
-    assert isinstance(loadgen._error_message(text.encode("utf-8", "surrogatepass")), str)
+    assert isinstance(request._error_message(text.encode("utf-8", "surrogatepass")), str)
 
 
 def test_bench_prometheus_pathological_line_is_fast() -> None:
     # Garbage in, no sample out (and no exception); its speed: bench/suite_timings.py
-    assert list(loadgen.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)) == []
+    assert list(wire.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)) == []
 
 
 @FAST
 @given(st.lists(st.binary(max_size=80) | json_values.map(lambda v: json.dumps(v).encode()), max_size=8))
 def test_bench_stream_tracker_any_events(events: list[bytes]) -> None:
-    tr = loadgen._Tracker()
+    tr = request._Tracker()
     tr.feed(events, 1.0)
     tr.feed_bulk(b"".join(b"data: " + e + b"\n\n" for e in events), 2.0)
     assert tr.usage_tokens is None or isinstance(tr.usage_tokens, int)
@@ -355,16 +355,16 @@ def test_bench_stream_tracker_any_events(events: list[bytes]) -> None:
 
 
 @FAST
-@given(st.fixed_dictionaries({"schema": st.just(loadgen.SCHEMA), "workloads": st.dictionaries(
+@given(st.fixed_dictionaries({"schema": st.just(report.SCHEMA), "workloads": st.dictionaries(
     st.text(max_size=5), json_values, max_size=2)}))
 def test_bench_saved_run_any_content(tmp_path_factory: pytest.TempPathFactory, doc: dict[str, Any]) -> None:
     p = tmp_path_factory.mktemp("saved") / "run.json"
     p.write_text(json.dumps(doc))
     try:
-        base = loadgen.load_saved(p)
+        base = report.load_saved(p)
     except SparkctlError:
         return
-    assert isinstance(loadgen.render_compare(base, base), str) and isinstance(loadgen.render_table(base), str)
+    assert isinstance(report.render_compare(base, base), str) and isinstance(report.render_table(base), str)
 
 
 def test_bench_saved_run_damaged_level_is_bad_input(tmp_path: Path) -> None:
@@ -372,6 +372,6 @@ def test_bench_saved_run_damaged_level_is_bad_input(tmp_path: Path) -> None:
     for levels in ([{"concurrency": "x"}], [{"concurrency": 2, "agg_tok_s": "fast", "ttft_s": {"p50": None}}],
                    [{"concurrency": 1, "per_stream_tok_s": {"mean": 1.0}, "ttft_s": {"p50": 1.0},
                      "spec_decode": {"drafts": 1, "accepted": "many"}}], "abc"):
-        p.write_text(json.dumps({"schema": loadgen.SCHEMA, "workloads": {"prose": levels}}))
+        p.write_text(json.dumps({"schema": report.SCHEMA, "workloads": {"prose": levels}}))
         with pytest.raises(SparkctlError, match="damaged"):
-            loadgen.load_saved(p)
+            report.load_saved(p)

@@ -3,9 +3,10 @@
 Without --url it measures the head's API from the settings: http://<head>:PORT, where <head> is the
 HostName the ssh config gives the first node's alias, and the model is SERVED_MODEL_NAME.
 With several replicas it measures every replica's head at once (one run per head, the same config,
-the levels in step: loadgen.run_replicas) and adds the total; `--replica R` measures one of them.
-The measuring itself is in sparkctl.loadgen (the metrics: sparkctl.benchmetrics); `--tool vllm` also runs
-`vllm bench serve` in the head's container (sparkctl.vllmbench). This module is input, progress and output.
+the levels in step) and adds the total; `--replica R` measures one of them.
+The flow is orchestrate.bench (run_bench, run_replicas, run_vllm_tool: `vllm bench serve` in the head's
+container); the measuring is sparkctl.loadgen (the metrics: sparkctl.benchmetrics). This module is input,
+progress and output.
 """
 
 from __future__ import annotations
@@ -22,8 +23,33 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import loadgen, signals, vllmbench
+from .. import signals, vllmbench
 from ..errors import CheckFailed, UsageError
+from ..loadgen.inputs import (
+    DEFAULT_WORKLOADS,
+    Endpoint,
+    Workload,
+    builtin_workload,
+    load_prompt_file,
+    parse_int_list,
+)
+from ..loadgen.level import MIN_REQUESTS, BenchConfig, BenchRun, LevelResult, ProgressSink, describe_load
+from ..loadgen.replicas import total_doc
+from ..loadgen.report import (
+    MULTI_SCHEMA,
+    compare,
+    compare_total,
+    is_replicas_doc,
+    load_saved,
+    render_compare,
+    render_details,
+    render_table,
+    render_total,
+    render_total_compare,
+    summarize_failures,
+)
+from ..loadgen.request import RequestResult, list_models
+from ..orchestrate import bench as flow
 from ..output import emit_json, warn
 
 MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summary counts them all
@@ -38,7 +64,7 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
 @click.option("--prompt-file", metavar="FILE", help="Your own prompts: one per line (or *.jsonl); a task named after the file.")
 @click.option("--concurrency", metavar="LIST", default="1,2,4,8", show_default=True, help="Concurrency levels.")
 @click.option("--num-prompts", "--requests", "n_requests", type=click.IntRange(min=1), metavar="N",
-              help=f"Requests per level (default: {loadgen.MIN_REQUESTS} or 2 × the level's concurrency, whichever "
+              help=f"Requests per level (default: {MIN_REQUESTS} or 2 × the level's concurrency, whichever "
               "is more; none with --duration). A pP percentile needs 100/(100 − P) of them: p90 10, p99 100.")
 @click.option("--duration", type=click.FloatRange(min=0.1), metavar="S",
               help="Per level: send requests for S seconds (those in flight then finish).")
@@ -75,7 +101,7 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     from ..cli import Globals
 
     assert isinstance(g, Globals)
-    levels = loadgen.parse_int_list(concurrency, "--concurrency")
+    levels = parse_int_list(concurrency, "--concurrency")
     if n_requests is not None and n_requests < max(levels) and request_rate is None and duration is None:
         raise UsageError(f"--num-prompts {n_requests} is fewer than the concurrency {max(levels)}: a level needs "
                          "at least one request per stream", fix=f"use --num-prompts {max(levels)} or more")
@@ -92,14 +118,14 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
         if replica is None:
             replica = 0
     workloads = _workloads(workload, prompt_file)
-    base = loadgen.load_saved(compare_file) if compare_file else None  # a bad file fails before measuring
+    base = load_saved(compare_file) if compare_file else None  # a bad file fails before measuring
     if save:
         _check_writable(Path(save))
     targets, model, api_key = _target(g, url, model, api_key_env, replica)
     if base is not None and compare_file:
         base = _base_for(base, targets, compare_file)
     model = _model(targets, model, api_key, timeout)
-    cfgs = [loadgen.BenchConfig(endpoint=t.endpoint, model=model, api_key=api_key, workloads=workloads,
+    cfgs = [BenchConfig(endpoint=t.endpoint, model=model, api_key=api_key, workloads=workloads,
                                 concurrency=levels, requests=n_requests, warmup=warmup, max_tokens=max_tokens,
                                 timeout=timeout, duration=duration, request_rate=request_rate, seed=seed,
                                 input_len=input_len) for t in targets]
@@ -112,23 +138,25 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     sink = RichProgress(err, enabled=g.verbosity >= 0)
     if g.verbosity >= 0:
         err.print(f"bench {endpoint.url}{target.named} model {model}: {', '.join(w.name for w in workloads)} at "
-                  f"C{', C'.join(map(str, levels))}, {loadgen.describe_load(cfg)}", markup=False)
+                  f"C{', C'.join(map(str, levels))}, {describe_load(cfg)}", markup=False)
     with sink:
-        run = loadgen.run_bench(cfg, sink)
+        run = flow.run_bench(cfg, sink)
     doc = run.to_dict()
     if target.replica is not None:  # --replica R: which replica this one-endpoint document measured
         doc = {"replica": target.replica, "head": target.head, **doc}
     side = ""
     if tool == "vllm" and not run.interrupted and doc["workloads"]:
-        doc["vllm_bench_serve"], side = _vllm_tool(g, target, cfg, doc, err)
+        say = (lambda m: err.print(m, markup=False)) if g.verbosity >= 0 else (lambda m: None)
+        doc["vllm_bench_serve"], side = flow.run_vllm_tool(g.settings().replica(target.replica or 0),
+                                                           g.ssh_config_path(), cfg, doc, say)
     if base is not None:
-        doc["compare"] = loadgen.compare(doc, base)
+        doc["compare"] = compare(doc, base)
     if save:
         Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     _report(g, doc, run, base, save, side)
     if run.interrupted:
         raise click.exceptions.Exit(_interrupted_status())
-    problems = loadgen.summarize_failures(doc)
+    problems = summarize_failures(doc)
     if run.stopped and not problems:
         problems = [run.stopped]
     if problems:
@@ -140,7 +168,7 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
 class Target:
     """One endpoint to measure: --url's, the only replica's head, or replica `replica`'s head."""
 
-    endpoint: loadgen.Endpoint
+    endpoint: Endpoint
     replica: int | None = None  # None: --url, or a cluster of one replica (today's document)
     head: str | None = None
 
@@ -153,7 +181,7 @@ class Target:
         return "" if self.replica is None else f" ({self.label})"
 
 
-def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfig], base: dict[str, Any] | None,
+def _bench_replicas(g: Any, targets: list[Target], cfgs: list[BenchConfig], base: dict[str, Any] | None,
                     save: str | None) -> None:
     """Every replica's head at once, levels in step; each replica's table, then the total."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -161,27 +189,27 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
     if g.verbosity >= 0:
         err.print(f"bench {len(targets)} replicas together, model {cfg.model}: "
                   f"{', '.join(w.name for w in cfg.workloads)} at C{', C'.join(map(str, cfg.concurrency))} per "
-                  f"replica, {loadgen.describe_load(cfg)}", markup=False)
+                  f"replica, {describe_load(cfg)}", markup=False)
         for t in targets:
             err.print(f"  {t.label}: {t.endpoint.url}", markup=False)
     bar = _progress_bar(err, g.verbosity >= 0)
     sinks = [RichProgress(err, enabled=g.verbosity >= 0, prefix=f"r{t.replica} ", progress=bar) for t in targets]
     with bar:
-        runs = loadgen.run_replicas(cfgs, sinks)
+        runs = flow.run_replicas(cfgs, sinks)
     docs = [{"replica": t.replica, "head": t.head, "url": t.endpoint.url, **run.to_dict()}
             for t, run in zip(targets, runs, strict=True)]
-    total = loadgen.total_doc(docs)
+    total = total_doc(docs)
     interrupted = any(run.interrupted for run in runs)
     doc: dict[str, Any] = {
-        "schema": loadgen.MULTI_SCHEMA, "model": cfg.model, "started": docs[0]["started"],
+        "schema": MULTI_SCHEMA, "model": cfg.model, "started": docs[0]["started"],
         "duration_s": max(d["duration_s"] for d in docs), "config": docs[0]["config"],
         "interrupted": interrupted, "replicas": docs, "total": total,
         "failures": {"total": total["failures"]["total"]},
     }
     if base is not None:
-        doc["compare"] = {"replicas": [{"replica": d["replica"], **loadgen.compare(d, b)}
+        doc["compare"] = {"replicas": [{"replica": d["replica"], **compare(d, b)}
                                        for d, b in zip(docs, base["replicas"], strict=True)],
-                          "total": loadgen.compare_total(total, base["total"])}
+                          "total": compare_total(total, base["total"])}
     if save:
         Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     notes: dict[str, list[int]] = {}
@@ -196,13 +224,13 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
     else:
         out: list[str] = []
         for d in docs:
-            out += [f"replica {d['replica']} (head {d['head']}, {d['url']}):", "", loadgen.render_table(d), "",
-                    loadgen.render_details(d), ""]
-        out.append(loadgen.render_total(total))
+            out += [f"replica {d['replica']} (head {d['head']}, {d['url']}):", "", render_table(d), "",
+                    render_details(d), ""]
+        out.append(render_total(total))
         if base is not None:
             for d, b in zip(docs, base["replicas"], strict=True):
-                out += ["", f"replica {d['replica']}: {loadgen.render_compare(d, b)}"]
-            out += ["", loadgen.render_total_compare(total, base["total"])]
+                out += ["", f"replica {d['replica']}: {render_compare(d, b)}"]
+            out += ["", render_total_compare(total, base["total"])]
         out += [f"note: {n}" for n in lines]
         if save:
             out.append(f"saved to {save}")
@@ -211,50 +239,13 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[loadgen.BenchConfi
         raise click.exceptions.Exit(_interrupted_status())
     problems: list[str] = []
     for t, d, run in zip(targets, docs, runs, strict=True):
-        mine = loadgen.summarize_failures(d)
+        mine = summarize_failures(d)
         if run.stopped and not mine:
             mine = [run.stopped]
         problems += [f"{t.label}: {p}" for p in mine]
     if problems:
         raise CheckFailed(f"{total['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
                           fix="see the per-request lines above; the tables count only requests that finished")
-
-
-def _vllm_tool(g: Any, target: Target, cfg: loadgen.BenchConfig, doc: dict[str, Any],
-               err: Console) -> tuple[dict[str, Any], str]:
-    """`vllm bench serve` in the target head's container, one run per level of the first workload, over one
-    SSH connection to the head; its results (lists left out) and the side-by-side table."""
-    from ..builders import container_name
-    from ..cluster import Cluster
-
-    s = g.settings().replica(target.replica or 0)
-    head, container = s.head, container_name(s.cluster_name, 0)
-    task, levels = next(iter(doc["workloads"].items()))
-    out: dict[str, Any] = {"container": container, "head": head, "workload_compared": task, "levels": []}
-    pairs = []
-    assert cfg.input_len is not None
-    with Cluster([head], g.ssh_config_path()) as cluster:
-        node = cluster.node(head)
-        for lv in levels:
-            c = int(lv["concurrency"])
-            argv = vllmbench.bench_serve_argv(
-                base_url=f"http://127.0.0.1:{s.getint('PORT')}", model=cfg.model, tokenizer=str(s.get("MODEL")),
-                input_len=cfg.input_len, output_len=cfg.max_tokens, num_prompts=int(lv["requests"]),
-                max_concurrency=c, request_rate=cfg.request_rate, seed=cfg.seed, temperature=cfg.temperature,
-                top_p=cfg.top_p)
-            if g.verbosity >= 0:
-                err.print(f"vllm bench serve in {container} on {head}, C={c}, {lv['requests']} prompts ...", markup=False)
-            r = node.run(vllmbench.exec_argv(container, argv), stdin=((cfg.api_key or "") + "\n").encode(),
-                         timeout=loadgen.level_bound_s(cfg) + 120)
-            if r.exit_code != 0:
-                raise CheckFailed(f"vllm bench serve in {container} on {head} exited {r.exit_code}: "
-                                  f"{(r.stderr or r.stdout).strip()[-600:]}", node=head,
-                                  fix="see its output; the serving image must have vLLM with `vllm bench serve`")
-            theirs = vllmbench.parse_result(r.stdout, f"{head} ({container})")
-            out["levels"].append({"concurrency": c, "argv": argv,
-                                  "result": {k: v for k, v in theirs.items() if not isinstance(v, list)}})
-            pairs.append((c, lv, theirs))
-    return out, vllmbench.side_by_side(pairs)
 
 
 def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[str, Any]:
@@ -265,7 +256,7 @@ def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[st
     fix = ("compare like with like: a run of every replica with a saved run of the same replicas, "
            "--replica R with a one-endpoint run or with replica R of a saved run of every replica, "
            "--url with a one-endpoint run")
-    if loadgen.is_replicas_doc(base):
+    if is_replicas_doc(base):
         saved = [d["replica"] for d in base["replicas"]]
         if len(targets) > 1:
             now = [t.replica for t in targets]
@@ -297,7 +288,7 @@ def _model(targets: list[Target], model: str | None, api_key: str | None, timeou
 
     def ask(t: Target) -> list[str] | None | CheckFailed:
         try:
-            return loadgen.list_models(t.endpoint, api_key, timeout=min(timeout, 10.0))
+            return list_models(t.endpoint, api_key, timeout=min(timeout, 10.0))
         except CheckFailed as exc:
             if len(targets) == 1:
                 raise
@@ -323,15 +314,15 @@ def _model(targets: list[Target], model: str | None, api_key: str | None, timeou
     return model
 
 
-def _workloads(workload: str | None, prompt_file: str | None) -> list[loadgen.Workload]:
+def _workloads(workload: str | None, prompt_file: str | None) -> list[Workload]:
     names = [w.strip() for w in (workload or "").split(",") if w.strip()]
     if not names and not prompt_file:
-        names = list(loadgen.DEFAULT_WORKLOADS)
-    out = [loadgen.builtin_workload(n) for n in dict.fromkeys(names)]
+        names = list(DEFAULT_WORKLOADS)
+    out = [builtin_workload(n) for n in dict.fromkeys(names)]
     if prompt_file:
-        wl = loadgen.load_prompt_file(prompt_file)
+        wl = load_prompt_file(prompt_file)
         if wl.name in {w.name for w in out}:
-            wl = loadgen.Workload(f"{wl.name} (file)", wl.prompts)
+            wl = Workload(f"{wl.name} (file)", wl.prompts)
         out.append(wl)
     return out
 
@@ -361,7 +352,7 @@ def _target(g: Any, url: str | None, model: str | None, api_key_env: str | None,
                 api_key = g.settings(validate=False).get("VLLM_API_KEY")
             except UsageError:
                 api_key = os.environ.get("VLLM_API_KEY") or None
-        return [Target(loadgen.Endpoint.parse(url))], model, api_key
+        return [Target(Endpoint.parse(url))], model, api_key
     s = g.settings()
     warn(s.warnings)
     # Each head's address is its HostName in the ssh config, resolved as every other command does.
@@ -373,7 +364,7 @@ def _target(g: Any, url: str | None, model: str | None, api_key_env: str | None,
     targets = []
     for v in views:
         host = resolve_target(v.head, config, config_path).hostname
-        targets.append(Target(loadgen.Endpoint.parse(api_base_url(host, v.getint("PORT"))),
+        targets.append(Target(Endpoint.parse(api_base_url(host, v.getint("PORT"))),
                               None if replica is None and len(views) == 1 else v.replica_index, v.head))
     if api_key is None:
         api_key = s.get("VLLM_API_KEY")
@@ -392,7 +383,7 @@ def _interrupted_status() -> int:
     return 128 + got[0] if got else 130
 
 
-def _notes(doc: dict[str, Any], run: loadgen.BenchRun) -> list[str]:
+def _notes(doc: dict[str, Any], run: BenchRun) -> list[str]:
     notes = list(doc["notes"])
     if run.interrupted:
         notes.insert(0, f"interrupted ({_interrupted_by()}): the table shows what was measured before it")
@@ -417,7 +408,7 @@ def _notes(doc: dict[str, Any], run: loadgen.BenchRun) -> list[str]:
     return notes
 
 
-def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, Any] | None, save: str | None,
+def _report(g: Any, doc: dict[str, Any], run: BenchRun, base: dict[str, Any] | None, save: str | None,
             side: str = "") -> None:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     notes = _notes(doc, run)
@@ -426,11 +417,11 @@ def _report(g: Any, doc: dict[str, Any], run: loadgen.BenchRun, base: dict[str, 
         for n in notes:
             err.print(f"note: {n}", markup=False)
         return
-    out = [loadgen.render_table(doc), "", loadgen.render_details(doc)]
+    out = [render_table(doc), "", render_details(doc)]
     if side:
         out += ["", side]
     if base is not None:
-        out += ["", loadgen.render_compare(doc, base)]
+        out += ["", render_compare(doc, base)]
     out += [f"note: {n}" for n in notes]
     if save:
         out.append(f"saved to {save}")
@@ -443,7 +434,7 @@ def _progress_bar(console: Console, enabled: bool) -> Progress:
                     console=console, refresh_per_second=4, disable=not enabled)
 
 
-class RichProgress(loadgen.ProgressSink):
+class RichProgress(ProgressSink):
     """A progress bar per level on stderr, and a line for each failed request (up to MAX_ERROR_LINES, per
     sink). With several replicas each has its sink (`prefix` names it) on one shared `progress`."""
 
@@ -469,7 +460,7 @@ class RichProgress(loadgen.ProgressSink):
         self._failed = 0
         self._task = self.progress.add_task(f"{self.prefix}{workload} C{concurrency}", total=total, info="")
 
-    def request_done(self, workload: str, concurrency: int, result: loadgen.RequestResult) -> None:
+    def request_done(self, workload: str, concurrency: int, result: RequestResult) -> None:
         with self._lock:
             if not result.ok and not result.cancelled:
                 self._failed += 1
@@ -486,7 +477,7 @@ class RichProgress(loadgen.ProgressSink):
         if self._task is not None:
             self.progress.update(self._task, advance=1, info=info)
 
-    def level_done(self, level: loadgen.LevelResult) -> None:
+    def level_done(self, level: LevelResult) -> None:
         if self._task is None:
             return
         d = level.to_dict()
