@@ -2,15 +2,15 @@
 
 Each rule takes facts in and gives `Finding`s out, each with a status (✓ ok, ✗ fail, ! warn), a short
 cell text for the table, a full reason and a one-line fix; `evaluate` runs every round-1 rule over the
-gathered facts, and `CheckReport` is what a check returns. Nothing here runs anything on a node: the
-flow that gathers the facts (one SSH connection per node, two round trips) is `orchestrate/check.py`.
+gathered facts. Nothing here runs anything on a node: the flow that gathers the facts (one SSH
+connection per node, two round trips) and returns a `CheckReport` is `orchestrate/check.py`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from . import docker_parse as D
@@ -692,37 +692,7 @@ def rule_open_api(warning: str | None) -> Finding | None:
               "set VLLM_API_KEY in the env file, or VLLM_EXTRA_ARGS='--host 127.0.0.1'")
 
 
-# --------------------------------------------------------------------------------------- the report
-
-
-@dataclass
-class CheckReport:
-    nodes: list[str]
-    findings: list[Finding]
-    pins: dict[int, RankPins]
-    plan: Plan | None
-    facts: dict[str, F.NodeFacts] = field(default_factory=dict)
-    timing: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def failed(self) -> list[Finding]:
-        return [f for f in self.findings if f.status == FAIL]
-
-    @property
-    def warnings(self) -> list[Finding]:
-        return [f for f in self.findings if f.status == WARN]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
-
-    def cell(self, node: str, check: str) -> Finding | None:
-        worst = None
-        rank = {FAIL: 3, WARN: 2, OK: 1, SKIP: 0}
-        for f in self.findings:
-            if f.node == node and f.check == check and (worst is None or rank[f.status] > rank[worst.status]):
-                worst = f
-        return worst
+# ------------------------------------------------------------------------------ the reach test's lines
 
 
 REACH_BY_HAND = "sh -c '. ./reach.sh; reach_test MASTER_PORT PEER_IP...' (sparkctl/probes/reach.sh)"

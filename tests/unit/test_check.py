@@ -24,8 +24,9 @@ import pytest
 
 from sparkctl import check as C
 from sparkctl import facts as F
-from sparkctl.check import FAIL, OK, SKIP, WARN, CheckReport, Finding, Needs, _names_device, rule_pin_env
+from sparkctl.check import FAIL, OK, SKIP, WARN, Finding, Needs, _names_device, rule_pin_env
 from sparkctl.cluster import NodeError
+from sparkctl.orchestrate.check import CheckReport
 from sparkctl.pins import discover_fabric
 from sparkctl.plan import GB, CheckpointInfo, Plan, Shard, make_plan
 from sparkctl.probes.ckpt_scan import _encode

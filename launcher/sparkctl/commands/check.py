@@ -14,12 +14,12 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ..check import CHECKS, CheckReport
+from ..check import CHECKS
 from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed, UsageError
 from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
-from ..orchestrate.check import run_check
+from ..orchestrate.check import CheckReport, run_check
 from ..orchestrate.fabric_test import FabricReport
 from ..output import console, emit_json, warn
 from ..render import env_tp4_path, render_all, resolve_pins, write_private

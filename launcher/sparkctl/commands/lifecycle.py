@@ -1,7 +1,8 @@
 """`up`, `wait`, `status`, `logs`, `down`, `lock`, `audit`: the service lifecycle's command line.
 
 These parse flags and print; each command's flow is in `sparkctl.orchestrate` (`up`, `down`,
-`status`) or `readiness.wait_ready` (`wait`). Each command opens one Cluster (one SSH connection per
+`status`, `wait` (→ `readiness.wait_ready`), `locking.read_locks` / `break_locks` (`lock`), `audit`);
+`logs` is `service.stream_logs`. Each command opens one Cluster (one SSH connection per
 node) for its whole run. Mutating commands (`up`, `down`) hold the cluster lock on the head and
 write one audit line per action on every node.
 """
@@ -9,7 +10,6 @@ write one audit line per action on every node.
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import threading
 import time
@@ -24,21 +24,16 @@ from rich.text import Text
 from .. import service, watchstate
 from ..builders import open_api_warning
 from ..cli import Globals
-from ..cluster import Cluster, parallel, raise_failed
+from ..cluster import Cluster, parallel
 from ..completion import rank_numbers
 from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
-    LockOwner,
     LockState,
-    audit_append_argv,
-    audit_line,
-    audit_tail_argv,
 )
-from ..lock import force_unlock as break_lock
-from ..orchestrate import require_all
+from ..orchestrate.audit import read_audit
 from ..orchestrate.down import down
-from ..orchestrate.locking import lock_states
+from ..orchestrate.locking import break_locks, read_locks, refuse_unreachable
 from ..orchestrate.status import collect_status
 from ..orchestrate.up import up, up_replicas
 from ..output import console, emit_json, emit_json_line, warn, warn_console
@@ -145,6 +140,7 @@ def _up_replicas(g: Globals, s: Settings, *, recreate: bool, fabric_test: bool) 
 def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -> None:
     """Wait until /health is 200, the model is listed and a real chat completion comes back."""
     from .. import readiness  # the HTTP client is imported only by the commands that talk HTTP
+    from ..orchestrate.wait import wait
 
     g = globals_of(ctx)
     s = settings_of(g)
@@ -157,46 +153,34 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
                              fix="leave --url out: wait asks every replica's head")
         _wait_replicas(g, s, timeout, prompt)
         return
-    with open_cluster(g, s) as cluster:
-        require_all(cluster, "wait")
-        api = readiness.HeadApi(url or service.head_base_url(cluster, s), s.get("VLLM_API_KEY"))
+    def on_phase(w: readiness.RankWatch) -> None:
+        took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
+        out.print(f"rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
 
-        def on_phase(w: readiness.RankWatch) -> None:
-            took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
-            out.print(f"rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
-
-        result = readiness.wait_ready(cluster, s, api, timeout=timeout, on_phase=on_phase, prompt=prompt)
+    base_url, result = wait(s, g.ssh_config_path(), url=url, timeout=timeout, prompt=prompt, on_phase=on_phase)
     if g.json:
         emit_json({"ready": True, **result})
         return
-    out.print(f"ready after {result['elapsed_s']:.1f}s: {api.base_url} serves {', '.join(result['models'])}",
+    out.print(f"ready after {result['elapsed_s']:.1f}s: {base_url} serves {', '.join(result['models'])}",
               markup=False)
     out.print(f"completion ({result['latency_s']:.2f}s): {result['completion'].strip()}", markup=False)
 
 
 def _wait_replicas(g: Globals, s: Settings, timeout: float, prompt: str) -> None:
-    """`wait` of several replicas: every replica's head, together, within the one timeout; each must
-    answer a real completion. The first replica that fails (or is not ready in time) fails the wait."""
+    """`wait` of several replicas (orchestrate.wait.wait_replicas): one line per rank's phase, then each
+    replica's answer."""
     from .. import readiness
+    from ..orchestrate.wait import wait_replicas
 
     out = console(g.json)
     lock = threading.Lock()
-    with open_cluster(g, s) as cluster:
-        require_all(cluster, "wait")
 
-        def one(view: Settings) -> dict[str, Any]:
-            api = readiness.HeadApi(service.head_base_url(cluster, view), view.get("VLLM_API_KEY"))
+    def on_phase(view: Settings, w: readiness.RankWatch) -> None:
+        took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
+        with lock:
+            out.print(f"replica {view.replica_index} rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
 
-            def on_phase(w: readiness.RankWatch) -> None:
-                took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
-                with lock:
-                    out.print(f"replica {view.replica_index} rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
-
-            result = readiness.wait_ready(cluster, view, api, timeout=timeout, on_phase=on_phase, prompt=prompt)
-            return {"replica": view.replica_index, "head": view.head, "url": api.base_url, **result}
-
-        jobs: list[Callable[[], dict[str, Any]]] = [functools.partial(one, v) for v in s.replicas()]
-        results = parallel(jobs)
+    results = wait_replicas(s, g.ssh_config_path(), timeout=timeout, prompt=prompt, on_phase=on_phase)
     if g.json:
         emit_json({"ready": True, **{k: v for k, v in results[0].items() if k not in ("replica", "head", "url")},
                    "replicas": results})
@@ -399,25 +383,16 @@ def lock_cmd(ctx: click.Context, force_unlock: bool) -> None:
         return
     g = globals_of(ctx)
     s = settings_of(g)
-    with open_cluster(g, s) as cluster:
-        if not force:
-            _unreachable(cluster)
-            _show_lock(g, s, lock_states(cluster, s.nodes, s.cluster_name))
-            return
-        broken: dict[str, LockOwner] = {}
-        for node in cluster.connected:  # on every node: a lock is held on each node a command changes
-            held = break_lock(cluster.node(node), s.cluster_name)
-            if held:
-                broken[node] = held
-                cluster.node(node).run(audit_append_argv(s.cluster_name, [audit_line(
-                    action="lock-broken", detail=f"by --force-unlock; it was held by {held.describe()}")]),
-                    timeout=20)
-        warn([f"lock broken on {', '.join(broken)}; it was held by "
-              + "; ".join(sorted({h.describe() for h in broken.values()}))] if broken else ["there was no lock"])
-        if g.json:
-            first = next(iter(broken.values()), None)
-            emit_json({"broken": first.public() if first else None, "nodes": sorted(broken)})
-        _unreachable(cluster)  # a node that did not answer keeps its lock: exit 1, naming it
+    if not force:
+        _show_lock(g, s, read_locks(s, g.ssh_config_path()))
+        return
+    broken, unreachable = break_locks(s, g.ssh_config_path())
+    warn([f"lock broken on {', '.join(broken)}; it was held by "
+          + "; ".join(sorted({h.describe() for h in broken.values()}))] if broken else ["there was no lock"])
+    if g.json:
+        first = next(iter(broken.values()), None)
+        emit_json({"broken": first.public() if first else None, "nodes": sorted(broken)})
+    refuse_unreachable(unreachable)  # a node that did not answer keeps its lock: exit 1, naming it
 
 
 def _show_lock(g: Globals, s: Settings, states: dict[str, LockState]) -> None:
@@ -447,18 +422,7 @@ def lock_status_cmd(ctx: click.Context) -> None:
     """Who holds the cluster lock, on which nodes, since when, running what."""
     g = globals_of(ctx)
     s = settings_of(g)
-    with open_cluster(g, s) as cluster:
-        _unreachable(cluster)
-        _show_lock(g, s, lock_states(cluster, s.nodes, s.cluster_name))
-
-
-def _unreachable(cluster: Cluster) -> None:
-    """A node that did not answer may hold the lock: the answer is incomplete, exit 1 naming it."""
-    if not cluster.errors:
-        return
-    if len(cluster.errors) == 1:
-        raise next(iter(cluster.errors.values()))
-    raise_failed("the lock could not be read", cluster.errors)
+    _show_lock(g, s, read_locks(s, g.ssh_config_path()))
 
 
 @click.command("audit")
@@ -468,20 +432,9 @@ def audit_cmd(ctx: click.Context, tail: int) -> None:
     """The audit lines sparkctl wrote on every node, merged by time."""
     g = globals_of(ctx)
     s = settings_of(g)
-    entries: list[dict[str, Any]] = []
-    with open_cluster(g, s) as cluster:
-        results = cluster.run_all(audit_tail_argv(s.cluster_name, tail), nodes=cluster.connected)
-    for node, r in results.ok.items():
-        for line in r.stdout.splitlines():
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(doc, dict):
-                entries.append({"node": node, **doc})
-    entries.sort(key=lambda e: (str(e.get("when", "")), e["node"]))
+    entries, unreachable = read_audit(s, g.ssh_config_path(), tail)
     if g.json:
-        emit_json({"entries": entries, "unreachable": sorted(cluster.errors)})
+        emit_json({"entries": entries, "unreachable": sorted(unreachable)})
         return
     out = console(False)
     for e in entries:
@@ -489,7 +442,7 @@ def audit_cmd(ctx: click.Context, tail: int) -> None:
         cfg = f" config {e['config_hash']}" if e.get("config_hash") else ""
         out.print(f"{e.get('when')} {e['node']} {e.get('who')} {e.get('action')}{rank}{cfg} {e.get('detail', '')}",
                   markup=False)
-    for n in cluster.errors:
+    for n in unreachable:
         warn([f"{n}: unreachable, its audit log is not shown"])
 
 

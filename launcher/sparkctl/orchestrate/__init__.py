@@ -1,9 +1,10 @@
-"""Each lifecycle command's flow, top to bottom, in one place (Kamal's shape).
+"""Every command's flow, top to bottom, one module per flow (Kamal's shape).
 
 `commands/*` parse flags and print; a module here orchestrates one command (connect, lock, gather,
 plan, render, act); `builders` build the argv; `service`, `cluster` and `lock` run it on the nodes.
 `up.py` is `up` (and `start_service`, its body, which `watch` and `rollback` share), `down.py` is
-`down`, `status.py` is `status`'s document. `wait` is `readiness.wait_ready`.
+`down`, `status.py` is `status`'s document, `check.py` is `check`, `build.py` is `build`, ...:
+docs/CONTRACTS.md ("Where each command's flow lives") has one row per command.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from ..check import (
     CHECKS,
     DF_PATHS,
     REACH_BY_HAND,
-    CheckReport,
     _compute_cap,
     _parse_reach,
     evaluate,
@@ -41,7 +40,7 @@ from ..check import (
 )
 from ..cluster import Cluster, Node, NodeError, Session, parallel
 from ..errors import SparkctlError
-from ..findings import CLUSTER_ROW, FAIL, SKIP, Finding, Needs
+from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding, Needs
 from ..findings import finding as _f
 from ..plan import (
     CheckpointInfo,
@@ -54,6 +53,36 @@ from ..plan import (
 from ..resources import probe_script
 from ..settings import RankPins, Settings
 from .checkpoint import read_drafter_config_on, scan_on
+
+
+@dataclass
+class CheckReport:
+    nodes: list[str]
+    findings: list[Finding]
+    pins: dict[int, RankPins]
+    plan: Plan | None
+    facts: dict[str, F.NodeFacts] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == FAIL]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == WARN]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def cell(self, node: str, check: str) -> Finding | None:
+        worst = None
+        rank = {FAIL: 3, WARN: 2, OK: 1, SKIP: 0}
+        for f in self.findings:
+            if f.node == node and f.check == check and (worst is None or rank[f.status] > rank[worst.status]):
+                worst = f
+        return worst
 
 
 class Probes:

@@ -5,14 +5,17 @@
   lock_cluster(cluster, names)     who_is_who, then lock.nodes_lock on every one of them, in
                                    lock.lock_order (by machine, not by NODES' order)
   record_identities(cluster, ...)  after `up` started a service: every node's identity, on every node
+  read_locks(s, ssh_config)        `sparkctl lock status`: every node's lock state
+  break_locks(s, ssh_config)       `sparkctl lock --force-unlock`: break it on every node, audited
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
-from ..cluster import Cluster, NodeError
+from ..cluster import Cluster, NodeError, raise_failed
 from ..identity import (
     RECORD_NAME,
     NodeIdentity,
@@ -22,7 +25,19 @@ from ..identity import (
     whoami_argv,
     write_record_argv,
 )
-from ..lock import LockOwner, LockState, lock_order, lock_state, nodes_lock, now_iso, state_dir
+from ..lock import (
+    LockOwner,
+    LockState,
+    audit_append_argv,
+    audit_line,
+    force_unlock,
+    lock_order,
+    lock_state,
+    nodes_lock,
+    now_iso,
+    state_dir,
+)
+from ..settings import Settings
 
 
 def record_path(cluster_name: str) -> str:
@@ -68,3 +83,34 @@ def record_identities(cluster: Cluster, names: Sequence[str], cluster_name: str,
     res = cluster.run_all(write_record_argv(record_path(cluster_name)), nodes=[n for n in names if n in seen],
                           stdin=doc, timeout=20)
     return [n for n, r in res.items() if isinstance(r, NodeError) or not r.ok]
+
+
+def refuse_unreachable(errors: dict[str, NodeError]) -> None:
+    """A node that did not answer may hold the lock: the answer is incomplete, exit 1 naming it."""
+    if not errors:
+        return
+    if len(errors) == 1:
+        raise next(iter(errors.values()))
+    raise_failed("the lock could not be read", errors)
+
+
+def read_locks(s: Settings, ssh_config: Any) -> dict[str, LockState]:
+    """Every node's lock state; refused (refuse_unreachable) when a node did not answer."""
+    with Cluster(s.nodes, ssh_config) as cluster:
+        refuse_unreachable(cluster.errors)
+        return lock_states(cluster, s.nodes, s.cluster_name)
+
+
+def break_locks(s: Settings, ssh_config: Any) -> tuple[dict[str, LockOwner], dict[str, NodeError]]:
+    """Break the lock on every node that answers (a lock is held on each node a command changes), with an
+    audit line where one was held: (node -> the owner it had, the nodes that did not answer)."""
+    broken: dict[str, LockOwner] = {}
+    with Cluster(s.nodes, ssh_config) as cluster:
+        for node in cluster.connected:
+            held = force_unlock(cluster.node(node), s.cluster_name)
+            if held:
+                broken[node] = held
+                cluster.node(node).run(audit_append_argv(s.cluster_name, [audit_line(
+                    action="lock-broken", detail=f"by --force-unlock; it was held by {held.describe()}")]),
+                    timeout=20)
+    return broken, dict(cluster.errors)

@@ -1,0 +1,28 @@
+"""`sparkctl audit`'s flow: the audit lines sparkctl wrote on every node, merged by time."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..cluster import Cluster
+from ..lock import audit_tail_argv
+from ..settings import Settings
+
+
+def read_audit(s: Settings, ssh_config: Any, tail: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """(every node's last `tail` audit lines, each with its node, sorted by time; the nodes that did not
+    answer, in NODES' order)."""
+    entries: list[dict[str, Any]] = []
+    with Cluster(s.nodes, ssh_config) as cluster:
+        results = cluster.run_all(audit_tail_argv(s.cluster_name, tail), nodes=cluster.connected)
+    for node, r in results.ok.items():
+        for line in r.stdout.splitlines():
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(doc, dict):
+                entries.append({"node": node, **doc})
+    entries.sort(key=lambda e: (str(e.get("when", "")), e["node"]))
+    return entries, list(cluster.errors)
