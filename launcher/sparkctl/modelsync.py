@@ -37,7 +37,8 @@ from .errors import CheckFailed, UsageError
 from .findings import FAIL, Finding
 from .resources import probe_script
 from .threads import spawn, wait_all, wait_bounded
-from .verify import compare_nodes, finding_doc, issue
+from .verify_nodes import compare_nodes
+from .verify_rules import finding_doc, issue
 
 PARTIAL_DIR = ".sparkctl-partial"
 SCAN_TIMEOUT = 300.0

@@ -18,16 +18,16 @@ from sparkctl.probes import ckpt_scan
 from sparkctl.recipes import load_layout
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import _validate, read_header
-from sparkctl.verify import (
+from sparkctl.verify import verify_dir
+from sparkctl.verify_nodes import compare_nodes
+from sparkctl.verify_rules import (
     _EXPERT_TAIL,
     Report,
     _exl3_groups,
     _exl3_modules,
     _Issues,
     classify,
-    compare_nodes,
     ranges,
-    verify_dir,
 )
 
 TINY = load_layout("tiny")
@@ -279,7 +279,7 @@ def test_lazy_offsets_match_the_json_reading(full300: Path) -> None:
 
 @pytest.mark.parametrize("name", ["glm53-3.00bpw", "glm53-2.75bpw", "tiny"])
 def test_every_layout_rule_says_where_its_value_comes_from(name: str) -> None:
-    from sparkctl.verify import PROVENANCES
+    from sparkctl.verify_rules import PROVENANCES
 
     layout = load_layout(name)
     rules = set(layout) - {"name", "description", "codebook_note", "provenance", "provenance_note"}
