@@ -23,7 +23,8 @@ The rules are parameterised by a recipe's checkpoint `layout`, a plain dict (rec
                       (e.g. the 6-bit head) checked with their own class rules when present
     serving_files     the chain's Dockerfiles in serving/ (reported as shipped / missing; a warning when missing)
     provenance        {rule key: "seed" | "vllm source" | "assumed"}: where each expected value comes
-                      from. A checkpoint that differs from an *assumed* value (quantization_config,
+                      from ("seed": the model card states it; "vllm source": vLLM's source; the
+                      figures with their sources are in docs/sources.md). A checkpoint that differs from an *assumed* value (quantization_config,
                       config.json, kv_a width) gets a warning saying what was found, never an error:
                       only what we know is an error. Structural facts read from the headers (bits per
                       tensor, codebooks, the shard set) stay errors whatever the provenance.
