@@ -2,7 +2,7 @@
 
 A recipe names its base by a tag (BASE_IMAGE, e.g. Mia's `...:exl3`), and tags move: a rank that
 pulled it at another time holds another image, its chain gets another content hash, and `check`
-sends the user to `build`, which used to skip the rank as "base present" — a loop. So `build`
+sends the user to `build`, which must not skip the rank as "base present" (a loop). So `build`
 resolves the tag **on the head** into a pin: the head's image ID, and the `repo@sha256:` digest it
 was pulled as (RepoDigests), when it has one. Every rank must then hold that very image:
 

@@ -132,7 +132,7 @@ def open_api_warning(settings: Settings) -> str | None:
 
 
 def rank_env(settings: Settings, rank: int, pins: RankPins) -> dict[str, str]:
-    """The container environment of one rank: its own NIC pins, then recipe, seed knobs and secrets.
+    """The container environment of one rank: its own NIC pins, then recipe, the model card launcher's knobs (docs/sources.md) and secrets.
 
     Secrets travel in this env file (mode 0600 on the node), never on a command line.
     """

@@ -53,7 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 # Commands (by click name: `model sync` is "sync") that change the cluster: an unknown env-file key is an error.
-CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "restart", "watch", "pull", "sync", "systemd"})
+CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd"})
 
 
 @dataclass

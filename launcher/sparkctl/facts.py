@@ -4,7 +4,7 @@ Every parser here is a pure function from text to a small frozen dataclass. Node
 (a broken tool, a truncated stream, a hostile host): a parser returns its fact, or raises ParseError
 with a short reason, and never any other exception. Missing values a real tool prints as "[N/A]" or
 "Not Supported" (the GB10's unified memory) become None, not errors. Docker's output is parsed in
-`docker_parse` (re-exported here where facts used to define it).
+`docker_parse` (its names are re-exported here too).
 
 The fixtures these are tested on are real output: tests/fixtures/ (nvidia-smi from an H200, the rest
 captured on a Debian 12 host) plus a derived GB10 set that says what was changed.

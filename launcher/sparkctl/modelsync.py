@@ -31,7 +31,7 @@ from typing import Any
 
 from .errors import CheckFailed
 from .findings import Finding
-from .verify import finding_doc
+from .verify_rules import finding_doc
 
 PARTIAL_DIR = ".sparkctl-partial"
 SCAN_TIMEOUT = 300.0

@@ -28,7 +28,7 @@ PINS = {f"RANK{r}_{k}": v for r in range(4) for k, v in (
     ("CX7_IB", "rocep1s0f0" if r != 2 else "roceP2p1s0f1"), ("GID_INDEX", "3" if r != 2 else "4"))}
 GB10 = (12, 1)
 B200 = (10, 0)
-GB10_1M_DCP4_MIN = 15_569_972_224  # /work/shared/facts.md: 3,908 blocks × 3,984,128 B
+GB10_1M_DCP4_MIN = 15_569_972_224  # docs/sources.md: 3,908 blocks × 3,984,128 B
 
 # (a) knob sets, each on top of the recipe's defaults, rendered for every rank.
 EXTRA_ARGS_SAMPLES = (
@@ -99,7 +99,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for recipe, (pack, size, shards) in PACK.items():
         out[recipe] = write_model(root / pack, size, shards, config=config_json(pack))
-        # The checkpoint ships its quantization_config.json (seeds/000); vLLM reads it for --quantization.
+        # The checkpoint ships its quantization_config.json (the 3.00 bpw card, docs/sources.md); vLLM reads it for --quantization.
         (out[recipe] / "quantization_config.json").write_text(json.dumps(
             {"quant_method": "exl3", "bits": 3 if pack == "3.00bpw" else 2.75}))
     drafter = root / "dspark-drafter"
@@ -229,7 +229,7 @@ def test_planned_kv_bytes_are_the_minimum_vllm_accepts(referee, models, recipe, 
 
 
 def test_default_recipe_on_gb10_needs_exactly_the_known_minimum(referee, models):
-    """Known answer for the referee itself: 1,000,000 tokens, DCP 4, fp8, GB10 (facts.md)."""
+    """Known answer for the referee itself: 1,000,000 tokens, DCP 4, fp8, GB10 (docs/sources.md)."""
     rendered = render("glm53-exl3-tp4", {}, models)
     k = _kv_check(referee, rendered, GB10)
     choice, ok = k["choice"], k["ok"]

@@ -205,7 +205,7 @@ def test_four_rank_service_answers_and_fails_as_vllm_when_a_rank_dies(lab: Lab) 
         head_log = lab.logs(names[0], "lab-rank0")
         assert "[4/4]" in head_log and "Application startup complete." in head_log
         assert f"joined from {lab.host('spark3').fabric_ip} (enp1s0f1np1)" in head_log
-        # kill one worker: as the real engine (facts.md, "Real vLLM on CPU"), the head stays healthy until
+        # kill one worker: as the real engine (docs/sources.md, "Real vLLM on CPU"), the head stays healthy until
         # the next request, which fails 500 EngineDeadError; then the head exits 0 and the other workers stay up
         lab.docker(names[2], "kill", "lab-rank2")
         time.sleep(4)  # past the stand-in's heartbeat timeout: it knows, and says nothing

@@ -99,8 +99,8 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
-# 1. before issue 31: `down` with the other env file (head spark2) took spark2's lock, not spark1's,
-# and removed the ranks the running `up` had started.
+# 1. (issue 31) `down` with the other env file (head spark2) takes the same locks as `up` (every node's, in
+# one order), so the two exclude each other and `down` cannot remove the ranks a running `up` started.
 def test_two_env_files_naming_the_nodes_in_another_order_exclude_each_other(clean: Lab, tmp_path: Path) -> None:
     lab = clean
     other = tmp_path / "d.env"
@@ -126,8 +126,8 @@ def test_two_env_files_naming_the_nodes_in_another_order_exclude_each_other(clea
     assert containers(lab) == NONE
 
 
-# 2. before issue 31: the second cluster's `up` took only its own head's lock and replaced the rank
-# the first cluster had on their one shared node.
+# 2. (issue 31) the second cluster's `up` takes the lock on every node, so it is refused on the one node
+# the two clusters share instead of replacing the first cluster's rank there.
 def test_a_cluster_sharing_one_node_is_refused_there(clean: Lab) -> None:
     lab = clean
     first = {"NODES": "spark3 spark4", "TP": "2", "DCP": "2"}
@@ -163,8 +163,8 @@ def _swapped_config(lab: Lab, tmp_path: Path, a: str, b: str) -> Path:
     return cfg
 
 
-# 3. before issue 31: status showed ranks "absent"/config "stale" without naming the swap, and down
-# acted on whatever the names reached.
+# 3. (issue 31) status names the swap (not only ranks "absent"/config "stale"), and down refuses to act
+# on whatever the names reach.
 def test_swapped_node_names_are_named_by_status_and_refused_by_down(clean: Lab, tmp_path: Path) -> None:
     lab = clean
     assert sk(lab, "up").returncode == 0
@@ -189,7 +189,7 @@ def test_swapped_node_names_are_named_by_status_and_refused_by_down(clean: Lab, 
     assert containers(lab) == NONE
 
 
-# 4. before issue 31: `down` printed "two node names reach the same machine" twice.
+# 4. (issue 31) every command says "two node names reach the same machine" once.
 def test_two_aliases_of_one_machine_are_said_once_by_every_command(clean: Lab, tmp_path: Path) -> None:
     lab = clean
     text = Path(lab.ssh_config).read_text()
@@ -207,8 +207,8 @@ def test_two_aliases_of_one_machine_are_said_once_by_every_command(clean: Lab, t
     assert containers(lab) == NONE
 
 
-# 5. before issue 31: with the path from spark3 to the head's master cut after the rendezvous, `status`
-# exited 0 (every container running, the head answering) and said nothing of it.
+# 5. (issue 31) with the path from spark3 to the head's master cut after the rendezvous, `status` names
+# it and exits 1, though every container runs and the head answers.
 def test_status_names_the_path_to_the_master_that_is_cut(clean: Lab) -> None:
     from tests.lab.faults import path_dropped
 

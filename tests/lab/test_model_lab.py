@@ -25,7 +25,7 @@ from sparkctl.lab.hfhub import StandinHub
 from sparkctl.lab.proc import read_pid, stop_pid
 from sparkctl.lab.state import MGMT_NET, HostPaths, HostSpec
 from sparkctl.probes.ckpt_scan import scan
-from sparkctl.verify import fingerprints
+from sparkctl.verify_nodes import fingerprints
 
 pytestmark = pytest.mark.lab
 NODES = "spark1 spark2 spark3 spark4"

@@ -172,7 +172,7 @@ def head_health() -> int:
 
 
 def test_a_dead_worker_behind_a_healthy_head_is_a_broken_service(served: Lab) -> None:
-    """vLLM's head keeps /health 200 after a worker died (facts.md, "Real vLLM on CPU"; the stand-in now
+    """vLLM's head keeps /health 200 after a worker died (docs/sources.md, "Real vLLM on CPU"; the stand-in
     does the same): `status` must not trust the head's word and exits 1 naming the rank."""
     lab = served
     lab.docker("spark3", "kill", "sparkctl-watchlab-rank2", check=True)

@@ -3,7 +3,7 @@
 Run by the real-engine venv's python (transformers, tokenizers and torch are there; nothing is
 downloaded): `python make_model.py DEST [--shards]`. What it writes is a Hugging Face-format folder
 that vLLM loads as it loads any Llama: config.json (2 layers, hidden 256, 4 query heads and 2 KV
-heads of 64 -- the CPU attention kernel refuses head_dim 16, facts.md), model safetensors split into
+heads of 64 -- the CPU attention kernel refuses head_dim 16, docs/sources.md), model safetensors split into
 several shards with an index (so a missing shard can be tested), a byte-level BPE tokenizer trained
 here on a few sentences, and a chat template.
 """

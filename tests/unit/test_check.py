@@ -31,7 +31,7 @@ from sparkctl.pins import discover_fabric
 from sparkctl.plan import GB, CheckpointInfo, Plan, Shard, make_plan
 from sparkctl.probes.ckpt_scan import _encode
 from sparkctl.settings import RankPins, Settings, load_settings
-from sparkctl.verify import Report, Summary, issue
+from sparkctl.verify_rules import Report, Summary, issue
 from tests.conftest import GLM53_CONFIG
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures"

@@ -26,7 +26,8 @@ from sparkctl.probes import ckpt_scan
 from sparkctl.recipes import load_layout
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import DTYPE_BITS, TensorKind, nbytes, read_header
-from sparkctl.verify import NeedHeaders, Report, verify_scan
+from sparkctl.verify import verify_scan
+from sparkctl.verify_rules import NeedHeaders, Report
 
 TINY = load_layout("tiny")
 Fault = Callable[[Path], Any]

@@ -81,3 +81,25 @@ def test_no_color_is_honoured(monkeypatch):
     assert console(False).no_color
     monkeypatch.delenv("NO_COLOR")
     assert not console(False).no_color
+
+
+def _command_names(group: click.Group, ctx: click.Context) -> set[str]:
+    """Every command's and subcommand's click name under `group` (what `ctx.info_name` is when it runs)."""
+    names: set[str] = set()
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        assert command is not None, name
+        names.add(name)
+        if isinstance(command, click.Group):
+            names |= _command_names(command, click.Context(command, info_name=name, parent=ctx))
+    return names
+
+
+def test_every_name_that_changes_the_cluster_is_a_real_command():
+    """cli.CHANGES_CLUSTER holds click names (`model sync` is "sync"); a name no command has turns strict
+    env-file keys on for nothing and hides which command was meant."""
+    from sparkctl.cli import CHANGES_CLUSTER
+
+    names = _command_names(cli, click.Context(cli, info_name="sparkctl"))
+    assert {"up", "sync", "systemd"} <= names  # the walk reaches subcommands
+    assert sorted(CHANGES_CLUSTER - names) == []

@@ -412,7 +412,7 @@ def _config(sshlab: SshLab, tmp_path: Path, text: str, known: Path | None = None
 
 
 def test_an_alias_defined_in_an_included_file_resolves_to_its_hostname(sshlab: SshLab, tmp_path: Path) -> None:
-    """paramiko's SSHConfig has no `Include`: the alias used to resolve to itself as a host name."""
+    """paramiko's SSHConfig has no `Include`: read by it alone, the alias resolves to itself as a host name."""
     (tmp_path / "spark.d").mkdir()
     (tmp_path / "spark.d" / "nodes.conf").write_text(f"Host incnode\n  HostName 127.0.0.1\n  Port {sshlab.nodes['n2'].port}\n")
     cfg = _config(sshlab, tmp_path, f"Include {tmp_path}/spark.d/*.conf\n")

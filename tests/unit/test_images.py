@@ -92,7 +92,7 @@ def test_every_recipe_builds_the_checkpoints_own_dockerfiles(recipe: str) -> Non
 
 
 def test_the_275_recipe_runs_the_serve_recipes_prebuilt_image_not_a_chain() -> None:
-    """seeds/002: "Use the launcher (one-shot.sh) and prebuilt image of the serve recipe"."""
+    """The 2.75 bpw card (docs/sources.md): "Use the launcher (one-shot.sh) and prebuilt image of the serve recipe"."""
     recipe = load_recipe("glm53-exl3-2.75bpw")
     assert recipe.prebuilt is not None and "Serve-4-DGXSparks" in recipe.prebuilt.source
     assert not recipe.layers and "IMAGE" not in recipe.defaults and "BASE_IMAGE" not in recipe.defaults

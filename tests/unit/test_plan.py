@@ -71,7 +71,7 @@ def test_sm10x_keeps_plain_fp8_and_bf16_for_auto():
 
 
 def test_default_recipe_plans_the_minimum_vllm_accepts_on_gb10(clean_env, model_308):
-    """facts.md: 1,000,000 tokens at DCP 4 on GB10 = (3,907 + 1 null) blocks × 79 × 64 × (656 + 132) B."""
+    """docs/sources.md: 1,000,000 tokens at DCP 4 on GB10 = (3,907 + 1 null) blocks × 79 × 64 × (656 + 132) B."""
     plan = plan_for(settings_for(model_308))
     assert (plan.kv_backend, plan.kv_cache_dtype_effective, plan.compute_capability) == \
         ("FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla", "12.1")
@@ -79,7 +79,7 @@ def test_default_recipe_plans_the_minimum_vllm_accepts_on_gb10(clean_env, model_
     assert plan.kv_cache_memory_bytes == 15_569_972_224
 
 
-def test_seed_conclusion_3bpw_fits_four_gb10_at_1m_tokens(clean_env, model_308):
+def test_the_cards_conclusion_3bpw_fits_four_gb10_at_1m_tokens(clean_env, model_308):
     plan = plan_for(settings_for(model_308))
     assert plan.weights_per_rank == 77_000_000_000
     assert plan.tokens_per_rank == 250_048  # ceil(1e6 / 4) rounded up to 64-token blocks

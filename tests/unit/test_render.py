@@ -97,7 +97,7 @@ def test_rank_env_pins_and_secrets_only_in_env(settings):
     specs = rank_specs(s, _plan(s, m), resolve_pins(s))
     env = specs[2].env
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "enP2p1s0f1np1"
-    # nothing in vLLM's NCCL tensor-parallel path reads these (facts.md): not set
+    # nothing in vLLM's NCCL tensor-parallel path reads these (docs/sources.md): not set
     assert "TP_SOCKET_IFNAME" not in env and "UCX_NET_DEVICES" not in env
     assert env["NCCL_IB_HCA"] == "roceP2p1s0f1" and env["NCCL_IB_GID_INDEX"] == "4"
     assert env["VLLM_HOST_IP"] == "192.168.100.3" and env["HF_TOKEN"] == "hf_secret_never_shown"

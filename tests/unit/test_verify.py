@@ -18,16 +18,16 @@ from sparkctl.probes import ckpt_scan
 from sparkctl.recipes import load_layout
 from sparkctl.resources import probe_script
 from sparkctl.safetensors import _validate, read_header
-from sparkctl.verify import (
+from sparkctl.verify import verify_dir
+from sparkctl.verify_nodes import compare_nodes
+from sparkctl.verify_rules import (
     _EXPERT_TAIL,
     Report,
     _exl3_groups,
     _exl3_modules,
     _Issues,
     classify,
-    compare_nodes,
     ranges,
-    verify_dir,
 )
 
 TINY = load_layout("tiny")
@@ -61,7 +61,7 @@ def test_good_tiny_pack(tmp_path: Path) -> None:
     assert codes(r, "warn") == {"codebook-mixed"}
 
 
-def test_good_300_pack_has_the_seed_summary(full300: Path) -> None:
+def test_good_300_pack_has_the_cards_summary(full300: Path) -> None:
     r = verify_dir(full300, load_layout("glm53-3.00bpw"))
     assert r.ok, r.findings
     s = r.summary
@@ -279,7 +279,7 @@ def test_lazy_offsets_match_the_json_reading(full300: Path) -> None:
 
 @pytest.mark.parametrize("name", ["glm53-3.00bpw", "glm53-2.75bpw", "tiny"])
 def test_every_layout_rule_says_where_its_value_comes_from(name: str) -> None:
-    from sparkctl.verify import PROVENANCES
+    from sparkctl.verify_rules import PROVENANCES
 
     layout = load_layout(name)
     rules = set(layout) - {"name", "description", "codebook_note", "provenance", "provenance_note"}
@@ -289,7 +289,7 @@ def test_every_layout_rule_says_where_its_value_comes_from(name: str) -> None:
 
 
 def test_an_assumed_scope_that_differs_is_a_warning_naming_what_was_found(tmp_path: Path) -> None:
-    """seeds/002 never states the 2.75 bpw pack's quantization_config scope: a real pack with another
+    """The 2.75 bpw card (docs/sources.md) never states the 2.75 bpw pack's quantization_config scope: a real pack with another
     string must not be refused."""
     d = ckptgen.make_checkpoint(tmp_path / "p", "2.75bpw")
     qc = json.loads((d / "quantization_config.json").read_text())
@@ -300,7 +300,7 @@ def test_an_assumed_scope_that_differs_is_a_warning_naming_what_was_found(tmp_pa
     assert w.severity == "warn" and "'glm53_whatever_the_card_says'" in w.reason and "assumes" in w.reason
 
 
-def test_a_seed_stated_scope_that_differs_stays_an_error(tmp_path: Path) -> None:
+def test_a_card_stated_scope_that_differs_stays_an_error(tmp_path: Path) -> None:
     d = ckptgen.make_checkpoint(tmp_path / "p", "3.00bpw")
     qc = json.loads((d / "quantization_config.json").read_text())
     (d / "quantization_config.json").write_text(json.dumps({**qc, "scope": "glm53_mixed_k"}))

@@ -25,7 +25,7 @@ from ..orchestrate import verify_model
 from ..orchestrate.verify_model import verify_local
 from ..output import console, emit_json
 from ..recipes import load_layout
-from ..verify import Report, issue
+from ..verify_rules import Report, issue
 
 
 def resolve_layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 from ..cluster import Cluster, RunResult
 from ..errors import CheckFailed
 from ..resources import probe_script
-from ..verify import Report
+from ..verify_rules import Report
 from .verify_model import verify_cluster
 
 PULL_TIMEOUT = 48 * 3600.0

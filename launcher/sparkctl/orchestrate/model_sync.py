@@ -39,7 +39,8 @@ from ..modelsync import (
 )
 from ..resources import probe_script
 from ..threads import spawn, wait_all, wait_bounded
-from ..verify import compare_nodes, issue
+from ..verify_nodes import compare_nodes
+from ..verify_rules import issue
 
 
 def scan_node(node: Node, model: str) -> dict[str, Any]:

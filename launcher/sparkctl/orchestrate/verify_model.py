@@ -19,7 +19,9 @@ from ..cluster import Cluster
 from ..findings import FAIL, Finding
 from ..probes.ckpt_scan import scan
 from ..resources import probe_script
-from ..verify import NeedHeaders, Report, Summary, compare_nodes, issue, verify_scan, verify_with
+from ..verify import verify_scan, verify_with
+from ..verify_nodes import compare_nodes
+from ..verify_rules import NeedHeaders, Report, Summary, issue
 
 DEEP_TIMEOUT = 6 * 3600.0  # 308 GB over NFS at a few hundred MB/s, with room to spare
 SCAN_TIMEOUT = 120.0

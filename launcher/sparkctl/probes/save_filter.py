@@ -3,8 +3,8 @@ only those some rank lacks.
 
     docker save TAG... | python3 -c "$(cat save_filter.py)" DIR [sha256:DIFF_ID ...]
 
-`--ship` used to unpack the whole save, base image included: for a 20 GB base that is 20 GB written
-to the head's disk (and the room for it) on every ship, for layers no rank needs. This writes every
+Unpacking the whole save, base image included, would write a 20 GB base's 20 GB to the head's disk
+(and need the room for it) on every ship, for layers no rank needs. This writes every
 small file (manifest.json, the image configs, repositories, index.json, the legacy VERSION/json files)
 and, of the layers:
   - legacy layout (`<id>/layer.tar`, Docker < 25): the layer is written while hashed; its sha256 is its
