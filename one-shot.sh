@@ -207,6 +207,9 @@ run_tests() {
   say "mypy"
   (cd "$here" && "$venv/bin/mypy")
   lap "ruff and mypy"
+  say "import-linter: the layers of docs/CONTRACTS.md ([tool.importlinter] in pyproject.toml)"
+  (cd "$here" && "$venv/bin/lint-imports")
+  lap "import-linter"
   say "unit tests (with the coverage floor: never lower it)"
   (cd "$here" && "$venv/bin/pytest" -q -m "not lab and not fidelity and not realengine and not realengine_lab" --cov=sparkctl --cov-report=term:skip-covered \
     --cov-fail-under=78 tests "$@")

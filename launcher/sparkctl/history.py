@@ -23,7 +23,7 @@ from .docker_parse import parse_content_hash
 from .errors import UsageError
 from .lock import audit_line, now_iso, state_dir, whoami
 from .render import Rendered
-from .settings import KNOBS, PASSTHROUGH_RE, RANK_KEY_RE, Settings, is_secret
+from .settings import KNOBS, RANK_KEY_RE, Settings, is_secret, known_key, prefixes_of
 
 HISTORY_KEEP = 50
 MAX_LINE = 256 * 1024  # one entry is a few KB (env.tp4 included); more is not ours
@@ -146,10 +146,17 @@ def parse_history(text: str) -> list[Release]:
             source=str(strs["source"])[:64], config_hash=str(strs["config_hash"])[:64],
             image=str(strs["image"])[:512],
             image_content_hash=chash[:64] if isinstance(chash, str) and _HEX12.match(chash) else None,
-            knobs={str(k)[:64]: v for k, v in knobs.items() if isinstance(v, str)
-                   and (str(k) in KNOBS or PASSTHROUGH_RE.match(str(k))) and not is_secret(str(k))},
+            knobs={str(k)[:64]: v for k, v in knobs.items() if isinstance(v, str) and _kept(str(k), knobs)},
         ))
     return out
+
+
+def _kept(key: str, knobs: dict[Any, Any]) -> bool:
+    """A stored knob worth bringing back: a knob, or a key of a family the release's CONTAINER_ENV_PREFIXES named;
+    never a secret nor a rank pin (`up` resolves the pins again)."""
+    declared = knobs.get("CONTAINER_ENV_PREFIXES")
+    prefixes = prefixes_of(declared) if isinstance(declared, str) else ()
+    return known_key(key, prefixes) and not is_secret(key) and not RANK_KEY_RE.match(key)
 
 
 def read_history(head: Node, cluster: str) -> list[Release]:

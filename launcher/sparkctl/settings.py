@@ -16,7 +16,7 @@ import ipaddress
 import os
 import re
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,12 @@ _COMMAND_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,255}$")
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$", re.IGNORECASE)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "fp8_inc")
 RANK_KEY_RE = re.compile(r"^RANK(\d+)_(FABRIC_IP|CX7_IF|CX7_IB|GID_INDEX)$")
-PASSTHROUGH_RE = re.compile(r"^(STANDIN_[A-Z0-9_]+|SKIP_[A-Z0-9_]+)$")
+#: The seed launcher's SKIP_* switches: accepted so an old env file loads (sparkctl's commands replace them).
+LEGACY_RE = re.compile(r"^SKIP_[A-Z0-9_]+$")
+#: A prefix of CONTAINER_ENV_PREFIXES: upper-case, ending in "_" (so it names a family of keys, never all of them).
+_PREFIX_RE = re.compile(r"^[A-Z][A-Z0-9]*_$")
+PASSTHROUGH_DOC = "Passed to the containers' environment as it is (its prefix is in CONTAINER_ENV_PREFIXES)."
+LEGACY_DOC = "The seed launcher's switch: accepted so an old env file loads; sparkctl's own commands replace it."
 
 
 def is_secret(key: str) -> bool:
@@ -67,6 +72,13 @@ class Knob:
     minimum: float | None = None
     maximum: float | None = None
     choices: tuple[str, ...] = ()
+
+
+def _prefixes(value: Any) -> str | None:
+    bad = [p for p in value or [] if not _PREFIX_RE.match(p)]
+    if bad:
+        return f"holds {', '.join(map(repr, bad))}: each prefix is upper-case letters and digits ending in '_'"
+    return None
 
 
 def _no_control(value: Any) -> str | None:
@@ -290,6 +302,10 @@ KNOBS: dict[str, Knob] = {
         Knob("LWS_MODEL_VOLUME", "str", "render --target lws: how pods get MODEL (read-only, at the same path): "
              "hostpath (default: the folder on every node) or pvc:<claim> (a PersistentVolumeClaim).",
              check=_model_volume),
+        Knob("CONTAINER_ENV_PREFIXES", "list", "Prefixes of keys passed into every container's environment as "
+             "they are, e.g. NCCL_ (a recipe may set it in its [defaults]). A key with one "
+             "of them is accepted in the env file and set after sparkctl's own variables (so NCCL_IB_HCA=... there "
+             "overrides the discovered pin); knobs are never passed this way.", check=_prefixes),
         Knob("HF_TOKEN", "str", "Hugging Face token (secret; never shown, passed by file)."),
         Knob("VLLM_API_KEY", "str", "API key the service requires (secret; passed by file, not argv)."),
     ]
@@ -304,15 +320,23 @@ RANK_KNOB_DOCS = {
 }
 
 
-def knob_doc(key: str) -> str | None:
+def knob_doc(key: str, prefixes: Iterable[str] = ()) -> str | None:
+    """A key's one-line doc; `prefixes` are CONTAINER_ENV_PREFIXES as resolved (Settings.container_env_prefixes)."""
     if key in KNOBS:
         return KNOBS[key].doc
     m = RANK_KEY_RE.match(key)
     if m:
         return RANK_KNOB_DOCS[m.group(2)]
-    if PASSTHROUGH_RE.match(key):
-        return "Passed to the containers' environment as it is."
+    if _passes(key, tuple(prefixes)):
+        return PASSTHROUGH_DOC
+    if LEGACY_RE.match(key):
+        return LEGACY_DOC
     return None
+
+
+def _passes(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Is `key` passed to the containers as it is: a CONTAINER_ENV_PREFIXES family's, and no knob?"""
+    return bool(prefixes) and key.startswith(prefixes) and key not in KNOBS and not RANK_KEY_RE.match(key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,8 +494,13 @@ class Settings:
         text = self.get("VLLM_EXTRA_ARGS")
         return parse_vllm_extra_args(str(text)) if text else []
 
+    def container_env_prefixes(self) -> tuple[str, ...]:
+        return tuple(self.get("CONTAINER_ENV_PREFIXES") or ())
+
     def passthrough_env(self) -> dict[str, str]:
-        return {k: str(v.value) for k, v in self.values.items() if PASSTHROUGH_RE.match(k) and k.startswith("STANDIN_")}
+        """The keys of CONTAINER_ENV_PREFIXES' families, for every container's environment as they are."""
+        prefixes = self.container_env_prefixes()
+        return {k: str(v.value) for k, v in self.values.items() if _passes(k, prefixes)}
 
     def rank_pins(self, rank: int) -> RankPins:
         gid = self.get(self.rank_key(rank, "GID_INDEX"))
@@ -516,8 +545,24 @@ def _env_file_path(env_file: str | None, environ: Mapping[str, str]) -> tuple[Pa
     return None, False
 
 
-def _known_key(key: str) -> bool:
-    return key in KNOBS or bool(RANK_KEY_RE.match(key)) or bool(PASSTHROUGH_RE.match(key))
+def known_key(key: str, prefixes: tuple[str, ...] = ()) -> bool:
+    """A knob, a rank pin, a seed-launcher switch, or a key of a CONTAINER_ENV_PREFIXES family (`prefixes`)."""
+    return key in KNOBS or bool(RANK_KEY_RE.match(key)) or bool(LEGACY_RE.match(key)) or _passes(key, prefixes)
+
+
+def prefixes_of(raw: str) -> tuple[str, ...]:
+    """The valid prefixes of a CONTAINER_ENV_PREFIXES value, as written (validate_settings refuses the others)."""
+    return tuple(p for p in raw.split() if _PREFIX_RE.match(p))
+
+
+def _resolved_prefixes(layers: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+    """CONTAINER_ENV_PREFIXES from the highest layer that sets it (the layers lowest first), before the rest is
+    resolved: which other keys are known depends on it. A bad prefix is validate_settings' to refuse."""
+    raw = ""
+    for mapping in layers:
+        if "CONTAINER_ENV_PREFIXES" in mapping:
+            raw = str(mapping["CONTAINER_ENV_PREFIXES"])
+    return prefixes_of(raw)
 
 
 def _read_env_file(path: Path) -> dict[str, str]:
@@ -585,11 +630,23 @@ def load_settings(
     path, explicit = _env_file_path(env_file, environ)
     file_values: dict[str, str] = {}
     warnings: list[str] = []
+    if path is not None and (explicit or path.exists()):
+        file_values = _read_env_file(path)
+    # The recipe decides the defaults, so find it first, by the same precedence.
+    recipe_raw, recipe_src = DEFAULT_RECIPE, "default"
+    for src_name, src in ((f"env file {path}", file_values), ("environment", environ), ("command line", cli)):
+        if src.get("RECIPE"):
+            recipe_raw, recipe_src = src["RECIPE"], src_name
+    try:
+        recipe = load_recipe(recipe_raw)
+    except UsageError as exc:
+        raise UsageError(f"{exc.message} (RECIPE from {recipe_src})", fix=exc.fix) from None
+    # Which keys are known depends on CONTAINER_ENV_PREFIXES (a recipe may set it): resolve it first.
+    recipe_defaults = {k: str(v) for k, v in recipe.defaults.items()}
+    prefixes = _resolved_prefixes((recipe_defaults, file_values, environ, cli))
     if path is not None:
-        if explicit or path.exists():
-            file_values = _read_env_file(path)
         for key in file_values:
-            if not _known_key(key):
+            if not known_key(key, prefixes):
                 close = difflib.get_close_matches(key, list(KNOBS), n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 warnings.append(f"unknown key {key} in env file {path}{hint}; it is ignored")
@@ -607,26 +664,16 @@ def load_settings(
                                      "twice; read-only ones only warn)")
             warnings.extend(said)
 
-    # The recipe decides the defaults, so find it first, by the same precedence.
-    recipe_raw, recipe_src = DEFAULT_RECIPE, "default"
-    for src_name, src in ((f"env file {path}", file_values), ("environment", environ), ("command line", cli)):
-        if src.get("RECIPE"):
-            recipe_raw, recipe_src = src["RECIPE"], src_name
-    try:
-        recipe = load_recipe(recipe_raw)
-    except UsageError as exc:
-        raise UsageError(f"{exc.message} (RECIPE from {recipe_src})", fix=exc.fix) from None
-
     values: dict[str, Value] = {}
     layers: list[tuple[str, Mapping[str, Any]]] = [
-        (f"recipe {recipe.name}", {k: str(v) for k, v in recipe.defaults.items()}),
+        (f"recipe {recipe.name}", recipe_defaults),
         (f"env file {path}", file_values),
-        ("environment", {k: v for k, v in environ.items() if _known_key(k)}),
+        ("environment", {k: v for k, v in environ.items() if known_key(k, prefixes)}),
         ("command line", cli),
     ]
     for source, mapping in layers:
         for key, raw in mapping.items():
-            if not _known_key(key):
+            if not known_key(key, prefixes):
                 if source.startswith("recipe"):
                     raise UsageError(f"{recipe.path}/defaults/{key}: unknown knob")
                 continue

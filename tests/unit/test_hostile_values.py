@@ -42,7 +42,8 @@ def model(tmp_path: Path) -> Path:
 
 
 def _load(model: Path, extra: dict[str, str]) -> Any:
-    return load_settings(cli={}, environ={"NODES": NODES, "MODEL": str(model), **PINS, **extra})
+    return load_settings(cli={}, environ={"NODES": NODES, "MODEL": str(model), **PINS,
+                                          "CONTAINER_ENV_PREFIXES": "STANDIN_", **extra})
 
 
 def _argvs(s: Any, model: Path) -> list[list[str]]:

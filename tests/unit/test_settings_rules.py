@@ -9,8 +9,18 @@ from typing import Any
 
 import pytest
 
+from sparkctl import settings as settings_module
 from sparkctl.errors import UsageError
-from sparkctl.settings import MAX_EXTRA_ARGS_CHARS, REDACTED, Settings, knob_doc, load_settings
+from sparkctl.settings import (
+    LEGACY_DOC,
+    MAX_EXTRA_ARGS_CHARS,
+    PASSTHROUGH_DOC,
+    REDACTED,
+    Settings,
+    knob_doc,
+    load_settings,
+    validate_settings,
+)
 
 NODES = "spark1 spark2 spark3 spark4"
 BASE = {"NODES": NODES, "MODEL": "/models/m"}
@@ -86,7 +96,8 @@ def test_a_replica_that_does_not_exist_is_refused_naming_those_that_do(clean_env
 def test_each_key_pattern_has_its_doc_and_an_unknown_key_none() -> None:
     assert knob_doc("TP") is not None and "Tensor-parallel" in (knob_doc("TP") or "")
     assert "GID index of the n-th node" in (knob_doc("RANK3_GID_INDEX") or "")
-    assert knob_doc("STANDIN_CRASH_AFTER") == knob_doc("SKIP_X") == "Passed to the containers' environment as it is."
+    assert knob_doc("STANDIN_CRASH_AFTER", ("STANDIN_",)) == knob_doc("NCCL_DEBUG", ("X_", "NCCL_")) == PASSTHROUGH_DOC
+    assert knob_doc("STANDIN_CRASH_AFTER") is None and knob_doc("SKIP_X") == LEGACY_DOC
     assert knob_doc("MAX_MODEL_LENGTH") is None and knob_doc("RANK1_NOPE") is None
 
 
@@ -155,3 +166,39 @@ def test_a_recipe_without_gpus_per_node_plans_one_gpu_per_node(clean_env: Any, t
     s = _load({"RECIPE": str(mine)})
     assert s.get("GPUS_PER_NODE") is None
     assert [list(r.nodes) for r in s.topology.replicas] == [NODES.split()]
+
+
+# ---- CONTAINER_ENV_PREFIXES: what passes into the containers as it is ------------------------------------
+
+def _passing(tmp_path: Path, lines: str, **environ: str) -> Settings:
+    env = tmp_path / "c.env"
+    env.write_text('NODES="a b c d"\nMODEL=/m\n' + lines)
+    return load_settings(env_file=str(env), cli={}, environ=environ, validate=False)
+
+
+def test_only_a_declared_family_passes_to_the_containers(clean_env: Any, tmp_path: Path) -> None:
+    plain = _passing(tmp_path, "STANDIN_TTFT_S=0.3\nSKIP_PULL=1\n")
+    assert plain.passthrough_env() == {}
+    assert any("unknown key STANDIN_TTFT_S" in w for w in plain.warnings)
+    assert not any("SKIP_PULL" in w for w in plain.warnings)  # the seed launcher's switch: accepted, not passed
+    declared = _passing(tmp_path, "CONTAINER_ENV_PREFIXES=STANDIN_ NCCL_\nSTANDIN_TTFT_S=0.3\nNCCL_DEBUG=INFO\n"
+                                  "SKIP_PULL=1\n")
+    assert declared.passthrough_env() == {"STANDIN_TTFT_S": "0.3", "NCCL_DEBUG": "INFO"}
+    assert declared.warnings == []
+    from_environment = _passing(tmp_path, "", CONTAINER_ENV_PREFIXES="NCCL_", NCCL_ALGO="Ring", STANDIN_X="1")
+    assert from_environment.passthrough_env() == {"NCCL_ALGO": "Ring"}
+
+
+def test_the_lab_recipe_declares_the_stand_ins_family(clean_env: Any, tmp_path: Path) -> None:
+    s = _passing(tmp_path, "RECIPE=lab\nSTANDIN_LOAD_DELAY_S=0\n", STANDIN_TTFT_S="0.1")
+    assert s.passthrough_env() == {"STANDIN_LOAD_DELAY_S": "0", "STANDIN_TTFT_S": "0.1"}
+    # The product names no family of the lab's: the recipe declares it (settings.py says nothing of the stand-in).
+    assert "STANDIN" not in Path(settings_module.__file__).read_text().upper().replace("-", "")
+
+
+def test_a_knob_never_passes_and_a_bad_prefix_is_refused(clean_env: Any, tmp_path: Path) -> None:
+    s = _passing(tmp_path, "CONTAINER_ENV_PREFIXES=MAX_ RANK0_\nMAX_MODEL_LEN=4096\nRANK0_FABRIC_IP=10.0.0.1\n"
+                           "MAX_JOBS=2\n")
+    assert s.passthrough_env() == {"MAX_JOBS": "2"}
+    with pytest.raises(UsageError, match="CONTAINER_ENV_PREFIXES"):
+        validate_settings(_passing(tmp_path, "CONTAINER_ENV_PREFIXES=nccl\n"))

@@ -198,10 +198,14 @@ def entry(n: int, **kw: Any) -> dict[str, Any]:
 def test_history_parse_newest_first_and_junk_skipped():
     text = "\n".join([json.dumps(entry(1)), "garbage", json.dumps({"when": 1}), "[]", json.dumps(entry(2)),
                       json.dumps(entry(3, knobs={"PORT": "1", "HF_TOKEN": "s3cret", "NOPE": "x",
-                                                 "STANDIN_TTFT_S": "0.1"}))])
+                                                 "STANDIN_TTFT_S": "0.1", "CONTAINER_ENV_PREFIXES": "STANDIN_"})),
+                      json.dumps(entry(4, knobs={"PORT": "2", "STANDIN_TTFT_S": "0.1"}))])
     rs = parse_history(text)
-    assert [r.config_hash for r in rs] == ["cfg3cfg3", "cfg2cfg2", "cfg1cfg1"] and [r.n for r in rs] == [1, 2, 3]
-    assert rs[0].knobs == {"PORT": "1", "STANDIN_TTFT_S": "0.1"}  # no secret, no unknown key
+    assert [r.config_hash for r in rs] == ["cfg4cfg4", "cfg3cfg3", "cfg2cfg2", "cfg1cfg1"]
+    assert [r.n for r in rs] == [1, 2, 3, 4]
+    # no secret, no unknown key; a passed-through key only in a family its release declared
+    assert rs[1].knobs == {"PORT": "1", "STANDIN_TTFT_S": "0.1", "CONTAINER_ENV_PREFIXES": "STANDIN_"}
+    assert rs[0].knobs == {"PORT": "2"}
 
 
 def test_pick_default_number_and_hash():

@@ -35,4 +35,4 @@ def command(g: object) -> None:
     c.print(table)
     if g.verbosity > 0:
         for key in data:
-            c.print(f"  {key}: {knob_doc(key) or ''}")
+            c.print(f"  {key}: {knob_doc(key, s.container_env_prefixes()) or ''}")

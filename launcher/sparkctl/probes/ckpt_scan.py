@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -513,7 +512,7 @@ def scan(directory: str, *, headers: str = "raw", fingerprints: bool = False, de
     ~/.cache/sparkctl), so an unchanged file is not read twice.
     """
     root = os.path.abspath(directory)
-    doc: dict[str, Any] = {"probe": "ckpt_scan", "version": VERSION, "host": socket.gethostname(),
+    doc: dict[str, Any] = {"probe": "ckpt_scan", "version": VERSION, "host": os.uname().nodename,
                            "dir": root, "headers": headers}
     if not os.path.isdir(root):
         doc["error"] = {"code": "dir-missing", "message": f"{root} is not a folder on this node"}
