@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparkctl import benchmetrics
+from sparkctl import benchmetrics, headapi
 from sparkctl.errors import CheckFailed
 from sparkctl.lab.local import local_standin
 from sparkctl.loadgen import inputs, level, request
@@ -33,11 +33,11 @@ def cfg(url: str, **kw: object) -> level.BenchConfig:
     base: dict[str, object] = {"workloads": [inputs.builtin_workload("prose")], "concurrency": [2], "requests": 4,
                                "warmup": 0, "max_tokens": 8}
     base.update(kw)
-    return level.BenchConfig(endpoint=inputs.Endpoint.parse(url), model="m", **base)  # type: ignore[arg-type]
+    return level.BenchConfig(endpoint=headapi.Endpoint.parse(url), model="m", **base)  # type: ignore[arg-type]
 
 
 def test_tokenizer_builds_prompts_of_the_asked_length_each_with_its_tag(standin):
-    tok = request.Tokenizer(inputs.Endpoint.parse(standin), "m", None)
+    tok = request.Tokenizer(headapi.Endpoint.parse(standin), "m", None)
     text, n = tok.prompt_of("[abc-1]", "a few words of filler", 40)
     assert n == 40 and len(tok.encode(text)) == 40 and text.startswith("[abc-1]")
 
@@ -56,7 +56,7 @@ def test_input_len_on_a_server_without_tokenize_fails_naming_it(monkeypatch, sta
     def no_tokenize(*a: object, **k: object) -> tuple[int, object]:
         return 404, {"detail": "Not Found"}
 
-    monkeypatch.setattr(request, "http_post_json", no_tokenize)
+    monkeypatch.setattr(headapi.HeadApi, "post_json", no_tokenize)
     with pytest.raises(CheckFailed, match="needs the server's /tokenize"):
         flow.run_bench(cfg(standin, input_len=8))
 

@@ -25,9 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import signals, vllmbench
 from ..errors import CheckFailed, UsageError
+from ..headapi import Endpoint
 from ..loadgen.inputs import (
     DEFAULT_WORKLOADS,
-    Endpoint,
     Workload,
     builtin_workload,
     load_prompt_file,
