@@ -143,19 +143,9 @@ class _LocalNode:
         return RunResult(p.stdout.decode(), p.stderr.decode(), p.returncode, 0.0)
 
 
-def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_load(standin, capsys, tmp_path,
-                                                                                    monkeypatch):
-    import os
-
+def fake_cluster(monkeypatch: pytest.MonkeyPatch, node: object) -> None:
+    """`cluster.Cluster` of the head spark1 alone, whose node is `node` (what `bench --tool ...` runs there)."""
     from sparkctl import cluster
-
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "vllm").write_text(FAKE_VLLM)
-    (bindir / "vllm").chmod(0o755)
-    log = tmp_path / "vllm.log"
-    calls: list[list[str]] = []
-    node_env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_VLLM_LOG": str(log), "TMPDIR": str(tmp_path)}
 
     class FakeCluster:
         def __init__(self, names: list[str], ssh_config: object) -> None:
@@ -167,10 +157,26 @@ def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_lo
         def __exit__(self, *a: object) -> None:
             pass
 
-        def node(self, name: str) -> _LocalNode:
-            return _LocalNode(node_env, calls)
+        def node(self, name: str) -> object:
+            return node
 
     monkeypatch.setattr(cluster, "Cluster", FakeCluster)
+
+
+def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_load(standin, capsys, tmp_path,
+                                                                                    monkeypatch):
+    import os
+
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm").write_text(FAKE_VLLM)
+    (bindir / "vllm").chmod(0o755)
+    log = tmp_path / "vllm.log"
+    calls: list[list[str]] = []
+    node_env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_VLLM_LOG": str(log), "TMPDIR": str(tmp_path)}
+
+    fake_cluster(monkeypatch, _LocalNode(node_env, calls))
     port = standin.rsplit(":", 1)[1]
     ssh = tmp_path / "ssh_config"
     ssh.write_text("Host spark1\n  HostName 127.0.0.1\n  User root\n")
