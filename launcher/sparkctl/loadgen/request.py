@@ -1,6 +1,6 @@
 """One request, timed as `vllm bench serve` times it: a streamed chat completion on a raw socket (each
 chunk dated to its packet's arrival where the kernel timestamps packets), and the plain calls a run
-makes beside it (/v1/models, /metrics, /tokenize).
+makes beside it (/v1/models, /metrics, /tokenize: through headapi.HeadApi, the one client of the head's API).
 """
 
 from __future__ import annotations
