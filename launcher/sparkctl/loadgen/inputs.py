@@ -1,5 +1,5 @@
-"""What a run sends, and where: the workloads (built-in prompt sets, a prompt file), the sampling
-defaults of the model card's benchmark, `--concurrency`'s list, and the endpoint.
+"""What a run sends: the workloads (built-in prompt sets, a prompt file), the sampling
+defaults of the model card's benchmark and `--concurrency`'s list (where it goes: headapi.Endpoint).
 """
 
 from __future__ import annotations
