@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "launcher"))
 
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.lab.local import local_standin  # noqa: E402
-from sparkctl.loadgen.wire import parse_prometheus  # noqa: E402
+from sparkctl.promtext import parse as parse_prometheus  # noqa: E402
 
 TOLERANCE = 0.05
 CPU_TARGET_PCT = 5.0

@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
+from sparkctl import headapi  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.lab.local import local_standin  # noqa: E402
 from sparkctl.loadgen import inputs, level, request  # noqa: E402
@@ -42,7 +43,7 @@ def main() -> int:
         make_checkpoint(model, "tiny")
         env = {"STANDIN_DECODE_TOK_S": str(args.tok_s), "STANDIN_TTFT_S": "0.05"}
         with local_standin(model, env=env, served_name="m", extra_args=["--max-num-seqs", "256"]) as url:
-            cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse(url), model="m", warmup=0,
+            cfg = level.BenchConfig(endpoint=headapi.Endpoint.parse(url), model="m", warmup=0,
                                       max_tokens=args.output_len, timeout=120,
                                       workloads=[inputs.builtin_workload("prose")])
             sampling = level.Sampling(cfg, "cpu")

@@ -11,7 +11,7 @@ Each figure is the best of --repeat runs (the least disturbed by other work on t
 | ckptgen: a full-size sparse 3.00 bpw / 4-bit pack | < 10 s each | test_ckptgen.py:67 |
 | readiness.phase_of on 3 huge lines (2.6 MB) | < 2 s (linear) | test_untrusted.py:122 |
 | status's /metrics summary of a 2,000,000-line answer | < 5 s | test_untrusted.py:162 |
-| wire.parse_prometheus on a pathological 60 kB line | < 2 s | test_untrusted.py:319 |
+| promtext.parse on a pathological 60 kB line | < 2 s | test_untrusted.py:319 |
 | stand-in: 80 tokens at 400 tok/s (+ 0.05 s TTFT) | 0.2 s <= t < 1.5 s | test_standin.py:245 |
 | nccl.parse of 20 pathological 200 kB lines | < 2 s (lines cut to MAX_LINE) | test_nccl.py:194 |
 | bench: a request's TTFT (role chunk at 0.02 s, 8 tokens 0.02 s apart) | TTFT < 1 s, > 8 tok/s | test_bench.py:313 |
@@ -46,9 +46,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from sparkctl import nccl
+    from sparkctl import nccl, promtext
     from sparkctl.lab import ckptgen
-    from sparkctl.loadgen import wire
     from sparkctl.orchestrate.status import metrics_summary
     from sparkctl.readiness import phase_of
 
@@ -65,7 +64,7 @@ def main() -> int:
     text = "vllm:num_requests_running 1\n" * 2_000_000
     results.append(("/metrics summary, 2M lines", best(lambda: metrics_summary(text), args.repeat), 0, 5))
     bad = "a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000
-    results.append(("parse_prometheus, pathological", best(lambda: list(wire.parse_prometheus(bad)), args.repeat), 0, 2))
+    results.append(("parse_prometheus, pathological", best(lambda: promtext.parse(bad), args.repeat), 0, 2))
     nccl_log = ("a:1:1 [0] " * 20000 + "NCCL INFO x\n") * 20
     results.append(("nccl.parse, 20 pathological lines", best(lambda: nccl.parse(nccl_log), args.repeat), 0, 2))
 

@@ -8,7 +8,6 @@ that `up` and `down` do not import an HTTP client.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from .engine_lines import (
     unreachable_master,
 )
 from .errors import CheckFailed
+from .headapi import MAX_JSON_ANSWER, MAX_METRICS_ANSWER, BadAnswer, HeadApi  # noqa: F401 - readiness.HeadApi: status, wait, watch
 from .service import ContainerState, inspect_cluster, log_tail
 from .settings import Settings
 
@@ -44,97 +44,6 @@ def phase_of(lines: Sequence[str]) -> str:
             if i > best and rx.search(line):
                 best = i
     return PHASES[best][0] if best >= 0 else "starting"
-
-
-MAX_JSON_ANSWER = 4 << 20  # /v1/models and a chat completion are a few KB
-MAX_METRICS_ANSWER = 16 << 20  # vLLM's /metrics is well under 1 MB
-
-
-class BadAnswer(CheckFailed):
-    """The head answered, but not what vLLM answers (not JSON, the wrong shape, too large)."""
-
-
-def _read_capped(r: requests.Response, limit: int, what: str) -> bytes:
-    """The body, refusing to hold more than `limit` bytes of it (the head's answers are untrusted)."""
-    chunks: list[bytes] = []
-    size = 0
-    for chunk in r.iter_content(64 * 1024):
-        size += len(chunk)
-        if size > limit:
-            raise BadAnswer(f"the head's {what} answer is larger than {limit >> 20} MiB")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _json_object(body: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or absurdly nested
-        raise BadAnswer(f"the head's {what} answer is not JSON: {body[:80]!r}") from None
-    if not isinstance(doc, dict):
-        raise BadAnswer(f"the head's {what} answer is JSON but not an object ({type(doc).__name__})")
-    return doc
-
-
-@dataclass
-class HeadApi:
-    """The head's OpenAI API. Every answer is read with a size cap and checked for its shape."""
-
-    base_url: str
-    api_key: str | None = None
-    timeout: float = 5.0
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def health(self) -> int | None:
-        try:
-            with requests.get(f"{self.base_url}/health", timeout=self.timeout, headers=self._headers(),
-                              stream=True) as r:
-                return r.status_code
-        except requests.RequestException:
-            return None
-
-    def models(self) -> list[str]:
-        with requests.get(f"{self.base_url}/v1/models", timeout=self.timeout, headers=self._headers(),
-                          stream=True) as r:
-            r.raise_for_status()
-            doc = _json_object(_read_capped(r, MAX_JSON_ANSWER, "/v1/models"), "/v1/models")
-        data = doc.get("data")
-        if not isinstance(data, list):
-            raise BadAnswer("the head's /v1/models answer has no \"data\" list")
-        ids = [m.get("id") for m in data if isinstance(m, dict)]
-        return [i[:512] for i in ids if isinstance(i, str)]
-
-    def chat(self, model: str, prompt: str, max_tokens: int = 32, timeout: float = 120.0) -> tuple[str, float]:
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}}
-        start = time.monotonic()
-        with requests.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=timeout,
-                           headers=self._headers(), stream=True) as r:
-            r.raise_for_status()
-            doc = _json_object(_read_capped(r, MAX_JSON_ANSWER, "chat completion"), "chat completion")
-        latency = time.monotonic() - start
-        choices = doc.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
-        if choice is None:
-            raise BadAnswer("the head's chat completion has no choices")
-        message = choice.get("message")
-        content = message.get("content") if isinstance(message, dict) else None
-        for text in (content, choice.get("text")):
-            if isinstance(text, str):
-                return text[:4096], latency
-        return "", latency
-
-    def metrics(self) -> str | None:
-        try:
-            with requests.get(f"{self.base_url}/metrics", timeout=self.timeout, headers=self._headers(),
-                              stream=True) as r:
-                if not r.ok:
-                    return None
-                return _read_capped(r, MAX_METRICS_ANSWER, "/metrics").decode("utf-8", "replace")
-        except (requests.RequestException, BadAnswer):
-            return None
 
 
 @dataclass

@@ -30,8 +30,8 @@ vllm = pytest.importorskip("vllm")
 from vllm.benchmarks.lib import endpoint_request_func as erf  # noqa: E402
 from vllm.benchmarks.serve import calculate_metrics  # noqa: E402
 
-from sparkctl import benchmetrics  # noqa: E402
-from sparkctl.loadgen import inputs, request  # noqa: E402
+from sparkctl import benchmetrics, headapi  # noqa: E402
+from sparkctl.loadgen import request  # noqa: E402
 
 pytestmark = pytest.mark.fidelity
 
@@ -168,7 +168,7 @@ def test_one_request_read_by_vllms_client_and_sparkctls(scripted: str) -> None:
 
     v = asyncio.run(theirs())
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}).encode()
-    s = request.stream_request(inputs.Endpoint.parse(scripted), "/v1/chat/completions", body, timeout=30)
+    s = request.stream_request(headapi.Endpoint.parse(scripted), "/v1/chat/completions", body, timeout=30)
     assert v.success and s.ok, (v.error, s.error)
     assert len(s.itl) == len(v.itl) == 6  # 7 output chunks (w0..w5 and the closing "" token): 6 gaps
     assert s.completion_tokens == v.output_tokens == 9 and s.prompt_tokens == v.prompt_len == 17

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sparkctl import vllmbench
+from sparkctl import headapi, vllmbench
 from sparkctl.lab.client import Lab
 from sparkctl.loadgen import inputs, level
 from sparkctl.orchestrate import bench as flow
@@ -97,7 +97,7 @@ def _vllm_bench_beside_sparkctl(lab: Lab, env: dict[str, str], head_cid: str) ->
         if nice:
             os.setpriority(os.PRIO_PROCESS, 0, -10)
         try:
-            cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse(head_url(lab, "")), model="lab-llama",
+            cfg = level.BenchConfig(endpoint=headapi.Endpoint.parse(head_url(lab, "")), model="lab-llama",
                                       concurrency=[1], requests=n, warmup=1, max_tokens=output_len,
                                       input_len=input_len, timeout=120, workloads=[inputs.builtin_workload("prose")])
             run = flow.run_bench(cfg)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl import vllmbench
+from sparkctl import headapi, vllmbench
 from sparkctl.loadgen import inputs, level
 from sparkctl.orchestrate import bench as flow
 from tests.realengine.test_conformance import model, real_venv, start, wait_ready  # noqa: F401 - fixtures
@@ -70,7 +70,7 @@ def test_sparkctl_and_vllm_bench_serve_agree_on_the_real_engine(real_venv: Path,
     g = start("vllm", real_venv, model, tmp_path, nnodes=1)
     try:
         assert wait_ready(g), f"the real engine did not start:\n{g.head.text()[-3000:]}"
-        ep = inputs.Endpoint.parse(g.url)
+        ep = headapi.Endpoint.parse(g.url)
         env = {**os.environ, "PATH": f"{real_venv / 'bin'}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TMPDIR": str(tmp_path)}
         env.pop("VIRTUAL_ENV", None)

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparkctl import headapi, promtext
 from sparkctl.errors import CheckFailed, UsageError
 from sparkctl.lab.local import local_standin
 from sparkctl.loadgen import inputs, level, report, wire
@@ -140,7 +141,7 @@ def ok_stream(n: int = 8, *, with_usage: bool = True) -> list[bytes]:
 
 def request(url: str, **kw: Any) -> rq.RequestResult:
     body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
-    return rq.stream_request(inputs.Endpoint.parse(url), "/v1/chat/completions", body, **kw)
+    return rq.stream_request(headapi.Endpoint.parse(url), "/v1/chat/completions", body, **kw)
 
 
 # ============================================================================ wire formats
@@ -227,11 +228,11 @@ weird{label="a \\"quoted\\" value"} 1
 vllm:gpu_cache_usage_perc NaN
 garbage line here
 """
-    samples = wire.parse_prometheus(text)
-    assert wire.counter_total(samples, wire.SPEC_DRAFTS, "m") == 150
-    assert wire.counter_total(samples, wire.SPEC_DRAFTS) == 1149
-    assert wire.counter_total(samples, wire.SPEC_DRAFTS, "absent") == 1149  # unknown model: all series
-    assert wire.counter_total(samples, "nope") is None
+    samples = promtext.parse(text)
+    assert promtext.total(samples, wire.SPEC_DRAFTS, "m") == 150
+    assert promtext.total(samples, wire.SPEC_DRAFTS) == 1149
+    assert promtext.total(samples, wire.SPEC_DRAFTS, "absent") == 1149  # unknown model: all series
+    assert promtext.total(samples, "nope") is None
     assert [s.labels for s in samples if s.name == "weird"] == [{"label": 'a "quoted" value'}]
     before = wire.spec_counters(samples, "m")
     assert before == wire.SpecCounters(150, 450, 180)
@@ -240,7 +241,7 @@ garbage line here
     assert delta is not None
     # 100 drafts (request-steps), 150 accepted: 1.5 accepted per step + the sampled token = 2.5 per step
     assert (delta.accepted_per_step, delta.tokens_per_step, delta.acceptance_rate) == (1.5, 2.5, 0.5)
-    assert wire.spec_counters(wire.parse_prometheus("vllm:num_requests_running 1\n")) is None
+    assert wire.spec_counters(promtext.parse("vllm:num_requests_running 1\n")) is None
     assert wire.spec_delta(None, after) is None
     assert wire.SpecDelta(0, 0, 0).tokens_per_step is None
 
@@ -260,19 +261,19 @@ def test_inputs_are_checked():
             inputs.parse_int_list(bad, "--concurrency")
     with pytest.raises(UsageError, match="unknown workload"):
         inputs.builtin_workload("poetry")
-    ep = inputs.Endpoint.parse("10.0.0.1:8888/v1/")
+    ep = headapi.Endpoint.parse("10.0.0.1:8888/v1/")
     assert (ep.scheme, ep.host, ep.port, ep.base, ep.url) == ("http", "10.0.0.1", 8888, "", "http://10.0.0.1:8888")
-    assert inputs.Endpoint.parse("https://h/api").url == "https://h:443/api"
+    assert headapi.Endpoint.parse("https://h/api").url == "https://h:443/api"
     for bad in ("ftp://x", "http://", "http://h:99999"):
         with pytest.raises(UsageError):
-            inputs.Endpoint.parse(bad)
+            headapi.Endpoint.parse(bad)
 
 
 def test_builtin_prompts_share_no_prefix():
     for name, prompts in inputs.PROMPTS.items():
         assert len(prompts) >= 6, name
         assert len({p.split()[0] for p in prompts}) == len(prompts), f"{name}: two prompts open alike"
-    cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse("http://h:1"), model="m")
+    cfg = level.BenchConfig(endpoint=headapi.Endpoint.parse("http://h:1"), model="m")
     s = level.Sampling(cfg, "n0nce")
     one, two = (json.loads(s.body("same prompt")) for _ in range(2))
     assert one["messages"][0]["content"] != two["messages"][0]["content"]
@@ -424,7 +425,7 @@ SEED = {  # the model card's table (facts.md), rebuilt from per-stream rates
 
 
 def seed_doc(scale: float = 1.0) -> dict[str, Any]:
-    cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse("http://spark1:8888"), model="GLM-5.3-EXL3")
+    cfg = level.BenchConfig(endpoint=headapi.Endpoint.parse("http://spark1:8888"), model="GLM-5.3-EXL3")
     run = level.BenchRun(cfg, started=1_700_000_000.0, finished=1_700_000_100.0)
     for task, levels in SEED.items():
         acc = 800.0 if task == "prose" else 1500.0
@@ -450,7 +451,7 @@ def test_table_golden_in_the_seed_layout():
 
 
 def test_table_marks_partial_levels_and_missing_cells():
-    cfg = level.BenchConfig(endpoint=inputs.Endpoint.parse("http://h:1"), model="m")
+    cfg = level.BenchConfig(endpoint=headapi.Endpoint.parse("http://h:1"), model="m")
     run = level.BenchRun(cfg, started=0.0)
     lv = synthetic_level("prose", 1, 10.0, 0.5, 10, 5)
     lv.requests.append(rq.RequestResult(index=9).fail("http", "HTTP 500"))
@@ -506,7 +507,7 @@ def quick_cfg(url: str, **kw: Any) -> level.BenchConfig:
     kw.setdefault("warmup", 0)
     kw.setdefault("max_tokens", 8)
     kw.setdefault("timeout", 5.0)
-    return level.BenchConfig(endpoint=inputs.Endpoint.parse(url), model="m", **kw)
+    return level.BenchConfig(endpoint=headapi.Endpoint.parse(url), model="m", **kw)
 
 
 def test_run_against_a_server_that_refuses_ignore_eos_drops_it_and_retries():
@@ -719,10 +720,10 @@ def test_cli_wrong_model_name_is_bad_input(standin, capsys):
 
 
 def test_list_models_errors(standin):
-    assert rq.list_models(inputs.Endpoint.parse(standin), None) == ["m"]
+    assert rq.list_models(headapi.Endpoint.parse(standin), None) == ["m"]
 
     def deny(h: Any) -> None:
         send_json(h, 401, {"error": "Unauthorized"})
 
     with tiny_server(deny) as url, pytest.raises(CheckFailed, match="refused the API key"):
-        rq.list_models(inputs.Endpoint.parse(url), "k")
+        rq.list_models(headapi.Endpoint.parse(url), "k")

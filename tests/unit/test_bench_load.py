@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparkctl import benchmetrics
+from sparkctl import benchmetrics, headapi
 from sparkctl.errors import CheckFailed
 from sparkctl.lab.local import local_standin
 from sparkctl.loadgen import inputs, level, request
@@ -33,11 +33,11 @@ def cfg(url: str, **kw: object) -> level.BenchConfig:
     base: dict[str, object] = {"workloads": [inputs.builtin_workload("prose")], "concurrency": [2], "requests": 4,
                                "warmup": 0, "max_tokens": 8}
     base.update(kw)
-    return level.BenchConfig(endpoint=inputs.Endpoint.parse(url), model="m", **base)  # type: ignore[arg-type]
+    return level.BenchConfig(endpoint=headapi.Endpoint.parse(url), model="m", **base)  # type: ignore[arg-type]
 
 
 def test_tokenizer_builds_prompts_of_the_asked_length_each_with_its_tag(standin):
-    tok = request.Tokenizer(inputs.Endpoint.parse(standin), "m", None)
+    tok = request.Tokenizer(headapi.Endpoint.parse(standin), "m", None)
     text, n = tok.prompt_of("[abc-1]", "a few words of filler", 40)
     assert n == 40 and len(tok.encode(text)) == 40 and text.startswith("[abc-1]")
 
@@ -56,7 +56,7 @@ def test_input_len_on_a_server_without_tokenize_fails_naming_it(monkeypatch, sta
     def no_tokenize(*a: object, **k: object) -> tuple[int, object]:
         return 404, {"detail": "Not Found"}
 
-    monkeypatch.setattr(request, "http_post_json", no_tokenize)
+    monkeypatch.setattr(headapi.HeadApi, "post_json", no_tokenize)
     with pytest.raises(CheckFailed, match="needs the server's /tokenize"):
         flow.run_bench(cfg(standin, input_len=8))
 
@@ -143,19 +143,9 @@ class _LocalNode:
         return RunResult(p.stdout.decode(), p.stderr.decode(), p.returncode, 0.0)
 
 
-def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_load(standin, capsys, tmp_path,
-                                                                                    monkeypatch):
-    import os
-
+def fake_cluster(monkeypatch: pytest.MonkeyPatch, node: object) -> None:
+    """`cluster.Cluster` of the head spark1 alone, whose node is `node` (what `bench --tool ...` runs there)."""
     from sparkctl import cluster
-
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "vllm").write_text(FAKE_VLLM)
-    (bindir / "vllm").chmod(0o755)
-    log = tmp_path / "vllm.log"
-    calls: list[list[str]] = []
-    node_env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_VLLM_LOG": str(log), "TMPDIR": str(tmp_path)}
 
     class FakeCluster:
         def __init__(self, names: list[str], ssh_config: object) -> None:
@@ -167,10 +157,26 @@ def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_lo
         def __exit__(self, *a: object) -> None:
             pass
 
-        def node(self, name: str) -> _LocalNode:
-            return _LocalNode(node_env, calls)
+        def node(self, name: str) -> object:
+            return node
 
     monkeypatch.setattr(cluster, "Cluster", FakeCluster)
+
+
+def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_load(standin, capsys, tmp_path,
+                                                                                    monkeypatch):
+    import os
+
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm").write_text(FAKE_VLLM)
+    (bindir / "vllm").chmod(0o755)
+    log = tmp_path / "vllm.log"
+    calls: list[list[str]] = []
+    node_env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_VLLM_LOG": str(log), "TMPDIR": str(tmp_path)}
+
+    fake_cluster(monkeypatch, _LocalNode(node_env, calls))
     port = standin.rsplit(":", 1)[1]
     ssh = tmp_path / "ssh_config"
     ssh.write_text("Host spark1\n  HostName 127.0.0.1\n  User root\n")

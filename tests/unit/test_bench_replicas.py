@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+from sparkctl import headapi, promtext
 from sparkctl.errors import UsageError
 from sparkctl.lab.local import free_port, local_standin
-from sparkctl.loadgen import inputs, level, replicas, report, wire
+from sparkctl.loadgen import inputs, level, replicas, report
 from sparkctl.orchestrate import bench as flow
 from tests.conftest import run_cli
 from tests.unit.test_bench import models_or, ok_stream, send_json, stream_app, tiny_server
@@ -50,8 +51,8 @@ def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, port: int, *, nodes
 def served(url: str) -> float:
     """Requests the stand-in has completed (its /metrics' vllm:request_success_total)."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:  # noqa: S310 - loopback
-        samples = wire.parse_prometheus(resp.read().decode())
-    return wire.counter_total(samples, "vllm:request_success_total") or 0.0
+        samples = promtext.parse(resp.read().decode())
+    return promtext.total(samples, "vllm:request_success_total") or 0.0
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,7 @@ def test_levels_run_in_step_across_replicas():
     port = free_port()
     with tiny_server(stream_app(ok_stream(4)), "127.0.0.1", port) as fast, \
             tiny_server(stream_app(ok_stream(4), delay=0.03), "127.0.0.2", port) as slow:
-        cfgs = [level.BenchConfig(endpoint=inputs.Endpoint.parse(u), model="m", workloads=[inputs.builtin_workload("list")],
+        cfgs = [level.BenchConfig(endpoint=headapi.Endpoint.parse(u), model="m", workloads=[inputs.builtin_workload("list")],
                               concurrency=[1, 2, 4], requests=4, warmup=1, max_tokens=4, timeout=5.0)
                 for u in (fast, slow)]
         runs = flow.run_replicas(cfgs, [Record(0), Record(1)])

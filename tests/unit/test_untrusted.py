@@ -20,9 +20,10 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from sparkctl import promtext
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.errors import SparkctlError
-from sparkctl.loadgen import report, request, wire
+from sparkctl.loadgen import report, request
 from sparkctl.lock import LockOwner
 from sparkctl.orchestrate.status import metrics_summary
 from sparkctl.plan import CheckpointInfo, checkpoint_from_scan, kv_terms
@@ -334,14 +335,14 @@ def test_head_api_shapes_and_caps(head: tuple[str, Answers]) -> None:
 @FAST
 @given(st.text(max_size=400))
 def test_bench_prometheus_and_error_bodies(text: str) -> None:
-    for s in wire.parse_prometheus(text):
+    for s in promtext.parse(text):
         assert isinstance(s.value, float) and isinstance(s.labels, dict)
     assert isinstance(request._error_message(text.encode("utf-8", "surrogatepass")), str)
 
 
 def test_bench_prometheus_pathological_line_is_fast() -> None:
     # Garbage in, no sample out (and no exception); its speed: bench/suite_timings.py
-    assert list(wire.parse_prometheus("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)) == []
+    assert list(promtext.parse("a{" + "}" * 20_000 + " x\n" + ("a{" + '"' * 20_000) + "\n" + "a " * 20_000)) == []
 
 
 @FAST

@@ -23,11 +23,11 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import signals, vllmbench
+from .. import llamabenchy, signals, vllmbench
 from ..errors import CheckFailed, UsageError
+from ..headapi import Endpoint
 from ..loadgen.inputs import (
     DEFAULT_WORKLOADS,
-    Endpoint,
     Workload,
     builtin_workload,
     load_prompt_file,
@@ -87,9 +87,11 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
 @click.option("--api-key-env", metavar="VAR", help="Environment variable holding the API key (default: VLLM_API_KEY).")
 @click.option("--replica", type=int, metavar="R", help="Measure replica R's head only (default: every replica's "
               "head, together, and the total).")
-@click.option("--tool", type=click.Choice(["sparkctl", "vllm"]), default="sparkctl", show_default=True,
+@click.option("--tool", type=click.Choice(["sparkctl", "vllm", "llama-benchy"]), default="sparkctl", show_default=True,
               help="vllm: also run vLLM's own `vllm bench serve` in the head's container on the same load "
-              f"(random prompts of --input-len tokens, default {vllmbench.DEFAULT_INPUT_LEN}) and print both side by side.")
+              f"(random prompts of --input-len tokens, default {vllmbench.DEFAULT_INPUT_LEN}) and print both side by side. "
+              "llama-benchy: also run llama-benchy (the optional extra sparkctl[llama-benchy]) from this machine on "
+              "the same endpoint and load, with the served model's tokenizer.json from the head; nothing is downloaded.")
 @click.pass_obj
 def command(g: object, url: str | None, model: str | None, workload: str | None, prompt_file: str | None,
             concurrency: str, n_requests: int | None, duration: float | None, request_rate: float | None,
@@ -107,13 +109,16 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
                          "at least one request per stream", fix=f"use --num-prompts {max(levels)} or more")
     if url and replica is not None:
         raise UsageError("--url and --replica both name what to measure", fix="pass one of them")
-    if tool == "vllm":
+    if tool == "llama-benchy" and not llamabenchy.available():
+        raise UsageError("--tool llama-benchy: llama-benchy is not installed for this Python",
+                         fix=f"{llamabenchy.EXTRA} (llama-benchy 0.4)")
+    if tool != "sparkctl":
         if url:
-            raise UsageError("--tool vllm runs `vllm bench serve` in the head's container: it needs the cluster's "
-                             "settings, not --url", fix="leave --url out (and pick a replica with --replica R)")
+            raise UsageError(f"--tool {tool} needs the cluster's settings (the head's container or model folder), "
+                             "not --url", fix="leave --url out (and pick a replica with --replica R)")
         if duration is not None and n_requests is None:
-            raise UsageError("--tool vllm needs a number of requests per level (vLLM's --num-prompts), not only "
-                             "--duration", fix="add --num-prompts N")
+            raise UsageError(f"--tool {tool} needs a number of requests per level, not only --duration",
+                             fix="add --num-prompts N")
         input_len = input_len or vllmbench.DEFAULT_INPUT_LEN
         if replica is None:
             replica = 0
@@ -145,10 +150,13 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
     if target.replica is not None:  # --replica R: which replica this one-endpoint document measured
         doc = {"replica": target.replica, "head": target.head, **doc}
     side = ""
-    if tool == "vllm" and not run.interrupted and doc["workloads"]:
+    if tool != "sparkctl" and not run.interrupted and doc["workloads"]:
         say = (lambda m: err.print(m, markup=False)) if g.verbosity >= 0 else (lambda m: None)
-        doc["vllm_bench_serve"], side = flow.run_vllm_tool(g.settings().replica(target.replica or 0),
-                                                           g.ssh_config_path(), cfg, doc, say)
+        view = g.settings().replica(target.replica or 0)
+        if tool == "vllm":
+            doc["vllm_bench_serve"], side = flow.run_vllm_tool(view, g.ssh_config_path(), cfg, doc, say)
+        else:
+            doc["llama_benchy"], side = flow.run_llama_benchy_tool(view, g.ssh_config_path(), cfg, doc, say)
     if base is not None:
         doc["compare"] = compare(doc, base)
     if save:

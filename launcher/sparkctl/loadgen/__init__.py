@@ -28,11 +28,12 @@ Linux) a chunk is dated to its packet's arrival, not to when the thread woke up.
 measures the client's CPU per stream.
 
 The package, one job per module:
-  inputs    the workloads, the sampling defaults, --concurrency's list, the endpoint
+  inputs    the workloads, the sampling defaults, --concurrency's list (the endpoint: headapi.Endpoint)
   wire      HTTP chunked bodies, server-sent events, the spec-decode counters
   request   one streamed request on a raw socket, and the plain calls beside it
   level     one level (BenchConfig, Sampling, run_level) and the run's document (BenchRun)
   replicas  several replicas in step (LevelSync) and their total
   report    the JSON document's schema, a saved run, the tables, --compare
-The flow of a whole run (warm-up, the levels, several replicas, `--tool vllm`) is orchestrate.bench.
+The flow of a whole run (warm-up, the levels, several replicas, `--tool vllm`, `--tool llama-benchy`) is
+orchestrate.bench; /metrics is parsed by promtext.
 """

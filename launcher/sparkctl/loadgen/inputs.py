@@ -1,5 +1,5 @@
-"""What a run sends, and where: the workloads (built-in prompt sets, a prompt file), the sampling
-defaults of the model card's benchmark, `--concurrency`'s list, and the endpoint.
+"""What a run sends: the workloads (built-in prompt sets, a prompt file), the sampling
+defaults of the model card's benchmark and `--concurrency`'s list (where it goes: headapi.Endpoint).
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from ..errors import UsageError
 
@@ -109,33 +108,3 @@ def parse_int_list(text: str, what: str) -> list[int]:
     if not out:
         raise UsageError(f"{what} is empty", fix="e.g. 1,2,4,8")
     return out
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where the OpenAI API is: scheme, host, port and a base path ('' or '/prefix')."""
-
-    scheme: str
-    host: str
-    port: int
-    base: str
-
-    @classmethod
-    def parse(cls, url: str) -> Endpoint:
-        try:
-            u = urlsplit(url.strip() if "://" in url else "http://" + url.strip())
-            port = u.port
-        except ValueError as exc:
-            raise UsageError(f"--url {url!r} is not a URL ({exc})", fix="e.g. http://10.0.0.1:8888") from None
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise UsageError(f"--url {url!r} must be an http:// or https:// URL with a host",
-                             fix="e.g. http://10.0.0.1:8888")
-        base = u.path.rstrip("/")
-        if base.endswith("/v1"):  # people paste the OpenAI base URL; the paths below add /v1 themselves
-            base = base[:-3]
-        return cls(u.scheme, u.hostname, port or (443 if u.scheme == "https" else 80), base)
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}{self.base}"

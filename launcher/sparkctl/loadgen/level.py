@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import benchmetrics
+from ..headapi import Endpoint
 from ..threads import spawn, wait_all, wait_bounded
 from .inputs import (
     DEFAULT_CONCURRENCY,
     DEFAULT_WORKLOADS,
     TEMPERATURE,
     TOP_P,
-    Endpoint,
     Workload,
     builtin_workload,
 )

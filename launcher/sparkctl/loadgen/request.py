@@ -1,12 +1,11 @@
 """One request, timed as `vllm bench serve` times it: a streamed chat completion on a raw socket (each
 chunk dated to its packet's arrival where the kernel timestamps packets), and the plain calls a run
-makes beside it (/v1/models, /metrics, /tokenize).
+makes beside it (/v1/models, /metrics, /tokenize: through headapi.HeadApi, the one client of the head's API).
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import select
 import socket
@@ -17,11 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import benchmetrics
+import requests
+
+from .. import benchmetrics, promtext
 from ..errors import CheckFailed
-from .inputs import Endpoint
+from ..headapi import BadAnswer, Endpoint, HeadApi, reason
 from .report import rounded
-from .wire import ChunkedDecoder, SpecCounters, SSEParser, parse_prometheus, spec_counters
+from .wire import ChunkedDecoder, SpecCounters, SSEParser, spec_counters
 
 RECV_SIZE = 65536
 MAX_HEAD = 64 * 1024  # response status line + headers
@@ -293,16 +294,6 @@ def _error_message(body: bytes) -> str:
     return text[:300]
 
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (nothing listens on that port: is the service up?)"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the host name ({exc.strerror})"
-    if isinstance(exc, TimeoutError | socket.timeout):
-        return "timed out"
-    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-
-
 class _Tracker:
     """Follows one SSE stream as vLLM's benchmark does: every event parsed, the arrival time of each
     chunk that carries streamed output (benchmetrics.streamed_output), usage, errors, [DONE]."""
@@ -367,7 +358,7 @@ def stream_request(ep: Endpoint, path: str, body: bytes, *, index: int = 0, api_
     try:
         sock = _connect(ep.host, ep.port, min(timeout, CONNECT_TIMEOUT_S))
     except OSError as exc:
-        return r.fail("connect", f"cannot connect to {ep.host}:{ep.port}: {_reason(exc)}")
+        return r.fail("connect", f"cannot connect to {ep.host}:{ep.port}: {reason(exc)}")
     if ep.scheme == "https":
         try:
             sock = ssl.create_default_context().wrap_socket(sock, server_hostname=ep.host)
@@ -391,7 +382,7 @@ def stream_request(ep: Endpoint, path: str, body: bytes, *, index: int = 0, api_
     except (OSError, ConnectionError) as exc:
         if canceller.stop.is_set():
             return r.fail("cancelled", "stopped (Ctrl-C)")
-        return r.fail("connect", f"connection to {ep.host}:{ep.port} failed: {_reason(exc)}")
+        return r.fail("connect", f"connection to {ep.host}:{ep.port} failed: {reason(exc)}")
     except ValueError as exc:
         return r.fail("protocol", f"unexpected answer from {ep.host}:{ep.port}: {exc}")
     finally:
@@ -451,60 +442,19 @@ def _read_response(r: RequestResult, rx: _Receiver) -> RequestResult:
     return r
 
 
-def http_get(ep: Endpoint, path: str, *, api_key: str | None = None, timeout: float = 10.0,
-             limit: int = 16 * 2**20) -> tuple[int, bytes]:
-    """A plain GET (for /metrics and /v1/models); raises OSError when the server cannot be reached."""
-    cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
-    conn = cls(ep.host, ep.port, timeout=timeout)
-    try:
-        headers = {"User-Agent": "sparkctl-bench"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        conn.request("GET", ep.base + path, headers=headers)
-        resp = conn.getresponse()
-        return resp.status, resp.read(limit)
-    except http.client.HTTPException as exc:
-        raise OSError(f"bad HTTP answer: {exc!r}") from None
-    finally:
-        conn.close()
-
-
-def http_post_json(ep: Endpoint, path: str, payload: dict[str, Any], *, api_key: str | None = None,
-                   timeout: float = 30.0, limit: int = 16 * 2**20) -> tuple[int, Any]:
-    """POST a JSON body, parse the JSON answer (None when it is not JSON); raises OSError when the
-    server cannot be reached."""
-    cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
-    conn = cls(ep.host, ep.port, timeout=timeout)
-    try:
-        headers = {"User-Agent": "sparkctl-bench", "Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        conn.request("POST", ep.base + path, body=json.dumps(payload).encode(), headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read(limit)
-    except http.client.HTTPException as exc:
-        raise OSError(f"bad HTTP answer: {exc!r}") from None
-    finally:
-        conn.close()
-    try:
-        return resp.status, json.loads(raw)
-    except ValueError:
-        return resp.status, None
-
-
 class Tokenizer:
     """The served model's own tokenizer, through the server's /tokenize and /detokenize (vLLM's
     endpoints: nothing is downloaded). Used to build prompts of an exact length in tokens."""
 
     def __init__(self, ep: Endpoint, model: str, api_key: str | None, timeout: float = 30.0) -> None:
-        self.ep, self.model, self.api_key, self.timeout = ep, model, api_key, timeout
+        self.ep, self.model = ep, model
+        self.api = HeadApi.of(ep, api_key, timeout)
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         try:
-            status, obj = http_post_json(self.ep, path, {"model": self.model, **payload}, api_key=self.api_key,
-                                         timeout=self.timeout)
-        except OSError as exc:
-            raise CheckFailed(f"--input-len: cannot reach {self.ep.url}{path}: {_reason(exc)}",
+            status, obj = self.api.post_json(path, {"model": self.model, **payload})
+        except (requests.RequestException, BadAnswer) as exc:
+            raise CheckFailed(f"--input-len: cannot reach {self.ep.url}{path}: {reason(exc)}",
                               fix="start the service, or leave --input-len out") from None
         if status != 200 or not isinstance(obj, dict):
             raise CheckFailed(f"--input-len needs the server's {path} (vLLM serves it); {self.ep.url} answered "
@@ -550,10 +500,12 @@ def list_models(ep: Endpoint, api_key: str | None, timeout: float = 10.0) -> lis
     """The served model ids, or None when /v1/models does not answer with a model list.
     Raises CheckFailed when the server cannot be reached or refuses the API key."""
     try:
-        status, body = http_get(ep, "/v1/models", api_key=api_key, timeout=timeout)
-    except OSError as exc:
-        raise CheckFailed(f"cannot reach the API at {ep.url}: {_reason(exc)}",
+        status, body = HeadApi.of(ep, api_key, timeout).get("/v1/models")
+    except requests.RequestException as exc:
+        raise CheckFailed(f"cannot reach the API at {ep.url}: {reason(exc)}",
                           fix="start the service (sparkctl up, then sparkctl wait) or point --url at it") from None
+    except BadAnswer:
+        return None
     if status in (401, 403):
         raise CheckFailed(f"the API at {ep.url} refused the API key (HTTP {status})",
                           fix="set VLLM_API_KEY in the env file, or name the variable that holds it with --api-key-env")
@@ -562,17 +514,12 @@ def list_models(ep: Endpoint, api_key: str | None, timeout: float = 10.0) -> lis
     try:
         data = json.loads(body).get("data")
         return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return None
 
 
 def read_spec_counters(ep: Endpoint, model: str | None, api_key: str | None,
                        timeout: float = 10.0) -> SpecCounters | None:
     """The spec-decode counters now, or None (no /metrics, or speculative decoding off)."""
-    try:
-        status, body = http_get(ep, "/metrics", api_key=api_key, timeout=timeout)
-    except OSError:
-        return None
-    if status != 200:
-        return None
-    return spec_counters(parse_prometheus(body.decode("utf-8", "replace")), model)
+    text = HeadApi.of(ep, api_key, timeout).metrics()
+    return None if text is None else spec_counters(promtext.parse(text), model)

@@ -4,12 +4,12 @@ spec-decode counters of the server's /metrics (vLLM's names: engine_lines).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import benchmetrics
 from ..engine_lines import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS  # vLLM's metric names, in one place
+from ..promtext import Sample, total
 
 
 class ChunkedDecoder:
@@ -97,45 +97,6 @@ class SSEParser:
         return events
 
 
-@dataclass
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> list[Sample]:
-    """Prometheus text exposition -> samples. Comments, blank and unparsable lines are skipped."""
-    out: list[Sample] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-                  for k, v in _LABEL_RE.findall(m.group(2) or "")}
-        out.append(Sample(m.group(1), labels, value))
-    return out
-
-
-def counter_total(samples: Iterable[Sample], name: str, model: str | None = None) -> float | None:
-    """Sum of a counter over its label sets (engines, ranks); only `model`'s series when it has any."""
-    series = [s for s in samples if s.name == name]
-    if model is not None and any(s.labels.get("model_name") == model for s in series):
-        series = [s for s in series if s.labels.get("model_name") == model]
-    return sum(s.value for s in series) if series else None
-
-
 @dataclass(frozen=True)
 class SpecCounters:
     drafts: float
@@ -165,11 +126,12 @@ class SpecDelta:
 
 
 def spec_counters(samples: Sequence[Sample], model: str | None = None) -> SpecCounters | None:
-    drafts = counter_total(samples, SPEC_DRAFTS, model)
-    accepted = counter_total(samples, SPEC_ACCEPTED, model)
+    """The spec-decode counters among /metrics' samples (promtext.parse), summed over engines and ranks."""
+    drafts = total(samples, SPEC_DRAFTS, model)
+    accepted = total(samples, SPEC_ACCEPTED, model)
     if drafts is None or accepted is None:
         return None
-    return SpecCounters(drafts, counter_total(samples, SPEC_DRAFT_TOKENS, model), accepted)
+    return SpecCounters(drafts, total(samples, SPEC_DRAFT_TOKENS, model), accepted)
 
 
 def spec_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecDelta | None:

@@ -7,20 +7,29 @@
                                          thread, a LevelSync (loadgen.replicas) keeping the levels in step
   run_vllm_tool(settings, ...)           `--tool vllm`: `vllm bench serve` in the head's container, one run
                                          per level of the first workload, over one SSH connection (vllmbench)
+  fetch_tokenizer + run_llama_benchy     `--tool llama-benchy`: the served model's tokenizer.json copied from
+                                         the head, then llama-benchy from this machine, one run per level,
+                                         its prompt text served on loopback (llamabenchy)
 
 commands/bench.py parses the flags, calls these and prints; loadgen/ measures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import http.server
 import os
+import subprocess
+import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import vllmbench
+from .. import llamabenchy, vllmbench
 from ..errors import CheckFailed
 from ..loadgen.inputs import WARMUP_PROMPT, Workload
 from ..loadgen.level import BenchConfig, BenchRun, ProgressSink, Sampling, level_bound_s, run_level
@@ -167,3 +176,92 @@ def run_vllm_tool(s: Settings, ssh_config: str | Path | None, cfg: BenchConfig, 
                                   "result": {k: v for k, v in theirs.items() if not isinstance(v, list)}})
             pairs.append((c, lv, theirs))
     return out, vllmbench.side_by_side(pairs)
+
+
+def fetch_tokenizer(s: Settings, ssh_config: str | Path | None, dest: Path) -> Path:
+    """The served model's tokenizer.json, copied from MODEL on the head of replica view `s` to `dest`
+    (llama-benchy reads it locally instead of asking a hub)."""
+    from ..cluster import Cluster
+
+    head, src = s.head, f"{str(s.get('MODEL')).rstrip('/')}/tokenizer.json"
+    with Cluster([head], ssh_config) as cluster:
+        r = cluster.node(head).run(["cat", "--", src], timeout=120)
+    if r.exit_code != 0 or not r.stdout.strip():
+        raise CheckFailed(f"--tool llama-benchy needs the served model's tokenizer.json, and {src} on {head} "
+                          f"cannot be read: {(r.stderr or 'empty').strip()[:300]}", node=head,
+                          fix="a model folder with a tokenizer.json (what `transformers` saves for a fast tokenizer)")
+    path = dest / "tokenizer.json"
+    path.write_text(r.stdout, encoding="utf-8")
+    return path
+
+
+@contextlib.contextmanager
+def serve_text(text: str) -> Iterator[str]:
+    """A URL on loopback that answers `text` (llama-benchy's --book-url), for as long as the block runs."""
+    body = text.encode("utf-8")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, name="bench-llama-benchy-text", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/prompts.txt"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def run_llama_benchy(cfg: BenchConfig, doc: dict[str, Any], tokenizer: Path, say: Callable[[str], None], *,
+                     python: str = sys.executable, work: Path) -> tuple[dict[str, Any], str]:
+    """llama-benchy from this machine on `cfg`'s endpoint, one run per level of the first workload of `doc`
+    (sparkctl's run, just measured), on the same load; its own JSON per level, and the side-by-side table.
+    Nothing is downloaded (llamabenchy's docstring says how); `work` is a folder it may write in."""
+    assert cfg.input_len is not None
+    task, levels = next(iter(doc["workloads"].items()))
+    prompts = next((w.prompts for w in cfg.workloads if w.name == task), cfg.workloads[0].prompts)
+    text = "\n\n".join(prompts[i % len(prompts)] for i in range(max(64, 4 * len(prompts))))
+    env = {**os.environ, "HOME": str(work), "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost," + cfg.endpoint.host}
+    out: dict[str, Any] = {"tool": "llama-benchy", "workload_compared": task, "levels": []}
+    pairs = []
+    with serve_text(text) as book_url:
+        for lv in levels:
+            c = int(lv["concurrency"])
+            result = work / f"llama-benchy-c{c}.json"
+            argv = llamabenchy.argv(python=python, base_url=cfg.endpoint.url, model=cfg.model, tokenizer=str(tokenizer),
+                                    input_len=cfg.input_len, output_len=cfg.max_tokens, concurrency=c,
+                                    runs=llamabenchy.runs_for(int(lv["requests"]), c), book_url=book_url,
+                                    result=str(result), api_key=cfg.api_key)
+            say(f"llama-benchy on {cfg.endpoint.url}, C={c}, {llamabenchy.runs_for(int(lv['requests']), c)} runs ...")
+            try:
+                r = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True,  # noqa: S603 - fixed argv
+                                   timeout=level_bound_s(cfg) + 300, check=False)
+            except subprocess.TimeoutExpired:
+                raise CheckFailed(f"llama-benchy on {cfg.endpoint.url} did not finish C={c} in time") from None
+            if r.returncode != 0:
+                raise CheckFailed(f"llama-benchy exited {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}",
+                                  fix=f"see its output; it is the optional extra: {llamabenchy.EXTRA}")
+            theirs = llamabenchy.read_result(result, cfg.endpoint.url)
+            out["levels"].append({"concurrency": c, "argv": llamabenchy.shown(argv[1:]), "result": theirs})
+            pairs.append((c, lv, llamabenchy.level_of(theirs, c)))
+    return out, llamabenchy.side_by_side(pairs)
+
+
+def run_llama_benchy_tool(s: Settings, ssh_config: str | Path | None, cfg: BenchConfig, doc: dict[str, Any],
+                          say: Callable[[str], None]) -> tuple[dict[str, Any], str]:
+    """`--tool llama-benchy`: the tokenizer from the head of replica view `s`, then run_llama_benchy, in a
+    temporary folder removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="sparkctl-llama-benchy-") as tmp:
+        work = Path(tmp)
+        tokenizer = fetch_tokenizer(s, ssh_config, work)
+        return run_llama_benchy(cfg, doc, tokenizer, say, work=work)

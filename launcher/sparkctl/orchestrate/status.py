@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import cleanup, service, watchstate
+from .. import cleanup, promtext, service, watchstate
 from ..check import REACH_BY_HAND
 from ..cluster import Cluster, NodeError
 from ..errors import CheckFailed, UsageError
@@ -16,20 +16,15 @@ from .up import render_now_and_master
 
 
 def metrics_summary(text: str | None) -> dict[str, float]:
+    """The head's load from its /metrics text (promtext: the first 20,000 lines), summed over label sets."""
     from ..engine_lines import GENERATION_TOKENS, KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 
     wanted = {NUM_REQUESTS_RUNNING: "requests_running", NUM_REQUESTS_WAITING: "requests_waiting",
               KV_CACHE_USAGE: "kv_cache_usage", GENERATION_TOKENS: "generation_tokens"}
     found: dict[str, float] = {}
-    for line in (text or "").splitlines()[:20000]:
-        if line.startswith("#") or not line.strip():
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            try:
-                found[wanted[name]] = found.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[-1])
-            except ValueError:
-                continue
+    for s in promtext.samples(text or "", max_lines=20000):
+        if s.name in wanted:
+            found[wanted[s.name]] = found.get(wanted[s.name], 0.0) + s.value
     return found
 
 

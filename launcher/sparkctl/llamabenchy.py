@@ -1,0 +1,127 @@
+"""`bench --tool llama-benchy`: llama-benchy 0.4 (the tool behind Spark Arena's shared results; the optional
+extra `sparkctl[llama-benchy]`) run from this machine on the same endpoint and the same load, its result
+beside sparkctl's. Pure: the argv, the result's reader, the side-by-side table; orchestrate.bench runs it.
+
+It downloads nothing at run time, by its own flags and environment:
+- `--tokenizer FILE`: the served model's own tokenizer.json, copied from MODEL on the head (llama-benchy
+  reads a local tokenizer.json with `tokenizers` before it would ask a hub);
+- `--book-url`: its prompt text (a Project Gutenberg book by default) served from this process on
+  loopback: the compared workload's prompts;
+- `--model` given (no look-up of the served name on huggingface.co), HF_HUB_OFFLINE=1 and
+  TRANSFORMERS_OFFLINE=1 (a hub fallback fails instead of downloading), HOME a temporary folder (its
+  text cache goes there and is removed).
+
+The load: llama-benchy sends a level as `--runs` batches of C requests at once (after its own warm-up),
+prompts of `--pp` tokens as the server counts them (chat template included: it adapts the text to the
+warm-up's usage) and `--tg` output tokens forced with `--exact-tg` (ignore_eos). sparkctl's level of n
+requests at C is matched with ceil(n / C) runs: the same requests, a batch-synchronous shape where
+sparkctl runs a closed loop. Its figures are its own definitions: e2e_ttft (ms, to the first content
+token), tg_req_throughput ((N − 1) ÷ (last token − first token), per request), tg_throughput (all
+requests' generation rate).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckFailed
+
+MODULE = "llama_benchy"
+EXTRA = "pip install 'sparkctl[llama-benchy]'"
+
+
+def available() -> bool:
+    """Whether llama-benchy can be run by this interpreter (the optional extra is installed)."""
+    return importlib.util.find_spec(MODULE) is not None
+
+
+def runs_for(requests: int, concurrency: int) -> int:
+    """llama-benchy's --runs for a level of `requests` requests at `concurrency`: the same number of requests."""
+    return max(1, math.ceil(requests / concurrency))
+
+
+def argv(*, python: str, base_url: str, model: str, tokenizer: str, input_len: int, output_len: int,
+         concurrency: int, runs: int, book_url: str, result: str, api_key: str | None = None) -> list[str]:
+    """The command line of one level. `base_url` is the API's root (…:PORT, llama-benchy adds nothing: /v1 is
+    appended here); the API key, when there is one, is an argument (llama-benchy reads it nowhere else)."""
+    out = [python, "-m", MODULE, "--base-url", f"{base_url.rstrip('/')}/v1", "--model", model,
+           "--served-model-name", model, "--tokenizer", tokenizer, "--pp", str(input_len), "--tg", str(output_len),
+           "--exact-tg", "--concurrency", str(concurrency), "--runs", str(runs), "--no-cache",
+           "--book-url", book_url, "--skip-coherence", "--latency-mode", "api", "--format", "json",
+           "--save-result", result]
+    if api_key:
+        out += ["--api-key", api_key]
+    return out
+
+
+def shown(args: Sequence[str]) -> list[str]:
+    """The argv as it may be printed or saved: the API key masked."""
+    out = list(args)
+    for i, a in enumerate(out[:-1]):
+        if a == "--api-key":
+            out[i + 1] = "***"
+    return out
+
+
+def read_result(path: Path, where: str) -> dict[str, Any]:
+    """llama-benchy's JSON result (`--format json --save-result`); CheckFailed when it is missing or damaged."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError:
+        raise CheckFailed(f"llama-benchy on {where} wrote no result", fix="see its output above") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckFailed(f"llama-benchy on {where}: its result is not JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
+        raise CheckFailed(f"llama-benchy on {where}: its result has no \"benchmarks\" list")
+    return doc
+
+
+def level_of(doc: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    """The result's measurement at `concurrency` (not a context-prefill phase), or None."""
+    for run in doc.get("benchmarks", []):
+        if isinstance(run, dict) and run.get("concurrency") == concurrency and not run.get("is_context_prefill_phase"):
+            return run
+    return None
+
+
+def _mean(run: dict[str, Any] | None, key: str) -> float | None:
+    m = (run or {}).get(key)
+    v = m.get("mean") if isinstance(m, dict) else None
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+# (label, sparkctl's figure from its level, llama-benchy's key, decimals)
+COMPARED = (
+    ("mean TTFT (ms)", lambda lv: lv.get("mean_ttft_ms"), "e2e_ttft", 1),
+    ("per-request decode tok/s", lambda lv: (lv.get("per_stream_tok_s") or {}).get("mean"), "tg_req_throughput", 2),
+    ("output / generation tok/s (all requests)", lambda lv: lv.get("output_throughput"), "tg_throughput", 1),
+)
+
+
+def side_by_side(pairs: Sequence[tuple[int, dict[str, Any], dict[str, Any] | None]]) -> str:
+    """One table per level: sparkctl's figure, llama-benchy's (its own definition) and the difference in %."""
+    out: list[str] = []
+    for c, mine, theirs in pairs:
+        out += [f"C={c}: sparkctl bench and llama-benchy on the same endpoint and load", "",
+                "| metric | sparkctl | llama-benchy | diff |", "|---|---:|---:|---:|"]
+        for label, get, key, nd in COMPARED:
+            a, b = get(mine), _mean(theirs, key)
+            a = float(a) if isinstance(a, int | float) and not isinstance(a, bool) else None
+            diff = f"{(a - b) / b * 100:+.1f}%" if a is not None and b else "—"
+            out.append(f"| {label} | {_num(a, nd)} | {_num(b, nd)} | {diff} |")
+        if theirs is None:
+            out.append("(llama-benchy's result has no measurement at this concurrency)")
+        out.append("")
+    if out:
+        out.append("llama-benchy's definitions: TTFT to the first content token; decode (N − 1) ÷ (last − first token); "
+                   "its level is batches of C requests at once, sparkctl's a closed loop of C streams.")
+    return "\n".join(out).rstrip()
+
+
+def _num(v: float | None, nd: int) -> str:
+    return "—" if v is None else f"{v:,.{nd}f}"
