@@ -16,11 +16,11 @@ from typing import Any
 from . import docker_parse as D
 from . import facts as F
 from . import memory
-from .cluster import NodeError
+from .errors import NodeError
 from .findings import CLUSTER_ROW, FAIL, OK, PIN_ENV, SKIP, WARN, Finding, Needs
 from .findings import finding as _f
 from .findings import unknown as _unknown
-from .pins import discover_fabric
+from .nic_pins import discover_fabric
 from .plan import (
     GB,
     GIB,
@@ -562,13 +562,13 @@ def rule_versions(images: Mapping[str, list[D.Image] | None], head: str, ref: st
 def rule_base_image(images: Mapping[str, list[D.Image] | None], head: str, ref: str) -> dict[str, Finding]:
     """Every rank holds the head's base image (by image ID: RepoDigests do not survive save | load).
     A rank with another one is the stale-base case: one `sparkctl build` gives it the head's."""
-    from .basepin import pin, stale
+    from .base_identity import identify, stale
 
     head_img = D.find_image(images.get(head) or [], ref)
     if head_img is None:
         return {n: _f(n, "base", WARN, "missing", f"{n}: base image {ref} is not on the head {head} yet",
                       "run `sparkctl build` (it pulls the base on the head first)") for n in images if images[n] is not None}
-    p = pin(ref, head_img)
+    p = identify(ref, head_img)
     out: dict[str, Finding] = {}
     for n, imgs in images.items():
         if imgs is None:

@@ -1,7 +1,7 @@
 """The words every rule speaks: a `Finding` and its statuses, and `Needs` (what the settings and
 recipe ask of every node, distilled so the rules need no Settings).
 
-`check` (its rules), `pins` (fabric discovery), `orchestrate.fabric_test` (check --fabric), `nccl` (NCCL_DEBUG
+`check` (its rules), `nic_pins` (fabric discovery), `orchestrate.fabric_test` (check --fabric), `nccl` (NCCL_DEBUG
 findings) and `verify` (the checkpoint rules: `check`'s `checkpoint` row, `verify-model`, `model
 sync`) all return Findings; the commands print them. Pure: no I/O.
 """
@@ -64,7 +64,7 @@ class Needs:
     cluster: str
     model: str
     given_pins: tuple[RankPins, ...] = ()
-    base_image: str = ""  # BASE_IMAGE: every rank must hold the head's (sparkctl.basepin)
+    base_image: str = ""  # BASE_IMAGE: every rank must hold the head's (sparkctl.base_identity)
     expect: tuple[tuple[str, str], ...] = ()  # versions the recipe expects of the chain (its layers' expect)
     prebuilt: str = ""  # the recipe runs a published image: where it comes from (no chain, no base)
     pin_env: tuple[tuple[str, str], ...] = ()  # pin keys the recipe's [container.env] sets for every rank

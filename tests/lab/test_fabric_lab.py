@@ -78,7 +78,7 @@ def test_four_hosts_pass_and_leave_nothing(torch_lab: Lab, tmp_path: Path) -> No
 def test_rank_pinned_to_a_wrong_interface_is_named_within_the_bound(torch_lab: Lab) -> None:
     from sparkctl.cluster import Cluster
     from sparkctl.orchestrate.fabric_test import run_fabric_test
-    from sparkctl.pins import live_pins
+    from sparkctl.orchestrate.node_probe import live_pins
     from sparkctl.settings import load_settings
 
     env = _env(torch_lab, "fabricif", 29621)

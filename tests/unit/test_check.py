@@ -2,7 +2,7 @@
 
 Facts are built from real captured output where the parsers are involved (tests/fixtures/), and as
 plain dataclasses where a rule only needs one value. Every failing finding must carry a one-line fix.
-Fabric discovery (pins.discover_fabric) is mostly covered in test_pins.py; this file adds the rest.
+Fabric discovery (nic_pins.discover_fabric) is mostly covered in test_nic_pins.py; this file adds the rest.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from sparkctl import check as C
 from sparkctl import facts as F
 from sparkctl.check import FAIL, OK, SKIP, WARN, Finding, Needs, _names_device, rule_pin_env
 from sparkctl.cluster import NodeError
+from sparkctl.nic_pins import discover_fabric
 from sparkctl.orchestrate.check import CheckReport
-from sparkctl.pins import discover_fabric
 from sparkctl.plan import GB, CheckpointInfo, Plan, Shard, make_plan
 from sparkctl.probes.ckpt_scan import _encode
 from sparkctl.settings import RankPins, Settings, load_settings
@@ -293,7 +293,7 @@ def test_limits_unreadable() -> None:
     fails_with_fix(C.rule_limits("n", facts, needs()), "could not read nofile")
 
 
-# --------------------------------------------------------------------- fabric (beyond test_pins.py)
+# --------------------------------------------------------------------- fabric (beyond test_nic_pins.py)
 
 
 def _fabric_facts(ip: str = "10.232.0.12", gid: int = 5) -> F.NodeFacts:

@@ -21,7 +21,7 @@ Every sparkctl command that touches nodes goes through here:
 
 The package, by seam (each module imports only those above it):
 
-    node_error.py  NodeError: the one failure type
+    (NodeError, the one failure type, is in sparkctl.errors: pure rules name it too)
     sshconfig.py   an alias -> SshTarget, via `ssh -G`
     certs.py       OpenSSH certificates: read, and a host's checked as ssh checks it
     hostkeys.py    the known_hosts policy: judge, explain, record (`trust`)
@@ -36,6 +36,7 @@ module that uses it (e.g. `sparkctl.cluster.fanout.connect`, which Cluster.conne
 
 from __future__ import annotations
 
+from ..errors import NodeError
 from .channel import (
     DEFAULT_COMMAND_TIMEOUT,
     MAX_OUTPUT_BYTES,
@@ -60,7 +61,6 @@ from .hostkeys import (
     read_known_hosts,
     record_host_key,
 )
-from .node_error import NodeError
 from .sshconfig import (
     DEFAULT_SSH_CONFIG,
     SSH_G_TIMEOUT,

@@ -15,10 +15,9 @@ from typing import Any
 
 import paramiko
 
-from ..errors import UsageError
+from ..errors import NodeError, UsageError
 from ..identity import NodeIdentity
 from .hostkeys import fingerprint
-from .node_error import NodeError
 from .sshconfig import SshTarget
 
 DEFAULT_COMMAND_TIMEOUT = 60.0

@@ -10,10 +10,9 @@ from typing import Any, TypeVar, overload
 
 import paramiko
 
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, NodeError, UsageError
 from ..identity import refuse_duplicates
 from .channel import DEFAULT_COMMAND_TIMEOUT, Node, RunResult, remote_command
-from .node_error import NodeError
 from .sshconfig import SshTarget, load_ssh_config, resolve_target
 from .transport import DEFAULT_CONNECT_TIMEOUT, Jumps, _KeyCache, connect
 

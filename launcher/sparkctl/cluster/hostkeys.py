@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import NodeError, UsageError
 from .certs import Cert, host_cert_problem
-from .node_error import NodeError
 from .sshconfig import SshTarget
 
 

@@ -10,8 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import UsageError
-from .node_error import NodeError
+from ..errors import NodeError, UsageError
 
 DEFAULT_SSH_CONFIG = "~/.ssh/config"
 _GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")

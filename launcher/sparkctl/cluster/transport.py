@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import paramiko
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from ..errors import NodeError
 from .certs import CERT_SUFFIX, Cert, CertError, parse_cert
 from .hostkeys import fingerprint, host_key_error, judge_host_key, knows_a_ca_for, read_known_hosts
-from .node_error import NodeError
 from .proxycommand import ProxyCommandSocket
 from .sshconfig import SshTarget
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from .. import basepin
+from .. import base_identity
 from .. import images as im
 from ..cluster import Cluster, Node, NodeError, Results, Stream, StreamLost, parallel
 from ..docker_parse import Image, normalize_image_ref, parse_image_inspect
@@ -316,9 +316,9 @@ def build(settings: Any, ssh_config: Any, *, ship: bool, only: str | None, no_ca
         if dry_run:
             head_base = facts[nodes[0]].image(base_ref) if nodes[0] in facts else None
             if head_base is not None:
-                p = basepin.pin(base_ref, head_base)
+                p = base_identity.identify(base_ref, head_base)
                 out["base"] = {**p.as_dict(), "stale": {n: why for n in nodes[1:] if n in facts
-                                                        if (why := basepin.stale(p, facts[n].image(base_ref)))}}
+                                                        if (why := base_identity.stale(p, facts[n].image(base_ref)))}}
             out["plan"] = _plan(chain, chains, facts, results, builders, base_ref, only, no_cache, ship)
             return Outcome(out, results, plan_only=True)
         board = progress(nodes, [layer.name for layer in chain])
@@ -399,7 +399,7 @@ def prebuilt(settings: Any, ssh_config: Any, *, ship: bool, dry_run: bool, progr
         head = nodes[0]
         head_img = facts[head].image(ref) if head in facts else None
         if dry_run:
-            p = basepin.pin(ref, head_img) if head_img is not None else None
+            p = base_identity.identify(ref, head_img) if head_img is not None else None
             how, why = transport(ref, p.digest if p else None, ship)
             out["transport"] = {"how": how, "why": why}
             plan: dict[str, Any] = {}
@@ -410,7 +410,7 @@ def prebuilt(settings: Any, ssh_config: Any, *, ship: bool, dry_run: bool, progr
                     plan[n] = {"image": f"has {p.describe()}" if p else f"pulls {ref}"}
                 elif p is None:
                     plan[n] = {"image": f"{how}: the head's copy (known once the head has pulled it)"}
-                elif (reason := basepin.stale(p, facts[n].image(ref), "prebuilt")) is None:
+                elif (reason := base_identity.stale(p, facts[n].image(ref), "prebuilt")) is None:
                     plan[n] = {"image": "nothing: it has the head's image"}
                 else:
                     plan[n] = {"image": f"{how}: {reason}"}
@@ -485,9 +485,9 @@ def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[s
             return None
         img = got[0]
         _replace_image(facts, head_name, base_ref, img)
-    pin = basepin.pin(base_ref, img)
+    pin = base_identity.identify(base_ref, img)
     stale = {n: reason for n in cluster.names[1:] if n in facts and results[n].ok
-             if (reason := basepin.stale(pin, facts[n].image(base_ref), what))}
+             if (reason := base_identity.stale(pin, facts[n].image(base_ref), what))}
     report: dict[str, Any] = {**pin.as_dict(), "stale": dict(stale), "fixed_by": {}}
     if not stale:
         return report
@@ -512,7 +512,7 @@ def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[s
     for n in stale:
         got = inspect_images(cluster.node(n), [base_ref])
         _replace_image(facts, n, base_ref, got[0] if got else None)
-    still = [n for n in stale if basepin.stale(pin, facts[n].image(base_ref), what)]
+    still = [n for n in stale if base_identity.stale(pin, facts[n].image(base_ref), what)]
     if still and not by_digest:  # no digest (a base built or loaded locally), or the pull did not give the head's image
         ship_images(cluster, [base_ref], facts, results, board, still)
         for n in still:
@@ -520,7 +520,7 @@ def align_base(cluster: Cluster, facts: dict[str, im.RankFacts], results: dict[s
             got = inspect_images(cluster.node(n), [base_ref])
             _replace_image(facts, n, base_ref, got[0] if got else None)
     for n in stale:
-        left = basepin.stale(pin, facts[n].image(base_ref), what)
+        left = base_identity.stale(pin, facts[n].image(base_ref), what)
         if left and results[n].ok:
             results[n].error = f"{left}, and neither pulling {pin.describe()} nor sending the head's {what} fixed it"
             results[n].fix = f"check the Docker engine and disk space on {n}"

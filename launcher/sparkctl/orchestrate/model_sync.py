@@ -77,7 +77,7 @@ def _resolve_ips(cluster: Cluster, settings: Any, names: Sequence[str]) -> dict[
             ips[name] = str(pinned)
     if all(n in ips for n in names):
         return ips
-    from ..pins import live_pins
+    from .node_probe import live_pins
 
     for name, pins in zip(settings.nodes, live_pins(cluster, settings), strict=True):
         if pins.fabric_ip and name not in ips:

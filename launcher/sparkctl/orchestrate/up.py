@@ -6,10 +6,10 @@
     [several replicas]                   preflight_all once, then start_service per replica view, side
                                          by side; a failed replica is rolled back alone (up_replicas)
     start_service(cluster, settings)     the body, shared with `watch` restarts and `rollback`:
-      preflight, on every node at once   pins.probe_node (fabric facts), service.node_state (its
+      preflight, on every node at once   node_probe.probe_node (fabric facts), service.node_state (its
                                          containers, its image ID); on the head also the checkpoint
       plan_for                           the memory plan for the nodes' GPU generation; must fit
-      pins.pins_from_facts               the same discovery rule as `check` (pins.discover_fabric)
+      nic_pins.pins_from_facts               the same discovery rule as `check` (nic_pins.discover_fabric)
       render.render_all                  every rank's argv and env (builders), the config hash
       judge_argv                         the serving image's own vLLM judges every argv on the head
                                          (argvjudge; cached): a refusal refuses with vLLM's words
@@ -36,8 +36,8 @@ from typing import Any
 from .. import memory, service
 from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed, SparkctlError
+from ..nic_pins import pins_from_facts
 from ..output import warn
-from ..pins import pins_from_facts, probe_node
 from ..plan import (
     CheckpointInfo,
     Plan,
@@ -51,6 +51,7 @@ from ..settings import Settings
 from . import require_all
 from .checkpoint import read_checkpoint_on
 from .locking import lock_cluster, record_identities
+from .node_probe import probe_node
 
 ENV_TP4 = Path("env/env.tp4")
 

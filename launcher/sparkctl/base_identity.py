@@ -21,7 +21,7 @@ from .docker_parse import Image, normalize_image_ref
 
 
 @dataclass(frozen=True)
-class BasePin:
+class BaseIdentity:
     ref: str  # BASE_IMAGE as configured (a tag, or already repo@sha256:...)
     id: str  # the head's image ID for it
     digest: str | None  # repo@sha256:... the head pulled it as; None when it has none
@@ -40,14 +40,14 @@ def repo_of(ref: str) -> str:
     return normalize_image_ref(ref).rsplit(":", 1)[0]
 
 
-def pin(ref: str, head_image: Image) -> BasePin:
+def identify(ref: str, head_image: Image) -> BaseIdentity:
     """The head's base as the pin every rank must match."""
     repo = repo_of(ref)
     digests = [d for d in head_image.repo_digests if d.split("@", 1)[0] == repo] or list(head_image.repo_digests)
-    return BasePin(ref, head_image.id, digests[0] if digests else None)
+    return BaseIdentity(ref, head_image.id, digests[0] if digests else None)
 
 
-def stale(p: BasePin, image: Image | None, what: str = "base") -> str | None:
+def stale(p: BaseIdentity, image: Image | None, what: str = "base") -> str | None:
     """Why a rank's base (or prebuilt image: `what`) is not the pin (None: it is)."""
     if image is None:
         return f"{what} image {p.ref} is not on the node"

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from sparkctl.facts import Gid, Hca, IbPort, NetDev, NodeFacts
 from sparkctl.findings import FAIL, Needs
-from sparkctl.pins import discover_fabric
+from sparkctl.nic_pins import discover_fabric
 from sparkctl.settings import RankPins
 
 UP = ("BROADCAST", "MULTICAST", "UP", "LOWER_UP")
@@ -29,7 +29,7 @@ def facts(devs: list[NetDev], hcas: list[Hca]) -> NodeFacts:
 
 
 def discover(f: NodeFacts, subnet: str | None = None, netdev: str | None = None):
-    """pins.discover_fabric as `up` and `check` both use it, for rank 0 of a one-node cluster."""
+    """nic_pins.discover_fabric as `up` and `check` both use it, for rank 0 of a one-node cluster."""
     needs = Needs(nofile=1024, memlock_bytes=-1, gpus_per_node=1, port=8888, master_port=29501,
                   fabric_subnet=ipaddress.IPv4Network(subnet) if subnet else None, image="i", cluster="c",
                   model="/m", given_pins=(RankPins(netdev=netdev),))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sparkctl import basepin
+from sparkctl import base_identity
 from sparkctl import check as C
 from sparkctl import facts as F
 from sparkctl.check import FAIL, OK, WARN
@@ -32,20 +32,20 @@ def test_repo_digests_are_parsed_and_name_the_image() -> None:
 
 def test_pin_prefers_the_digest_of_the_same_repository() -> None:
     other = "docker.io/library/python@sha256:" + "e" * 64
-    p = basepin.pin(REF, img(NEW, digests=(other, DIGEST)))
-    assert p == basepin.BasePin(REF, NEW, DIGEST) and p.describe() == DIGEST
-    assert basepin.repo_of("python:3.11") == "python" and basepin.repo_of(DIGEST) == DIGEST.split("@")[0]
+    p = base_identity.identify(REF, img(NEW, digests=(other, DIGEST)))
+    assert p == base_identity.BaseIdentity(REF, NEW, DIGEST) and p.describe() == DIGEST
+    assert base_identity.repo_of("python:3.11") == "python" and base_identity.repo_of(DIGEST) == DIGEST.split("@")[0]
     # a base built or loaded locally (the lab's; or after save | load) has no digest: the ID is the pin
-    local = basepin.pin("sparkctl-lab/engine:latest", img(NEW, tags=("sparkctl-lab/engine:latest",)))
+    local = base_identity.identify("sparkctl-lab/engine:latest", img(NEW, tags=("sparkctl-lab/engine:latest",)))
     assert local.digest is None and local.describe() == "image ID " + "1" * 12
 
 
 def test_identity_is_the_image_id_not_the_digest() -> None:
-    p = basepin.pin(REF, img(NEW, digests=(DIGEST,)))
-    assert basepin.stale(p, img(NEW)) is None  # loaded by save | load: no RepoDigests, same image
-    assert basepin.stale(p, img(OLD, digests=(DIGEST.replace("d", "c"),))) == (
+    p = base_identity.identify(REF, img(NEW, digests=(DIGEST,)))
+    assert base_identity.stale(p, img(NEW)) is None  # loaded by save | load: no RepoDigests, same image
+    assert base_identity.stale(p, img(OLD, digests=(DIGEST.replace("d", "c"),))) == (
         f"base image {REF} is {'2' * 12}, the head's is {'1' * 12} ({DIGEST})")
-    assert basepin.stale(p, None) == f"base image {REF} is not on the node"
+    assert base_identity.stale(p, None) == f"base image {REF} is not on the node"
 
 
 def test_check_names_the_stale_rank_and_sends_it_to_one_build() -> None:

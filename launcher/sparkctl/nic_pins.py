@@ -1,22 +1,18 @@
-"""Per-rank fabric pins: the one discovery rule, used by `check` and `up` alike.
+"""Per-rank NIC pins (netdev, RDMA device, RoCE v2 GID index, fabric address): the one discovery rule,
+used by `check` and `up` alike. Pure: facts in, pins and findings out.
 
-`discover_fabric` turns one node's facts into its pins (netdev, RDMA device, RoCE v2 GID index,
-fabric address) and the `fabric` finding `check` shows. The GID index drifts at runtime and a port
-can go down between `check` and `up`, so `up` re-reads every node (`probe_node`: one node_facts.sh
-round trip each) and applies the same rule (`pins_from_facts`). A rank whose pins cannot be resolved
-stops `up` before anything starts.
+`discover_fabric` turns one node's facts into its pins and the `fabric` finding `check` shows. The GID
+index drifts at runtime and a port can go down between `check` and `up`, so `up` re-reads every node
+(`orchestrate.node_probe.probe_node`: one node_facts.sh round trip each) and applies the same rule
+(`pins_from_facts`). A rank whose pins cannot be resolved stops `up` before anything starts.
 """
 
 from __future__ import annotations
 
-import secrets
-
 from . import facts as F
-from .cluster import Cluster, Node, NodeError
-from .errors import CheckFailed
-from .facts import NodeFacts, node_facts_from_probe, probe_args
+from .errors import CheckFailed, NodeError
+from .facts import NodeFacts
 from .findings import FAIL, OK, WARN, Finding, Needs, finding, unknown
-from .resources import probe_script
 from .settings import RankPins, Settings
 
 
@@ -126,23 +122,6 @@ def discover_fabric(
     return finding(node, "fabric", OK, dev.name, f"{node}: {desc}"), pins
 
 
-def probe_node(node: Node, settings: Settings) -> NodeFacts:
-    """node_facts.sh on one node (one round trip), only what pins need: no model listing, no Docker
-    sections (`up` inspects its containers itself), no nvidia-smi banner, no listening ports."""
-    nonce = secrets.token_hex(8)
-    args = probe_args(cluster=settings.cluster_name, docker=False, banner=False, listening=False)
-    r = node.run_script(probe_script("node_facts.sh"), [nonce, *args], timeout=60)
-    return node_facts_from_probe(
-        r.stdout,
-        nonce,
-        r.stderr,
-        expect_model=False,
-        expect_docker=False,
-        expect_banner=False,
-        expect_listening=False,
-    )
-
-
 def pins_from_facts(settings: Settings, facts: dict[str, NodeFacts | NodeError]) -> list[RankPins]:
     needs = Needs.from_settings(settings)
     pins: list[RankPins] = []
@@ -163,8 +142,3 @@ def pins_from_facts(settings: Settings, facts: dict[str, NodeFacts | NodeError])
     if problems:
         raise CheckFailed("fabric pins could not be resolved, nothing was started:\n  " + "\n  ".join(problems))
     return pins
-
-
-def live_pins(cluster: Cluster, settings: Settings) -> list[RankPins]:
-    facts = cluster.run_all(lambda n: probe_node(n, settings), nodes=settings.nodes)
-    return pins_from_facts(settings, facts)
