@@ -3,7 +3,7 @@
 A callback runs on every TAB, in a process click starts for it: it is offline (no SSH connection, files
 only), it prints nothing, and it never raises: whatever goes wrong (no ssh config, settings that do not
 load) completes nothing. What the line said so far (`--ssh-config`, `--recipe`, `--env-file`, before
-or after the command) is the Globals that `cli.line_globals` rebuilds, since click only parses the line
+or after the command) is the Globals that `options.line_globals` rebuilds, since click only parses the line
 when it completes: the group's callback, which makes the Globals of a run, does not run.
 
 Only the standard library is imported here at module level: cli.py imports this module, and
@@ -99,7 +99,7 @@ def node_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> l
     """NODE arguments and --nodes: the Host aliases of the ssh config in effect. A name completes as a word
     of its own; the last name of a quoted list (--nodes 'spark1 sp<TAB>') does not: bash puts a candidate
     in place of the whole word, its opening quote included, and `spark1 spark2` there would be two words."""
-    from .cli import line_globals
+    from .options import line_globals
 
     return ssh_host_aliases(line_globals(ctx).ssh_config_path())
 
@@ -111,7 +111,7 @@ def node_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> l
 def layer_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
     """build --only: the layers of the recipe in effect (--recipe, RECIPE in the environment or the env
     file, else the default), read from the recipe file; the rest of the settings need not be valid."""
-    from .cli import line_globals
+    from .options import line_globals
 
     settings = line_globals(ctx).settings(validate=False, strict_keys=False)
     names: list[str] = settings.recipe.layer_names()
@@ -126,7 +126,7 @@ def rank_numbers(ctx: click.Context, param: click.Parameter, incomplete: str) ->
     """--rank: 0..N-1, N the ranks of the replica (--replica given earlier, else 0) of the settings in
     effect. Settings whose topology does not load (no NODES, NODES that do not split into TP groups, a
     TP that is not a number) complete nothing; the knobs the topology does not read (MODEL) need not be set."""
-    from .cli import line_globals
+    from .options import line_globals
 
     replica = ctx.params.get("replica")
     settings: Any = line_globals(ctx).settings(validate=False, strict_keys=False)

@@ -96,9 +96,9 @@ def _command_names(group: click.Group, ctx: click.Context) -> set[str]:
 
 
 def test_every_name_that_changes_the_cluster_is_a_real_command():
-    """cli.CHANGES_CLUSTER holds click names (`model sync` is "sync"); a name no command has turns strict
+    """options.CHANGES_CLUSTER holds click names (`model sync` is "sync"); a name no command has turns strict
     env-file keys on for nothing and hides which command was meant."""
-    from sparkctl.cli import CHANGES_CLUSTER
+    from sparkctl.options import CHANGES_CLUSTER
 
     names = _command_names(cli, click.Context(cli, info_name="sparkctl"))
     assert {"up", "sync", "systemd"} <= names  # the walk reaches subcommands

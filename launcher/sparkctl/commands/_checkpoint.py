@@ -7,9 +7,9 @@ shard sizes; never the weights).
 
 from __future__ import annotations
 
-from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed
+from ..options import Globals
 from ..orchestrate.checkpoint import read_checkpoint_on
 from ..output import warn_console
 from ..plan import CheckpointInfo, drafter_dir, read_checkpoint

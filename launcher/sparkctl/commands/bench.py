@@ -100,7 +100,7 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
             tool: str) -> None:
     """vLLM's serving metrics (TTFT, TPOT, ITL, E2EL, throughput: `vllm bench serve`'s definitions) and the
     model card's table (decode tok/s per stream and aggregate, TTFT, accepted tokens/step)."""
-    from ..cli import Globals
+    from ..options import Globals
 
     assert isinstance(g, Globals)
     levels = parse_int_list(concurrency, "--concurrency")

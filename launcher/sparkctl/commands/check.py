@@ -15,10 +15,10 @@ import click
 from rich.table import Table
 
 from ..check import CHECKS
-from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import CheckFailed, UsageError
 from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
+from ..options import Globals
 from ..orchestrate.check import CheckReport, run_check
 from ..orchestrate.fabric_test import FabricReport
 from ..output import console, emit_json, warn

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..cli import Globals
 from ..cluster import Cluster
 from ..errors import UsageError
+from ..options import Globals
 from ..output import warn
 from ..settings import Settings
 

@@ -13,7 +13,7 @@ from ..settings import REDACTED, knob_doc
 @click.pass_obj
 def command(g: object) -> None:
     """Show every resolved setting and where its value came from (secrets are [REDACTED])."""
-    from ..cli import Globals
+    from ..options import Globals
 
     assert isinstance(g, Globals)
     s = g.settings()

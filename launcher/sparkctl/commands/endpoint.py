@@ -70,7 +70,7 @@ def _loopback(bind: str | None) -> bool:
 def command(g: object, out: Path, listen: int | None, bind: str | None, state_dir: Path | None,
             print_conf: bool) -> None:
     """Render nginx.conf: one OpenAI endpoint over every replica's head (least_conn, streaming)."""
-    from ..cli import Globals
+    from ..options import Globals
 
     assert isinstance(g, Globals)
     s = g.settings()

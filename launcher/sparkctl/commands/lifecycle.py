@@ -23,7 +23,6 @@ from rich.text import Text
 
 from .. import service, watchstate
 from ..builders import open_api_warning
-from ..cli import Globals
 from ..cluster import Cluster, parallel
 from ..completion import rank_numbers
 from ..errors import CheckFailed, UsageError
@@ -31,6 +30,7 @@ from ..lock import (
     FORCE_UNLOCK,
     LockState,
 )
+from ..options import Globals
 from ..orchestrate.audit import read_audit
 from ..orchestrate.down import down
 from ..orchestrate.locking import break_locks, read_locks, refuse_unreachable

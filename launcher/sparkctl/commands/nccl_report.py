@@ -16,9 +16,9 @@ from typing import Any
 import click
 
 from .. import nccl
-from ..cli import Globals
 from ..errors import CheckFailed, UsageError
 from ..findings import FAIL, OK, SYMBOL, WARN
+from ..options import Globals
 from ..output import console, emit_json
 
 MAX_BYTES = 256 * 1024 * 1024

@@ -29,7 +29,7 @@ def memory_figure(s: object, node_memory: int | None) -> str:
 @click.pass_obj
 def command(g: object, node_memory: int | None, local_only: bool) -> None:
     """Plan weights, KV cache and overhead per rank; refuse a plan that does not fit (exit 1)."""
-    from ..cli import Globals
+    from ..options import Globals
 
     assert isinstance(g, Globals)
     s = g.settings()

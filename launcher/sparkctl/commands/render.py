@@ -31,7 +31,7 @@ DEFAULT_LWS_OUT = Path("env/lws.yaml")
 def command(g: object, target: str, out: Path | None, print_env: bool, local_only: bool) -> None:
     """Render env.tp4 and print each rank's `docker run ... vllm serve ...` (pins from the env file);
     with --target lws, write the LeaderWorkerSet and Service manifests instead."""
-    from ..cli import Globals
+    from ..options import Globals
 
     assert isinstance(g, Globals)
     s = g.settings()

@@ -12,7 +12,6 @@ from typing import Any
 
 import click
 
-from ..cli import Globals
 from ..cluster import (
     DEFAULT_CONNECT_TIMEOUT,
     Jumps,
@@ -25,6 +24,7 @@ from ..cluster import (
 )
 from ..completion import node_names
 from ..errors import CheckFailed
+from ..options import Globals
 from ..output import emit_json
 
 
