@@ -36,10 +36,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
+sys.path.insert(0, str(ROOT))  # tests.kit: the lab client and the loopback stand-in
 
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
-from sparkctl.lab.local import local_standin  # noqa: E402
 from sparkctl.promtext import parse as parse_prometheus  # noqa: E402
+from tests.kit.local import local_standin  # noqa: E402
 
 TOLERANCE = 0.05
 CPU_TARGET_PCT = 5.0

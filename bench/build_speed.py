@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkctl.lab import manage
-from sparkctl.lab.client import Lab
-from sparkctl.recipes import load_recipe
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
+from sparkctl.lab import manage  # noqa: E402
+from sparkctl.recipes import load_recipe  # noqa: E402
+from tests.kit.lab import Lab  # noqa: E402
 
 # SPARKCTL_BENCH_RANKS="spark1 spark2 spark5 spark6" picks other lab hosts (head first); default spark1..4.
 RANKS = os.environ.get("SPARKCTL_BENCH_RANKS", "spark1 spark2 spark3 spark4").split()

@@ -33,10 +33,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
 
 from sparkctl.lab import ckptgen  # noqa: E402
-from sparkctl.lab.client import Lab  # noqa: E402
 from sparkctl.resources import probe_script  # noqa: E402
+from tests.kit.lab import Lab  # noqa: E402
 
 SUB = "bench-full300"
 TENSORS = 232_670

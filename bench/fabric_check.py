@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
 
-from sparkctl.lab.client import Lab  # noqa: E402
 from sparkctl.lab.state import HostPaths  # noqa: E402
+from tests.kit.lab import Lab  # noqa: E402
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 TARGET_S = 60.0

@@ -20,9 +20,11 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
-from sparkctl.lab.client import Lab
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
+from tests.kit.lab import Lab  # noqa: E402
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 KNOBS = {"CLUSTER_NAME": "bench", "PORT": "18890", "MASTER_PORT": "39503", "STANDIN_LOAD_DELAY_S": "0"}

@@ -24,10 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
+sys.path.insert(0, str(ROOT))  # tests.kit: the lab client and the loopback stand-in
 from sparkctl import headapi  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
-from sparkctl.lab.local import local_standin  # noqa: E402
 from sparkctl.loadgen import inputs, level, request  # noqa: E402
+from tests.kit.local import local_standin  # noqa: E402
 
 LEVELS = (1, 8, 32, 64)
 TARGET_PCT = 10.0  # of one core, at C = 64

@@ -21,10 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkctl.lab import ckptgen
-from sparkctl.lab.client import Lab
-from sparkctl.lab.hfhub import StandinHub
-from sparkctl.lab.state import MGMT_NET
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
+from sparkctl.lab import ckptgen  # noqa: E402
+from sparkctl.lab.hfhub import StandinHub  # noqa: E402
+from sparkctl.lab.state import MGMT_NET  # noqa: E402
+from tests.kit.lab import Lab  # noqa: E402
 
 REPO = "lab/bulk"
 SUB = "benchmodel"

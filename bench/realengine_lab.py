@@ -27,9 +27,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
-from sparkctl.lab.client import Lab
-from sparkctl.lab.state import LabFiles
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
+from sparkctl.lab.state import LabFiles  # noqa: E402
+from tests.kit.lab import Lab  # noqa: E402
 
 SHARE_S = 3.0
 WATCH_MARGIN_S = 15.0

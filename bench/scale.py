@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
 
-from sparkctl.lab.client import Lab  # noqa: E402
 from sparkctl.lab.state import HostPaths  # noqa: E402
+from tests.kit.lab import Lab  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARKCTL = ROOT / ".venv" / "bin" / "sparkctl"

@@ -21,8 +21,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from sparkctl.lab.client import Lab
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
+from tests.kit.lab import Lab  # noqa: E402
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 KNOBS = {"CLUSTER_NAME": "sweep", "PORT": "18892", "MASTER_PORT": "39512"}

@@ -96,7 +96,7 @@ def main() -> int:
 
     results.append(("bench: --timeout 0.5 on a stalled stream", best(stalled, args.repeat), 0.5, 2.0))
 
-    from sparkctl.lab.local import local_standin
+    from tests.kit.local import local_standin
     from tests.unit.test_standin import call, write_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:

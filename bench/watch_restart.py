@@ -19,8 +19,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
-from sparkctl.lab.client import Lab
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
+from tests.kit.lab import Lab  # noqa: E402
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 KNOBS = {"CLUSTER_NAME": "benchwatch", "PORT": "18892", "MASTER_PORT": "39512", "STANDIN_LOAD_DELAY_S": "0",

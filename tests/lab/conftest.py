@@ -1,6 +1,6 @@
 """The `lab` fixture: a running lab cluster (root only), shared by every lab test in the session.
 
-Use it like this (see sparkctl.lab.client for the full API):
+Use it like this (see tests.kit.lab for the full API):
 
     @pytest.mark.lab
     def test_something(lab: Lab) -> None:
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 from tests.lab.realengine import real  # noqa: F401 - the real-engine fixture, for every test_realengine*_lab.py
 
 

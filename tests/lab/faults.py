@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sparkctl.lab import hosts
-from sparkctl.lab.client import Lab
 from sparkctl.lab.proc import read_pid, stop_pid
 from sparkctl.lab.state import HostPaths, HostSpec
+from tests.kit.lab import Lab
 
 
 def _host(lab: Lab, name: str) -> tuple[HostPaths, HostSpec]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 
 START_S = 600  # one start of two real ranks, on a loaded 2-CPU machine: 37-95 s seen, 600 allowed
 PORT = 18931

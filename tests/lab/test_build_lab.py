@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from sparkctl import __version__
-from sparkctl.lab.client import Lab
 from sparkctl.recipes import load_recipe
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from dotenv import dotenv_values
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 from tests.lab.faults import docker_stopped, link_down, sshd_stopped, tcp_dropped
 
 pytestmark = pytest.mark.lab

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.lab.client import Lab
 from sparkctl.lab.state import HostPaths
+from tests.kit.lab import Lab
 from tests.lab.faults import docker_stopped
 
 pytestmark = pytest.mark.lab

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparkctl.lab.client import Lab
 from sparkctl.lab.state import BASE_IMAGE
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from sparkctl.lab.client import Lab
 from sparkctl.lab.state import HostPaths
 from sparkctl.settings import parse_vllm_extra_args
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

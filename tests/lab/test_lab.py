@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 from tests.lab.faults import link_down, sshd_stopped
 
 pytestmark = pytest.mark.lab

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.lab.client import Lab
 from sparkctl.lab.seams import set_gpu_seam
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.lab.client import Lab
 from sparkctl.resources import recipes_dir
+from tests.kit.lab import Lab
 from tests.lab.test_lifecycle_lab import clean, sk  # noqa: F401 - the fixture, and the CLI runner
 
 pytestmark = pytest.mark.lab

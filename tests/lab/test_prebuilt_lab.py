@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from sparkctl.lab.client import Lab
 from sparkctl.lab.state import ENGINE_IMAGE
 from tests.conftest import prebuilt_recipe
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 from tests.lab.realengine import fresh, rank_containers, sk
 
 pytestmark = pytest.mark.realengine_lab

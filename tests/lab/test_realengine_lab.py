@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.lab.client import Lab
 from sparkctl.lab.state import HostPaths
 from sparkctl.resources import recipes_dir
+from tests.kit.lab import Lab
 from tests.lab.realengine import (
     PAIR,
     START_S,

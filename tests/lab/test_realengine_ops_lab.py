@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from sparkctl import headapi, vllmbench
-from sparkctl.lab.client import Lab
 from sparkctl.loadgen import inputs, level
 from sparkctl.orchestrate import bench as flow
+from tests.kit.lab import Lab
 from tests.lab.realengine import PAIR, START_S, chat, fresh, head_url, must, rank_containers, sk
 
 pytestmark = pytest.mark.realengine_lab

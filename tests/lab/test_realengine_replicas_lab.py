@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 from tests.lab.realengine import CLUSTER, START_S, must, sk
 
 pytestmark = [pytest.mark.realengine_lab,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

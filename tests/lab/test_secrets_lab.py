@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkctl.lab.client import Lab
 from sparkctl.lab.state import HostPaths
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

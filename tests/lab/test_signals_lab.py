@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from sparkctl.lab import hosts
-from sparkctl.lab.client import Lab
 from sparkctl.lab.proc import read_pid
 from sparkctl.lab.state import HostPaths, HostSpec
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

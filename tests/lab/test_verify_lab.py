@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from sparkctl.lab import ckptgen
-from sparkctl.lab.client import Lab
+from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab
 

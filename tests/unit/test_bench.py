@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 
 from sparkctl import headapi, promtext
 from sparkctl.errors import CheckFailed, UsageError
-from sparkctl.lab.local import local_standin
 from sparkctl.loadgen import inputs, level, report, wire
 from sparkctl.loadgen import request as rq
 from sparkctl.orchestrate import bench as flow
 from tests.conftest import run_cli
+from tests.kit.local import local_standin
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "launcher" / "sparkctl" / "lab" / "standin_vllm.py"

@@ -13,10 +13,10 @@ import pytest
 
 from sparkctl import benchmetrics, headapi
 from sparkctl.errors import CheckFailed
-from sparkctl.lab.local import local_standin
 from sparkctl.loadgen import inputs, level, request
 from sparkctl.orchestrate import bench as flow
 from tests.conftest import run_cli
+from tests.kit.local import local_standin
 
 
 @pytest.fixture(scope="module")

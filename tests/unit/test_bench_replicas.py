@@ -20,10 +20,10 @@ import pytest
 
 from sparkctl import headapi, promtext
 from sparkctl.errors import UsageError
-from sparkctl.lab.local import free_port, local_standin
 from sparkctl.loadgen import inputs, level, replicas, report
 from sparkctl.orchestrate import bench as flow
 from tests.conftest import run_cli
+from tests.kit.local import free_port, local_standin
 from tests.unit.test_bench import models_or, ok_stream, send_json, stream_app, tiny_server
 
 NODES = [f"spark{i}" for i in range(1, 9)]

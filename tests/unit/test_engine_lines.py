@@ -15,8 +15,8 @@ import pytest
 
 from sparkctl.engine_lines import FAILURE_MARKERS, PHASE_MARKERS, PHASE_ORDER, failure_in
 from sparkctl.lab import standin_vllm as standin
-from sparkctl.lab.local import local_standin
 from sparkctl.readiness import phase_of
+from tests.kit.local import local_standin
 from tests.unit.test_standin import free_port, wait_status, write_checkpoint
 
 STANDIN = Path(standin.__file__)

@@ -82,7 +82,7 @@ def test_down_removes_the_head_first(nodes: LocalNodes, capsys: Any) -> None:
 
 
 def test_status_exits_1_when_a_rank_is_gone(nodes: LocalNodes, capsys: Any) -> None:
-    from sparkctl.lab.local import local_standin
+    from tests.kit.local import local_standin
     from tests.unit.test_standin import write_checkpoint
 
     assert run(["up"], capsys)[0] == 0

@@ -145,7 +145,7 @@ def _swap_machines(ln: LocalNodes, a: str, b: str) -> None:
 
 
 def test_status_names_a_swapped_node_and_down_refuses_it_without_force(nodes: LocalNodes, capsys: Any) -> None:
-    from sparkctl.lab.local import local_standin
+    from tests.kit.local import local_standin
     from tests.unit.test_standin import write_checkpoint
 
     assert run(["up"], capsys)[0] == 0

@@ -31,8 +31,8 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from sparkctl.lab.local import free_port
 from tests.conftest import write_model, write_serving
+from tests.kit.local import free_port
 from tests.unit.localnodes import LocalNodes, local_nodes
 
 NODES = ["spark1", "spark2", "spark3", "spark4"]

@@ -34,7 +34,7 @@ def _forget_up(ln: LocalNodes, node: str) -> None:
 
 
 def test_status_names_orphans_and_exits_1(nodes: LocalNodes, capsys: Any) -> None:
-    from sparkctl.lab.local import local_standin
+    from tests.kit.local import local_standin
     from tests.unit.test_standin import write_checkpoint
 
     assert run(["up"], capsys)[0] == 0

@@ -25,7 +25,7 @@ NODES = ["spark1", "spark2", "spark3", "spark4"]
 @pytest.mark.parametrize("addr, cut", [("127.0.0.1", False), ("255.255.255.255", True)])
 def test_status_names_each_rank_whose_path_to_the_master_is_cut(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                  capsys: Any, addr: str, cut: bool) -> None:
-    from sparkctl.lab.local import local_standin
+    from tests.kit.local import local_standin
     from tests.unit.test_standin import write_checkpoint
 
     env = {"SERVED_MODEL_NAME": "lab-model", "MASTER_ADDR": addr, "MASTER_PORT": "39599"}

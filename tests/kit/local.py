@@ -13,9 +13,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import CheckFailed
+import sparkctl.lab
+from sparkctl.errors import CheckFailed
 
-STANDIN = Path(__file__).resolve().parent / "standin_vllm.py"
+STANDIN = Path(sparkctl.lab.__file__).resolve().parent / "standin_vllm.py"  # the engine the lab ships
 
 
 def free_port(host: str = "127.0.0.1") -> int:

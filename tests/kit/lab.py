@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckFailed
-from .seams import CONTAINER_SYSFS
-from .state import ENGINE_IMAGE, FABRIC_NET, MODEL_PATH, HostPaths, HostSpec, LabFiles
+from sparkctl.errors import CheckFailed
+from sparkctl.lab.seams import CONTAINER_SYSFS
+from sparkctl.lab.state import ENGINE_IMAGE, FABRIC_NET, MODEL_PATH, HostPaths, HostSpec, LabFiles
 
 
 @dataclass(frozen=True)
