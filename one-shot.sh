@@ -48,7 +48,7 @@ bootstrap() {
     }
   fi
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -e "${here}[test,lab]" >&2
+  "$venv/bin/python" -m pip install -q -e "${here}[test,lab,llama-benchy]" >&2
   echo "$want" > "$stamp"
 }
 

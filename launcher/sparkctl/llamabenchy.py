@@ -1,5 +1,5 @@
 """`bench --tool llama-benchy`: llama-benchy 0.4 (the tool behind Spark Arena's shared results; the optional
-extra `sparkctl[llama-benchy]`) run from this machine on the same endpoint and the same load, its result
+extra `sparkctl-launcher[llama-benchy]`) run from this machine on the same endpoint and the same load, its result
 beside sparkctl's. Pure: the argv, the result's reader, the side-by-side table; orchestrate.bench runs it.
 
 It downloads nothing at run time, by its own flags and environment:
@@ -32,7 +32,7 @@ from typing import Any
 from .errors import CheckFailed
 
 MODULE = "llama_benchy"
-EXTRA = "pip install 'sparkctl[llama-benchy]'"
+EXTRA = "pip install 'sparkctl-launcher[llama-benchy]'"
 
 
 def available() -> bool:
@@ -45,18 +45,31 @@ def runs_for(requests: int, concurrency: int) -> int:
     return max(1, math.ceil(requests / concurrency))
 
 
+# llama-benchy reads the API key only from its command line, where every user of this machine could read it
+# (/proc/PID/cmdline, ps). So it is started through this launcher: the key arrives on stdin's first line and is
+# added to llama-benchy's own sys.argv inside the process, which the process's command line never shows.
+LAUNCH = (
+    "import runpy, sys\n"
+    "key = sys.stdin.readline().rstrip('\\n')\n"
+    "sys.argv = [sys.argv[0], *sys.argv[1:], *(['--api-key', key] if key else [])]\n"
+    f"runpy.run_module({MODULE!r}, run_name='__main__', alter_sys=True)\n"
+)
+
+
 def argv(*, python: str, base_url: str, model: str, tokenizer: str, input_len: int, output_len: int,
-         concurrency: int, runs: int, book_url: str, result: str, api_key: str | None = None) -> list[str]:
-    """The command line of one level. `base_url` is the API's root (…:PORT, llama-benchy adds nothing: /v1 is
-    appended here); the API key, when there is one, is an argument (llama-benchy reads it nowhere else)."""
-    out = [python, "-m", MODULE, "--base-url", f"{base_url.rstrip('/')}/v1", "--model", model,
-           "--served-model-name", model, "--tokenizer", tokenizer, "--pp", str(input_len), "--tg", str(output_len),
-           "--exact-tg", "--concurrency", str(concurrency), "--runs", str(runs), "--no-cache",
-           "--book-url", book_url, "--skip-coherence", "--latency-mode", "api", "--format", "json",
-           "--save-result", result]
-    if api_key:
-        out += ["--api-key", api_key]
-    return out
+         concurrency: int, runs: int, book_url: str, result: str) -> list[str]:
+    """The command line of one level (no secret in it: the API key goes on stdin, `LAUNCH`). `base_url` is the
+    API's root (…:PORT, llama-benchy adds nothing: /v1 is appended here)."""
+    return [python, "-c", LAUNCH, "--base-url", f"{base_url.rstrip('/')}/v1", "--model", model,
+            "--served-model-name", model, "--tokenizer", tokenizer, "--pp", str(input_len), "--tg", str(output_len),
+            "--exact-tg", "--concurrency", str(concurrency), "--runs", str(runs), "--no-cache",
+            "--book-url", book_url, "--skip-coherence", "--latency-mode", "api", "--format", "json",
+            "--save-result", result]
+
+
+def stdin_for(api_key: str | None) -> str:
+    """What `LAUNCH` reads: the key's line (empty: no key)."""
+    return (api_key or "") + "\n"
 
 
 def shown(args: Sequence[str]) -> list[str]:

@@ -34,7 +34,8 @@ with urllib.request.urlopen(opt("--book-url"), timeout=10) as r:
 json.load(open(opt("--tokenizer")))
 with open(os.environ["FAKE_LB_LOG"], "a") as f:
     f.write(json.dumps({"argv": args, "book": book[:200], "offline": os.environ.get("HF_HUB_OFFLINE"),
-                        "home": os.environ.get("HOME")}) + "\n")
+                        "home": os.environ.get("HOME"),
+                        "cmdline": open("/proc/self/cmdline", "rb").read().decode("utf-8", "replace")}) + "\n")
 c = int(opt("--concurrency"))
 m = lambda v: {"mean": v, "std": 0.0, "values": [v]}
 res = {"version": "0.4.0", "model": opt("--model"), "max_concurrency": c, "benchmarks": [
@@ -115,7 +116,10 @@ def test_tool_llama_benchy_runs_it_on_the_same_load_with_nothing_downloaded(stan
     assert "| mean TTFT (ms) |" in out and "| 20.0 |" in out and "llama-benchy" in out
     doc = json.loads(save.read_text())  # --save keeps the tool's own JSON, the key masked in its argv
     assert doc["llama_benchy"]["levels"][1]["result"]["benchmarks"][0]["tg_throughput"]["mean"] == 100.0
-    assert "s3cret" not in save.read_text() and "***" in doc["llama_benchy"]["levels"][0]["argv"]
+    assert "s3cret" not in save.read_text()
+    # the key reaches llama-benchy's own argv, never its process's command line (ps, /proc/PID/cmdline)
+    assert all(r["argv"][r["argv"].index("--api-key") + 1] == "s3cret-key" for r in runs)
+    assert all("s3cret" not in r["cmdline"] for r in runs)
 
 
 def test_tool_llama_benchy_without_a_tokenizer_json_on_the_head_says_so(standin, fake_llama_benchy, tmp_path,
@@ -131,7 +135,7 @@ def test_tool_llama_benchy_without_a_tokenizer_json_on_the_head_says_so(standin,
 def test_tool_llama_benchy_not_installed_is_bad_input(monkeypatch, capsys):
     monkeypatch.setattr(llamabenchy, "available", lambda: False)
     code, out, err = run_cli(["bench", "--tool", "llama-benchy"], capsys)
-    assert code == 2 and "sparkctl[llama-benchy]" in err
+    assert code == 2 and "sparkctl-launcher[llama-benchy]" in err
 
 
 def test_the_side_by_side_table_reads_llama_benchys_definitions() -> None:
@@ -148,7 +152,9 @@ def test_the_side_by_side_table_reads_llama_benchys_definitions() -> None:
 REAL = importlib.util.find_spec("llama_benchy") is not None and importlib.util.find_spec("tokenizers") is not None
 
 
-@pytest.mark.skipif(not REAL, reason="llama-benchy is not installed (the optional extra sparkctl[llama-benchy])")
+# ./one-shot.sh installs the extra; under CI=true a missing llama-benchy fails this test instead of skipping it
+@pytest.mark.skipif(not REAL and os.environ.get("CI") != "true",
+                    reason="llama-benchy is not installed (the optional extra sparkctl-launcher[llama-benchy])")
 def test_the_real_llama_benchy_runs_offline_on_the_stand_in(standin, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

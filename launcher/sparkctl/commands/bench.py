@@ -90,7 +90,7 @@ MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summa
 @click.option("--tool", type=click.Choice(["sparkctl", "vllm", "llama-benchy"]), default="sparkctl", show_default=True,
               help="vllm: also run vLLM's own `vllm bench serve` in the head's container on the same load "
               f"(random prompts of --input-len tokens, default {vllmbench.DEFAULT_INPUT_LEN}) and print both side by side. "
-              "llama-benchy: also run llama-benchy (the optional extra sparkctl[llama-benchy]) from this machine on "
+              "llama-benchy: also run llama-benchy (the optional extra sparkctl-launcher[llama-benchy]) from this machine on "
               "the same endpoint and load, with the served model's tokenizer.json from the head; nothing is downloaded.")
 @click.pass_obj
 def command(g: object, url: str | None, model: str | None, workload: str | None, prompt_file: str | None,

@@ -241,10 +241,11 @@ def run_llama_benchy(cfg: BenchConfig, doc: dict[str, Any], tokenizer: Path, say
             argv = llamabenchy.argv(python=python, base_url=cfg.endpoint.url, model=cfg.model, tokenizer=str(tokenizer),
                                     input_len=cfg.input_len, output_len=cfg.max_tokens, concurrency=c,
                                     runs=llamabenchy.runs_for(int(lv["requests"]), c), book_url=book_url,
-                                    result=str(result), api_key=cfg.api_key)
+                                    result=str(result))
             say(f"llama-benchy on {cfg.endpoint.url}, C={c}, {llamabenchy.runs_for(int(lv['requests']), c)} runs ...")
             try:
                 r = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True,  # noqa: S603 - fixed argv
+                                   input=llamabenchy.stdin_for(cfg.api_key),
                                    timeout=level_bound_s(cfg) + 300, check=False)
             except subprocess.TimeoutExpired:
                 raise CheckFailed(f"llama-benchy on {cfg.endpoint.url} did not finish C={c} in time") from None
@@ -252,7 +253,7 @@ def run_llama_benchy(cfg: BenchConfig, doc: dict[str, Any], tokenizer: Path, say
                 raise CheckFailed(f"llama-benchy exited {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}",
                                   fix=f"see its output; it is the optional extra: {llamabenchy.EXTRA}")
             theirs = llamabenchy.read_result(result, cfg.endpoint.url)
-            out["levels"].append({"concurrency": c, "argv": llamabenchy.shown(argv[1:]), "result": theirs})
+            out["levels"].append({"concurrency": c, "argv": llamabenchy.shown(argv[3:]), "result": theirs})
             pairs.append((c, lv, llamabenchy.level_of(theirs, c)))
     return out, llamabenchy.side_by_side(pairs)
 
