@@ -53,7 +53,7 @@ def test_a_thread_that_raises_is_ended_too(monkeypatch: pytest.MonkeyPatch) -> N
 # Where a module may start its own threads: threads.py (spawn), cluster/fanout.py (the fan-out's pool and
 # cluster.parallel), the probes (they run on a node, without sparkctl), and fabric.py until the flows
 # change moves its fan-out onto these (issue 28).
-_MAY_START_THREADS = {"threads.py", "cluster/fanout.py", "fabric.py"}
+_MAY_START_THREADS = {"threads.py", "cluster/fanout.py"}
 
 
 def _starts_threads(path: Path) -> list[str]:

@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -212,8 +211,7 @@ def serve_text(text: str) -> Iterator[str]:
             pass
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, name="bench-llama-benchy-text", daemon=True)
-    thread.start()
+    spawn(httpd.serve_forever, "bench-llama-benchy-text")
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}/prompts.txt"
     finally:
