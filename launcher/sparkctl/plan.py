@@ -3,7 +3,7 @@
     per rank = weights (shards ÷ TP) + KV cache + overhead (~14 GiB of CUDA/NCCL state)
     must fit in node memory − OS reserve (unified memory on GB10: GPU and CPU share it)
 
-The KV cache is planned as vLLM 0.33 will allocate and check it (facts.md, "KV bytes"; the fidelity
+The KV cache is planned as vLLM 0.33 will allocate and check it (docs/sources.md, "Memory and the KV cache"; the fidelity
 suite in tests/fidelity/ runs vLLM's own planner against these figures):
   - the backend follows the GPU: on GB10 (SM12x) the only sparse-MLA backend stores `fp8`/`auto` as
     `fp8_ds_mla`, 656 B per token per layer; on SM10x plain fp8 is 576 B (kv_lora_rank + rope);

@@ -46,12 +46,12 @@ _COMMAND_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,255}$")
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$", re.IGNORECASE)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "fp8_inc")
 RANK_KEY_RE = re.compile(r"^RANK(\d+)_(FABRIC_IP|CX7_IF|CX7_IB|GID_INDEX)$")
-#: The seed launcher's SKIP_* switches: accepted so an old env file loads (sparkctl's commands replace them).
+#: The bash launcher's SKIP_* switches (the one sparkctl replaces): accepted so an old env file loads (sparkctl's commands replace them).
 LEGACY_RE = re.compile(r"^SKIP_[A-Z0-9_]+$")
 #: A prefix of CONTAINER_ENV_PREFIXES: upper-case, ending in "_" (so it names a family of keys, never all of them).
 _PREFIX_RE = re.compile(r"^[A-Z][A-Z0-9]*_$")
 PASSTHROUGH_DOC = "Passed to the containers' environment as it is (its prefix is in CONTAINER_ENV_PREFIXES)."
-LEGACY_DOC = "The seed launcher's switch: accepted so an old env file loads; sparkctl's own commands replace it."
+LEGACY_DOC = "The bash launcher's switch: accepted so an old env file loads; sparkctl's own commands replace it."
 
 
 def is_secret(key: str) -> bool:
@@ -679,7 +679,7 @@ def load_settings(
                 continue
             values[key] = Value(key, _convert(key, str(raw), source), str(raw), source)
     values["RECIPE"] = Value("RECIPE", recipe.name, recipe_raw, recipe_src)
-    # The seed launcher's LOCAL_MODEL_DIR stands in for MODEL when MODEL is not given.
+    # The bash launcher's LOCAL_MODEL_DIR stands in for MODEL when MODEL is not given.
     if "MODEL" not in values and "LOCAL_MODEL_DIR" in values:
         lmd = values["LOCAL_MODEL_DIR"]
         values["MODEL"] = Value("MODEL", lmd.value, lmd.raw, f"{lmd.source} (LOCAL_MODEL_DIR)")

@@ -430,7 +430,7 @@ def synthetic_level(task: str, c: int, rate: float, ttft: float, drafts: float, 
                          spec=wire.SpecDelta(drafts, drafts * 3, accepted))
 
 
-SEED = {  # the model card's table (facts.md), rebuilt from per-stream rates
+SEED = {  # the model card's table (docs/sources.md), rebuilt from per-stream rates
     "prose": [(1, 11.1, 0.6), (2, 7.7, 0.9), (4, 5.25, 1.4), (8, 3.8125, 2.0)],
     "code": [(1, 15.0, 0.7), (2, 12.2, 0.8), (4, 7.1, 1.1), (8, 5.2125, 1.5)],
 }
@@ -686,7 +686,7 @@ def test_standin_measures_known_speed_ttft_and_tokens_per_step(standin):
     # Here: the pipeline measures something sane, and the counter-based figures are exact.
     for lv in doc["workloads"]["prose"]:
         assert 0 < lv["per_stream_tok_s"]["p50"] <= 2000 * 1.2
-        # the seed's aggregate: summed across streams
+        # the card's aggregate: summed across streams
         assert lv["agg_tok_s"] == pytest.approx(lv["per_stream_tok_s"]["mean"] * lv["concurrency"], rel=1e-3)
         assert 0.05 <= lv["ttft_s"]["p50"]  # never before the configured TTFT (its accuracy: bench_accuracy.py)
         assert lv["spec_decode"]["tokens_per_step"] == pytest.approx(1 + 0.5 * 3, rel=0.03)

@@ -180,7 +180,7 @@ def test_only_a_declared_family_passes_to_the_containers(clean_env: Any, tmp_pat
     plain = _passing(tmp_path, "STANDIN_TTFT_S=0.3\nSKIP_PULL=1\n")
     assert plain.passthrough_env() == {}
     assert any("unknown key STANDIN_TTFT_S" in w for w in plain.warnings)
-    assert not any("SKIP_PULL" in w for w in plain.warnings)  # the seed launcher's switch: accepted, not passed
+    assert not any("SKIP_PULL" in w for w in plain.warnings)  # the bash launcher's switch: accepted, not passed
     declared = _passing(tmp_path, "CONTAINER_ENV_PREFIXES=STANDIN_ NCCL_\nSTANDIN_TTFT_S=0.3\nNCCL_DEBUG=INFO\n"
                                   "SKIP_PULL=1\n")
     assert declared.passthrough_env() == {"STANDIN_TTFT_S": "0.3", "NCCL_DEBUG": "INFO"}

