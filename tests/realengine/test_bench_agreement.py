@@ -45,7 +45,8 @@ OUTPUT_LEN = 64
 # (SO_TIMESTAMPNS). The bounds catch a different definition (chunks counted as tokens doubles TPOT on this
 # tokenizer, seconds for ms, the wall to [DONE]), not a client's few ms: those are the fidelity suite's job
 # (tests/fidelity/test_bench_metrics_vllm.py, vLLM's own calculate_metrics and client, exact).
-TOLERANCE = {"mean_ttft_ms": (0.30, 15.0), "mean_tpot_ms": (0.50, 1.5), "output_throughput": (0.35, 0.0)}
+# TTFT by its median: one slow first token among 12 moved the mean 65% in a fresh-clone CI run (median -4%).
+TOLERANCE = {"median_ttft_ms": (0.30, 15.0), "mean_tpot_ms": (0.50, 1.5), "output_throughput": (0.35, 0.0)}
 
 
 PRIORITY = -10
