@@ -72,15 +72,6 @@ def stdin_for(api_key: str | None) -> str:
     return (api_key or "") + "\n"
 
 
-def shown(args: Sequence[str]) -> list[str]:
-    """The argv as it may be printed or saved: the API key masked."""
-    out = list(args)
-    for i, a in enumerate(out[:-1]):
-        if a == "--api-key":
-            out[i + 1] = "***"
-    return out
-
-
 def read_result(path: Path, where: str) -> dict[str, Any]:
     """llama-benchy's JSON result (`--format json --save-result`); CheckFailed when it is missing or damaged."""
     try:

@@ -251,7 +251,8 @@ def run_llama_benchy(cfg: BenchConfig, doc: dict[str, Any], tokenizer: Path, say
                 raise CheckFailed(f"llama-benchy exited {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}",
                                   fix=f"see its output; it is the optional extra: {llamabenchy.EXTRA}")
             theirs = llamabenchy.read_result(result, cfg.endpoint.url)
-            out["levels"].append({"concurrency": c, "argv": llamabenchy.shown(argv[3:]), "result": theirs})
+            out["levels"].append({"concurrency": c, "argv": argv[3:],  # no secret in it: the key went on stdin
+                                   "result": theirs})
             pairs.append((c, lv, llamabenchy.level_of(theirs, c)))
     return out, llamabenchy.side_by_side(pairs)
 
