@@ -131,7 +131,7 @@ MODULES: dict[str, Module] = {
                            ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; M62 equivalent
     "fabric": Module((f"{PKG}/orchestrate/fabric_test.py",), ("tests/unit/test_fabric.py", "tests/unit/test_safety_offline.py"),
                      ("tests/lab/test_fabric_lab.py",), "the fabric test and its sweep"),
-    "memory": Module((f"{PKG}/memory.py",), ("tests/unit/test_memory_wait.py",),
+    "memory": Module((f"{PKG}/memory.py",), ("tests/unit/test_memory_rules.py", "tests/unit/test_memory_wait.py"),
                      ("tests/lab/test_memory_lab.py",),
                      "what `up` may wait for or drop: foreign GPU processes, memory not back, DROP_CACHES"),
     "nic_pins": Module((f"{PKG}/nic_pins.py",), ("tests/unit/test_nic_pins.py", "tests/unit/test_check.py"),
