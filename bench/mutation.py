@@ -547,7 +547,7 @@ def floors_met(results: list[Result]) -> bool:
         elif pending or score is None:
             print(f"{r.module}: {pending} mutants not run yet: the floor ({floor:.1f}%) is not judged until all are")
             ok = False
-        elif 100 * score < floor:
+        elif round(100 * score, 1) < floor:  # the floor is the score as printed, to one decimal
             print(f"{r.module}: score {100 * score:.1f}% is BELOW its floor {floor:.1f}%: a test stopped "
                   f"killing mutants; the survivors above say which lines")
             ok = False

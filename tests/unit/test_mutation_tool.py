@@ -51,3 +51,14 @@ def test_a_module_below_its_floor_or_not_run_to_its_end_fails_the_gate(killed: i
     assert mutation.MODULES["systemd_unit"].floor == 98.0
     assert mutation.floors_met([r]) is ok
     assert mutation.floors_met([mutation.Result("lock")]) is False  # no floor yet: not judged
+
+
+@pytest.mark.parametrize(("module", "killed", "survived", "ok"), [
+    ("memory", 133, 3, True), ("memory", 132, 4, False)])
+def test_a_floor_is_the_score_as_printed_so_the_same_run_again_meets_it(module: str, killed: int, survived: int,
+                                                                         ok: bool) -> None:
+    """A floor is written as the run printed its score, to one decimal (memory: 133 of 136 = 97.79..., printed and
+    set as 97.8): the same result again meets it; one more survivor does not."""
+    r = mutation.Result(module)
+    r.outcomes.update(killed=killed, survived=survived, pending=0)
+    assert mutation.floors_met([r]) is ok
