@@ -135,8 +135,10 @@ MODULES: dict[str, Module] = {
                      ("tests/lab/test_memory_lab.py",),
                      "what `up` may wait for or drop: foreign GPU processes, memory not back, DROP_CACHES",
                      floor=97.8),  # 133 of 136; M1663-M1665 equivalent
-    "nic_pins": Module((f"{PKG}/nic_pins.py",), ("tests/unit/test_nic_pins.py", "tests/unit/test_check.py"),
-                       (), "the fabric discovery rule (netdev, RDMA device, GID index), for check and up"),
+    "nic_pins": Module((f"{PKG}/nic_pins.py",),
+                       ("tests/unit/test_nic_pins_rules.py", "tests/unit/test_nic_pins.py", "tests/unit/test_check.py"),
+                       (), "the fabric discovery rule (netdev, RDMA device, GID index), for check and up",
+                       floor=96.3),  # 130 of 135; M1821 (4 mutants) and M1822 equivalent
     "probes": Module((f"{PKG}/probes/ckpt_scan.py", f"{PKG}/probes/hf_pull.py", f"{PKG}/probes/model_node.py",
                       f"{PKG}/probes/save_filter.py"),
                      ("tests/unit/test_probe_bundle.py", "tests/unit/test_model_transfer.py",
