@@ -18,6 +18,7 @@ from sparkctl.builders import container_options
 from sparkctl.check import CLUSTER_ROW, FAIL, OK, WARN
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.orchestrate import fabric_test as fabric
+from sparkctl.probes import fabric_allreduce
 from tests.unit.test_fabric import (
     FIX,
     GLOO,
@@ -152,6 +153,21 @@ def test_a_rank_that_measured_zero_busbw_makes_the_collectives_zero() -> None:
     assert report.busbw_by_size() == {"1024": 0.0}
     report = fabric.FabricReport("gloo", "img", [rank(0, 5.0), rank(1, 2.5)], [], 1.0, 0.5, {}, {})
     assert report.busbw_by_size() == {"1024": 2.5}
+
+
+@pytest.mark.parametrize("garbled", ['{"event":"result","rank":0,"bytes":4194304}',
+                                     '{"event":"result","rank":0,"busbw_gbps":9.5}',
+                                     '{"event":"result","rank":0,"bytes":"4194304","busbw_gbps":"fast"}'])
+def test_a_garbled_result_line_is_not_a_figure_and_no_crash(garbled: str) -> None:
+    """A rank's output is untrusted: a result line without its figures is left out (as the floor's rule does),
+    never a KeyError or ValueError out of `check --fabric` (found through the survivor M1746)."""
+    parts = _split_ranks("h200x1-gloo-2rank.log")
+    bad = _ok_run(fabric_allreduce.MARK + garbled + "\n" + parts[0])
+    outcomes = [fabric.outcome_from_run(0, "n0", bad), fabric.outcome_from_run(1, "n1", _ok_run(parts[1]))]
+    findings = fabric.evaluate(outcomes, GLOO, timeout_s=30)
+    assert [f.status for f in findings] == [OK, OK] and "4194304 B" in findings[0].text
+    report = fabric.FabricReport("gloo", "img", outcomes, findings, 2.0, 0.9, {}, {})
+    assert set(report.busbw_by_size()) == {"65536", "1048576", "4194304"} and report.to_dict()["ok"]
 
 
 def test_the_json_report_gives_times_to_the_millisecond() -> None:
