@@ -308,4 +308,4 @@ def test_waiting_for_the_ranks_blocks_and_does_not_spin(clean_env: dict[str, str
     c = FakeCluster([], lambda c, fn, nodes: {n: fn(c.node(n)) for n in nodes})
     c.nodes = {n: Node(n, c.log) for n in s.nodes}
     fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
-    assert len(counted) == 1 and 1 <= counted[0].waits <= 20, counted[0].waits
+    assert len(counted) == 1 and 1 <= counted[0].waits <= 50, counted[0].waits  # spinning: thousands
