@@ -129,7 +129,8 @@ MODULES: dict[str, Module] = {
                        ("tests/lab/test_secrets_lab.py",), "redaction and strict keys"),
     "systemd_unit": Module((f"{PKG}/systemd_unit.py",), ("tests/unit/test_watch.py",),
                            ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; M62 equivalent
-    "fabric": Module((f"{PKG}/orchestrate/fabric_test.py",), ("tests/unit/test_fabric.py", "tests/unit/test_safety_offline.py"),
+    "fabric": Module((f"{PKG}/orchestrate/fabric_test.py",), ("tests/unit/test_fabric_rules.py", "tests/unit/test_fabric.py",
+                                                            "tests/unit/test_safety_offline.py"),
                      ("tests/lab/test_fabric_lab.py",), "the fabric test and its sweep"),
     "memory": Module((f"{PKG}/memory.py",), ("tests/unit/test_memory_rules.py", "tests/unit/test_memory_wait.py"),
                      ("tests/lab/test_memory_lab.py",),

@@ -262,7 +262,7 @@ def floor_findings(events: list[dict[str, Any]], floor_gbps: float | None, *, ch
     """busbw below the floor at the largest size measured (the one that reaches the link's speed)."""
     if not floor_gbps:
         return []
-    results = [e for e in events if e.get("event") == "result" and _num(e.get("bytes")) and _num(e.get("busbw_gbps"))]
+    results = [e for e in events if is_result(e)]
     if not results:
         return []
     top = max(float(e["bytes"]) for e in results)
@@ -278,6 +278,11 @@ def floor_findings(events: list[dict[str, Any]], floor_gbps: float | None, *, ch
 
 def _num(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0
+
+
+def is_result(event: dict[str, Any]) -> bool:
+    """A fabric program's `result` event with its figures (a rank's output is untrusted: a garbled one is none)."""
+    return event.get("event") == "result" and _num(event.get("bytes")) and _num(event.get("busbw_gbps"))
 
 
 def report(log: NcclLog, *, expect_rdma: bool | None = None, floor_gbps: float | None = None) -> list[Finding]:

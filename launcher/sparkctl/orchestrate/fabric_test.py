@@ -130,7 +130,7 @@ class RankOutcome:
 
     @property
     def results(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") == "result"]
+        return [e for e in self.events if nccl.is_result(e)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
