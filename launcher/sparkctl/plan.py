@@ -28,7 +28,6 @@ from .settings import Settings
 
 GIB = 1 << 30
 GB = 1000**3
-MAX_JSON_BYTES = 64 << 20  # config.json and the index are small; refuse anything absurd
 MAX_CONFIG_INT = 1 << 24  # layers, heads, widths: far above any real model, far below float overflow
 MAX_SHARD_BYTES = 1 << 50  # 1 PiB: a size above it in a node's listing is not a file size
 MAX_CHECKPOINT_BYTES = 1 << 56
