@@ -88,8 +88,8 @@ class Module:
 # The safety-critical modules (issue 32) and the tests that exercise each one.
 MODULES: dict[str, Module] = {
     "cluster": Module((f"{PKG}/cluster",),
-                      ("tests/unit/test_cluster.py", "tests/unit/test_hostkeys.py", "tests/unit/test_fanout.py",
-                       "tests/unit/test_hostile_values.py"),
+                      ("tests/unit/test_cluster_rules.py", "tests/unit/test_cluster.py", "tests/unit/test_hostkeys.py",
+                       "tests/unit/test_fanout.py", "tests/unit/test_hostile_values.py", "tests/unit/test_ssh_setups.py"),
                       ("tests/lab/test_connections_lab.py", "tests/lab/test_hostile_lab.py"),
                       "the SSH layer: ssh -G, host keys, the transport, the channel"),
     "hostkeys": Module((f"{PKG}/cluster/hostkeys.py",),
