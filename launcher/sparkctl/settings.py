@@ -701,6 +701,16 @@ def validate_settings(s: Settings) -> None:
         v = s.values.get(key)
         empty = v is None or v.value in (None, "", [])
         if empty:
+            default = s.recipe.defaults.get(key)
+            if v is not None and knob.kind != "list" and default not in (None, "") and \
+                    not v.source.startswith("recipe"):
+                # `KEY=` would hide the recipe's value: the code then reads None (DCP= crashed the planner,
+                # KV_CACHE_DTYPE= planned a cache of dtype "None")
+                how = ("delete the line" if v.source.startswith("env file") else
+                       "unset it" if v.source == "environment" else "leave it out")
+                problems.append(f"{key} is blank (from {v.source}), which would hide recipe {s.recipe.name}'s "
+                                f"{key}={default}: {how} to use it, or give a value")
+                continue
             if knob.required:
                 where = ("the env file, the environment or with --" + key.lower()) if key in ("NODES", "MODEL") \
                     else "the env file or the environment"

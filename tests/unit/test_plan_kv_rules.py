@@ -244,11 +244,23 @@ def test_the_drafter_folder_is_asked_for_only_with_dspark(clean_env, model_308, 
     assert drafter_dir(s) == drafter
     assert drafter_dir(settings_for(model_308, SPEC_METHOD=runtime("mtp"))) is None
     assert drafter_dir(settings_for(model_308, SPEC_METHOD="off")) is None
-    assert drafter_dir(settings_for(model_308, SPEC_METHOD="")) is None
+    assert drafter_dir(without_spec_method(settings_for(model_308))) is None
 
 
-def test_a_blank_spec_method_plans_no_speculation(clean_env, model_308):
-    """`SPEC_METHOD=` (blanked in an env file) is unset: no MTP layer, no drafter, the same plan as `off`."""
-    blank = plan_of(model_308, SPEC_METHOD="")
-    assert blank.kv_block_bytes == 64 * 78 * (656 + 132) == plan_of(model_308, SPEC_METHOD="off").kv_block_bytes
-    assert [t.layers for t in blank.kv_terms] == [78, 78]
+def without_spec_method(s: Settings) -> Settings:
+    """The settings of a recipe that sets no SPEC_METHOD (none of ours: a user's recipe may leave it out)."""
+    return dataclasses.replace(s, values={k: v for k, v in s.values.items() if k != "SPEC_METHOD"})
+
+
+def test_a_recipe_without_spec_method_plans_no_speculation(clean_env, model_308):
+    """SPEC_METHOD unset: no MTP layer, no drafter, the same plan as `off`."""
+    unset = make_plan(without_spec_method(settings_for(model_308)), read_checkpoint(model_308))
+    assert unset.kv_block_bytes == 64 * 78 * (656 + 132) == plan_of(model_308, SPEC_METHOD="off").kv_block_bytes
+    assert [t.layers for t in unset.kv_terms] == [78, 78]
+
+
+def test_a_blank_spec_method_is_refused_not_read_as_off(clean_env, model_308):
+    """`SPEC_METHOD=` in the environment would hide the recipe's `mtp`: refused, saying how to use it."""
+    with pytest.raises(UsageError, match=r"SPEC_METHOD is blank \(from environment\), which would hide recipe "
+                                         r"glm53-exl3-tp4's SPEC_METHOD=mtp: unset it to use it, or give a value"):
+        settings_for(model_308, SPEC_METHOD="")

@@ -202,3 +202,26 @@ def test_a_knob_never_passes_and_a_bad_prefix_is_refused(clean_env: Any, tmp_pat
     assert s.passthrough_env() == {"MAX_JOBS": "2"}
     with pytest.raises(UsageError, match="CONTAINER_ENV_PREFIXES"):
         validate_settings(_passing(tmp_path, "CONTAINER_ENV_PREFIXES=nccl\n"))
+
+
+@pytest.mark.parametrize("key", ["DCP", "MAX_MODEL_LEN", "KV_CACHE_DTYPE", "GPU_MEMORY_UTILIZATION", "IMAGE"])
+def test_a_blank_knob_the_recipe_sets_is_refused_naming_the_line_and_the_default(tmp_path: Path, key: str) -> None:
+    """`DCP=` in an env file hid the recipe's DCP=4: the planner read None and crashed ("internal error:
+    TypeError"); `KV_CACHE_DTYPE=` planned a cache of dtype "None". A blank now stops with one line."""
+    env = tmp_path / "cluster.env"
+    env.write_text(f"NODES={NODES}\nMODEL=/models/m\n{key}=\n")
+    default = load_settings(cli={}, environ=BASE).recipe.defaults[key]
+    with pytest.raises(UsageError) as err:
+        load_settings(env_file=str(env), cli={}, environ={})
+    assert err.value.message == (f"{key} is blank (from env file {env}), which would hide recipe glm53-exl3-tp4's "
+                                 f"{key}={default}: delete the line to use it, or give a value")
+    with pytest.raises(UsageError, match=f"{key} is blank \\(from environment\\).*: unset it to use it"):
+        load_settings(cli={}, environ={**BASE, key: " "})
+
+
+def test_a_blank_knob_the_recipe_leaves_unset_or_a_blank_list_is_simply_unset(tmp_path: Path) -> None:
+    env = tmp_path / "cluster.env"
+    env.write_text(f"NODES={NODES}\nMODEL=/models/m\nKV_CACHE_MEMORY_BYTES=\nCONTAINER_ENV_PREFIXES=\n")
+    s = load_settings(env_file=str(env), cli={}, environ={})
+    assert s.get("KV_CACHE_MEMORY_BYTES") is None and s.container_env_prefixes() == ()
+    assert s.getint("DCP") == 4
