@@ -1,4 +1,4 @@
-"""The fabric test's rules, one claim each (issue 32: the survivors of its mutation run, M1700-M1747).
+"""The fabric test's rules, one claim each (issue 32: the survivors of its mutation runs, M1700-M1749 and M1791-M1799).
 
 The fixtures and fakes are test_fabric.py's: the settings, the pins, the captured gloo run, FakeNode and
 FakeCluster.
@@ -207,26 +207,37 @@ def test_the_reports_seconds_are_the_runs_wall_time(clean_env: dict[str, str], m
     assert report.seconds == 7.5 and report.collective_s == 0.861
 
 
-def test_a_lost_node_stops_the_others_at_once(clean_env: dict[str, str]) -> None:
-    """A node whose SSH connection fails during its `docker run` is a failure like any other: the others are
-    released by the sweep at once (not at the bound) and read `stopped`."""
+def _run_lab(act: Any) -> fabric.FabricReport:
+    """run_fabric_test on the lab's four nodes, each `docker run` being act(node, swept): `swept` is set
+    once a sweep has begun (the first failure's, which removes the others' containers)."""
     s = _settings("lab")
     swept = threading.Event()
-    woken: list[bool] = []
 
     class Node(FakeNode):
         def run(self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = None) -> RunResult:
             if argv[:2] == ["sh", "-c"]:
                 swept.set()
                 return super().run(argv, stdin=stdin, timeout=timeout)
-            if self.name == "spark2":
-                raise NodeError("spark2", "lost", "SSH connection lost: EOF")
-            woken.append(swept.wait(10))  # at the rendezvous until the container is removed
-            return RunResult("", "", 137, 5)
+            result: RunResult = act(self.name, swept)
+            return result
 
     c = FakeCluster([], _side_by_side)
     c.nodes = {n: Node(n, c.log) for n in s.nodes}
-    report = fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
+    return fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
+
+
+def test_a_lost_node_stops_the_others_at_once(clean_env: dict[str, str]) -> None:
+    """A node whose SSH connection fails during its `docker run` is a failure like any other: the others are
+    released by the sweep at once (not at the bound) and read `stopped`."""
+    woken: list[bool] = []
+
+    def act(name: str, swept: threading.Event) -> RunResult:
+        if name == "spark2":
+            raise NodeError("spark2", "lost", "SSH connection lost: EOF")
+        woken.append(swept.wait(10))  # at the rendezvous until the container is removed
+        return RunResult("", "", 137, 5)
+
+    report = _run_lab(act)
     assert woken == [True, True, True]
     by_node = {f.node: f for f in report.findings if f.status == FAIL}
     assert "SSH connection lost" in by_node["spark2"].text
@@ -309,3 +320,58 @@ def test_waiting_for_the_ranks_blocks_and_does_not_spin(clean_env: dict[str, str
     c.nodes = {n: Node(n, c.log) for n in s.nodes}
     fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
     assert len(counted) == 1 and 1 <= counted[0].waits <= 50, counted[0].waits  # spinning: thousands
+
+
+def test_only_the_mount_pairs_leave_the_options_wherever_they_stand() -> None:
+    """The fabric container drops each `--mount` and its value and keeps every other option, also one that
+    stands after a mount (today container_options puts the mounts last; an option added after them must
+    not vanish from the fabric test without a word)."""
+    opts = ["--network", "host", "--mount", "type=bind,source=/m,target=/m", "--ipc", "host",
+            "--mount", "type=bind,source=/s,target=/s", "--gpus", "all", "--shm-size", "64g"]
+    assert fabric._without_mounts(opts) == ["--network", "host", "--ipc", "host", "--gpus", "all", "--shm-size", "64g"]
+
+
+def test_a_second_lost_node_keeps_its_own_reason(clean_env: dict[str, str]) -> None:
+    """Two nodes lost: the second is not `stopped by sparkctl` (its container was never the reason it
+    ended); it reads its own SSH error, as the first does."""
+
+    def act(name: str, swept: threading.Event) -> RunResult:
+        if name == "spark2":
+            raise NodeError("spark2", "lost", "SSH connection lost: EOF")
+        if name == "spark3":
+            assert swept.wait(10)  # lost after the first failure was noted
+            raise NodeError("spark3", "lost", "SSH connection lost: reset by peer")
+        swept.wait(10)
+        return RunResult("", "", 137, 5)
+
+    report = _run_lab(act)
+    by_node = {f.node: f for f in report.findings if f.status == FAIL}
+    assert by_node["spark3"].short == "no result" and "SSH connection lost: reset by peer" in by_node["spark3"].text
+    assert report.to_dict()["ranks"][2]["error"] == "SSH connection lost: reset by peer"
+    for n in ("spark1", "spark4"):
+        assert by_node[n].short == "stopped" and "after rank 1 failed" in by_node[n].text
+
+
+@pytest.mark.parametrize("stdout", ["2\n", "Welcome to spark1\nlast login: today\n2\n"])
+def test_a_sweep_reports_how_many_it_removed(stdout: str) -> None:
+    """The count is the sweep's last line (`grep -c`), whatever a login banner printed before it."""
+    assert fabric.sweep(_Answers("n0", [], RunResult(stdout, "", 0, 0.0)), "c") == 2  # type: ignore[arg-type]
+
+
+def test_a_rank_killed_by_a_signal_before_any_event_did_not_run() -> None:
+    """SSH reports -1 when the remote command died of a signal (no exit status): a rank with no event and that
+    status failed to run, and says so with docker's first error line (and in the JSON's `error`)."""
+    res = RunResult("", "docker: killed\nsecond line\n", -1, 0.1)
+    o = fabric.outcome_from_run(0, "n0", res)
+    assert o.error == "the fabric test container did not run: docker: killed"
+    (f, _cluster) = fabric.evaluate([o], GLOO, timeout_s=30)
+    assert f.status == FAIL and f.text == "rank 0 (n0): the fabric test container did not run: docker: killed"
+
+
+def test_a_rank_that_exited_0_without_any_event_ran_but_gave_no_result() -> None:
+    """Exit 0 and no event: the container ran (not `did not run`); the program ended without a result."""
+    o = fabric.outcome_from_run(0, "n0", RunResult("hello from the image\n", "", 0, 0.1))
+    assert o.error is None
+    (f, _cluster) = fabric.evaluate([o], GLOO, timeout_s=30)
+    assert f.status == FAIL and f.short == "no result"
+    assert f.text == "rank 0 (n0): the fabric program ended without a result (exit 0): hello from the image"
