@@ -247,6 +247,22 @@ def test_reading_a_checkpoint_here_opens_no_shard(tmp_path: Path, monkeypatch: p
     assert read == []
 
 
+def test_reading_the_drafter_opens_none_of_its_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPEC_METHOD=dspark: the drafter's config.json is read with the checkpoint, its shards are not opened
+    either (the second sample's survivor, M1876)."""
+    m, drafter = _model(tmp_path), write_model(tmp_path / "drafter", 300, 3)
+    read: list[str] = []
+
+    def spy(path: str, **kw: Any) -> dict[str, Any]:
+        read.append(path)
+        return {}
+
+    monkeypatch.setattr(ckpt_scan, "scan_shard", spy)
+    info = P.read_checkpoint(m, drafter)
+    assert info.drafter_config is not None and info.drafter_config["num_hidden_layers"] > 0
+    assert read == []
+
+
 def test_a_checkpoints_description_is_immutable(tmp_path: Path) -> None:
     """What was validated stays validated: no shard of a CheckpointInfo can be given another size."""
     info = P.read_checkpoint(_model(tmp_path))

@@ -264,3 +264,33 @@ def test_a_blank_spec_method_is_refused_not_read_as_off(clean_env, model_308):
     with pytest.raises(UsageError, match=r"SPEC_METHOD is blank \(from environment\), which would hide recipe "
                                          r"glm53-exl3-tp4's SPEC_METHOD=mtp: unset it to use it, or give a value"):
         settings_for(model_308, SPEC_METHOD="")
+
+
+# --- the second sample after these tests (issue 32k, M1944-M1947) ------------------------------------------
+
+
+def test_an_unquantized_mla_latent_is_the_lora_rank_plus_the_rope_dim(tmp_path):
+    """kv_lora_rank + qk_rope_head_dim elements per token per layer (96 + 32: bits that overlap, so a XOR is
+    caught; GLM-5's 512 + 64 are disjoint)."""
+    cfg = {**GLM53_CONFIG, "kv_lora_rank": 96, "qk_rope_head_dim": 32}
+    latent = kv_terms(cfg, "bfloat16", 4, tmp_path)[0]
+    assert latent.bytes_per_token_per_layer == (96 + 32) * 2
+
+
+def test_a_kv_term_is_a_value(tmp_path):
+    term = kv_terms(GLM53_CONFIG, "fp8", 4, tmp_path)[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        term.layers = 1  # type: ignore[misc]
+
+
+def test_sm10x_fp8_ds_mla_is_paged_in_blocks_of_64_tokens(clean_env, model_308):
+    """FLASHMLA_SPARSE (SM10x, fp8_ds_mla asked for) pages by 64 tokens; FLASHINFER_MLA_SPARSE's fp8 by 32."""
+    assert kv_layout(GLM53_CONFIG, "10.0", "fp8_ds_mla").block_tokens == 64
+    plan = plan_of(model_308, cc="10.0", KV_CACHE_DTYPE="fp8_ds_mla")
+    assert plan.kv_block_tokens == 64 and plan.kv_block_bytes == 64 * plan.kv_bytes_per_token
+
+
+def test_one_attention_head_without_head_dim_holds_the_whole_hidden_size(tmp_path):
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 1, "hidden_size": 256}
+    (term,) = kv_terms(cfg, "bfloat16", 1, tmp_path)
+    assert term.bytes_per_token_per_layer == 2 * 1 * 256 * 2
