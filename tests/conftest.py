@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background by a shell without job control (`cmd &` in a script, `setsid … &`, nohup)
+# inherits SIGINT ignored, and Python then keeps it ignored: `_thread.interrupt_main()`, the tests' Ctrl-C, does
+# nothing, and every Ctrl-C test fails with "DID NOT RAISE KeyboardInterrupt" (seen: four of them, in a CI run
+# started so). The tests need Python's own handler, as an interactive `sparkctl` has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 try:
     from hypothesis import HealthCheck, settings
