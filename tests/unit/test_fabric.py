@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import concurrent.futures
 import threading
 from pathlib import Path
 from typing import Any
@@ -287,9 +288,22 @@ NO_IMAGE = ("docker: Error response from daemon: No such image: {image}\n\n"
             "Run 'docker run --help' for more information\n")
 
 
-def _run_without_image(s: Any, lacking: set[str]) -> fabric.FabricReport:
-    """run_fabric_test where the nodes in `lacking` have no such image and the others wait at the
-    rendezvous until the first failure's sweep removes their container."""
+def _side_by_side(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
+    """Cluster.run_all: every node at once, a NodeError as that node's result."""
+
+    def guarded(n: str) -> Any:
+        try:
+            return fn(c.node(n))
+        except NodeError as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(nodes)) as pool:
+        return dict(zip(nodes, pool.map(guarded, nodes), strict=True))
+
+
+def _run_nodes(s: Any, act: Any) -> fabric.FabricReport:
+    """run_fabric_test on s's nodes side by side, each `docker run` being act(node, swept): `swept` is set
+    once a sweep has begun (the first failure's, which removes the others' containers)."""
     swept = threading.Event()
 
     class Node(FakeNode):
@@ -297,18 +311,25 @@ def _run_without_image(s: Any, lacking: set[str]) -> fabric.FabricReport:
             if argv[:2] == ["sh", "-c"]:
                 swept.set()
                 return super().run(argv, stdin=stdin, timeout=timeout)
-            if self.name in lacking:
-                return RunResult("", NO_IMAGE.format(image=fabric.fabric_image(s)), 125, 0.1)
-            swept.wait(30)
-            return RunResult("", "", 137, 5)
+            result: RunResult = act(self.name, swept)
+            return result
 
-    def run_all(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
-        with __import__("concurrent.futures").futures.ThreadPoolExecutor(4) as pool:
-            return dict(zip(nodes, pool.map(lambda n: fn(c.node(n)), nodes), strict=True))
-
-    c = FakeCluster(NODES, run_all)
-    c.nodes = {n: Node(n, c.log) for n in NODES}
+    c = FakeCluster([], _side_by_side)
+    c.nodes = {n: Node(n, c.log) for n in s.nodes}
     return fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
+
+
+def _run_without_image(s: Any, lacking: set[str]) -> fabric.FabricReport:
+    """run_fabric_test where the nodes in `lacking` have no such image and the others wait at the
+    rendezvous until the first failure's sweep removes their container."""
+
+    def act(name: str, swept: threading.Event) -> RunResult:
+        if name in lacking:
+            return RunResult("", NO_IMAGE.format(image=fabric.fabric_image(s)), 125, 0.1)
+        swept.wait(30)
+        return RunResult("", "", 137, 5)
+
+    return _run_nodes(s, act)
 
 
 def test_a_lab_without_the_torch_image_is_told_to_run_lab_torch(clean_env: dict[str, str]) -> None:

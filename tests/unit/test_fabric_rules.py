@@ -7,7 +7,6 @@ FakeCluster.
 from __future__ import annotations
 
 import _thread
-import concurrent.futures
 import json
 import threading
 from typing import Any
@@ -27,22 +26,11 @@ from tests.unit.test_fabric import (
     _events,
     _ok_run,
     _pins,
+    _run_nodes,
     _settings,
+    _side_by_side,
     _split_ranks,
 )
-
-
-def _side_by_side(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
-    """Cluster.run_all: every node at once, a NodeError as that node's result."""
-
-    def guarded(n: str) -> Any:
-        try:
-            return fn(c.node(n))
-        except NodeError as exc:
-            return exc
-
-    with concurrent.futures.ThreadPoolExecutor(len(nodes)) as pool:
-        return dict(zip(nodes, pool.map(guarded, nodes), strict=True))
 
 
 def test_the_fabric_container_has_every_service_option_but_the_mounts(clean_env: dict[str, str]) -> None:
@@ -207,25 +195,6 @@ def test_the_reports_seconds_are_the_runs_wall_time(clean_env: dict[str, str], m
     assert report.seconds == 7.5 and report.collective_s == 0.861
 
 
-def _run_lab(act: Any) -> fabric.FabricReport:
-    """run_fabric_test on the lab's four nodes, each `docker run` being act(node, swept): `swept` is set
-    once a sweep has begun (the first failure's, which removes the others' containers)."""
-    s = _settings("lab")
-    swept = threading.Event()
-
-    class Node(FakeNode):
-        def run(self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = None) -> RunResult:
-            if argv[:2] == ["sh", "-c"]:
-                swept.set()
-                return super().run(argv, stdin=stdin, timeout=timeout)
-            result: RunResult = act(self.name, swept)
-            return result
-
-    c = FakeCluster([], _side_by_side)
-    c.nodes = {n: Node(n, c.log) for n in s.nodes}
-    return fabric.run_fabric_test(c, s, _pins(s))  # type: ignore[arg-type]
-
-
 def test_a_lost_node_stops_the_others_at_once(clean_env: dict[str, str]) -> None:
     """A node whose SSH connection fails during its `docker run` is a failure like any other: the others are
     released by the sweep at once (not at the bound) and read `stopped`."""
@@ -237,7 +206,7 @@ def test_a_lost_node_stops_the_others_at_once(clean_env: dict[str, str]) -> None
         woken.append(swept.wait(10))  # at the rendezvous until the container is removed
         return RunResult("", "", 137, 5)
 
-    report = _run_lab(act)
+    report = _run_nodes(_settings("lab"), act)
     assert woken == [True, True, True]
     by_node = {f.node: f for f in report.findings if f.status == FAIL}
     assert "SSH connection lost" in by_node["spark2"].text
@@ -344,7 +313,7 @@ def test_a_second_lost_node_keeps_its_own_reason(clean_env: dict[str, str]) -> N
         swept.wait(10)
         return RunResult("", "", 137, 5)
 
-    report = _run_lab(act)
+    report = _run_nodes(_settings("lab"), act)
     by_node = {f.node: f for f in report.findings if f.status == FAIL}
     assert by_node["spark3"].short == "no result" and "SSH connection lost: reset by peer" in by_node["spark3"].text
     assert report.to_dict()["ranks"][2]["error"] == "SSH connection lost: reset by peer"
