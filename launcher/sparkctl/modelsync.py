@@ -55,17 +55,37 @@ printf '%s\n' "$HOME"
 cat "$key.pub"
 """
 
+# A rank's ~/.ssh/authorized_keys holds its operators' keys: every line but this source's own sync key
+# (the line whose last field is exactly the tag) survives byte for byte, whatever its bytes (LC_ALL=C:
+# no locale calls a line binary); a symlink is written through (temp file beside the target, renamed
+# over it) and the file keeps its mode and owner; grep's or awk's error stops it, the file unchanged.
 INSTALL_KEY = r"""set -eu
+LC_ALL=C; export LC_ALL
 line=$1; tag=$2
 umask 077
 mkdir -p "$HOME/.ssh"
 f="$HOME/.ssh/authorized_keys"
-touch "$f"
-if grep -qxF -- "$line" "$f"; then echo present; exit 0; fi
-tmp="$f.sparkctl.$$"
-grep -vF -- "$tag" "$f" > "$tmp" || true
+if [ -L "$f" ]; then
+  f=$(readlink -f -- "$f") || { echo "cannot resolve the symlink $HOME/.ssh/authorized_keys" >&2; exit 1; }
+fi
+[ -e "$f" ] || : > "$f"
+rc=0; grep -qxF -- "$line" "$f" || rc=$?
+case $rc in
+  0) echo present; exit 0 ;;
+  1) ;;
+  *) echo "grep could not read $f (exit $rc); it was left unchanged" >&2; exit 1 ;;
+esac
+tmp=$(mktemp "$(dirname -- "$f")/.authorized_keys.sparkctl.XXXXXX")
+trap 'rm -f -- "$tmp"' EXIT
+TAG=$tag awk '$NF != ENVIRON["TAG"]' "$f" > "$tmp" || { echo "awk could not read $f; it was left unchanged" >&2; exit 1; }
 printf '%s\n' "$line" >> "$tmp"
-mv "$tmp" "$f"
+chmod "$(stat -c %a -- "$f")" "$tmp"
+own=$(stat -c %u:%g -- "$f")
+if [ "$(stat -c %u:%g -- "$tmp")" != "$own" ]; then
+  chown "$own" "$tmp" || { echo "cannot keep $f's owner ($own); it was left unchanged" >&2; exit 1; }
+fi
+mv -f -- "$tmp" "$f"
+trap - EXIT
 echo installed
 """
 
