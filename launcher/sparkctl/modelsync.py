@@ -148,6 +148,12 @@ def authorized_line(pubkey: str, source_ip: str, tag: str) -> str:
     return f'restrict,from="{source_ip}" {parts[0]} {parts[1]} {tag}'
 
 
+def files_list(names: Sequence[str]) -> bytes:
+    """The `--files-from` list of one rank's planned files, as the source's rsync reads it (`--from0`): each
+    name ends with NUL, the one byte no file name holds, so a name with a newline is one file, not two."""
+    return b"".join(n.encode("utf-8", "surrogateescape") + b"\0" for n in names)
+
+
 def ssh_command(key: str, known_hosts: str) -> str:
     """The `-e` of rsync on the source: its own key and known_hosts, nothing from ~/.ssh/config."""
     return shlex.join(["ssh", "-F", "/dev/null", "-i", key, "-o", "IdentitiesOnly=yes",
@@ -157,9 +163,12 @@ def ssh_command(key: str, known_hosts: str) -> str:
 
 
 def rsync_argv(src_dir: str, user: str, ip: str, dst_dir: str, list_file: str, key: str, known_hosts: str) -> list[str]:
+    """`-s` (--protect-args, since 3.3 --secluded-args): the destination goes to the rank's rsync through
+    rsync's protocol, never on its shell's command line, where an rsync before 3.2.4 put it unescaped (a
+    MODEL with spaces split, one with `$(…)` run on the rank)."""
     host = f"[{ip}]" if ":" in ip else ip
-    return ["rsync", "-a", "--ignore-times", f"--partial-dir={PARTIAL_DIR}", "--mkpath",
-            f"--timeout={RSYNC_IO_TIMEOUT}", f"--files-from={list_file}", "--info=progress2", "--stats",
+    return ["rsync", "-a", "-s", "--ignore-times", f"--partial-dir={PARTIAL_DIR}", "--mkpath",
+            f"--timeout={RSYNC_IO_TIMEOUT}", f"--files-from={list_file}", "--from0", "--info=progress2", "--stats",
             "--no-human-readable", "-e", ssh_command(key, known_hosts),
             src_dir.rstrip("/") + "/", f"{user}@{host}:{dst_dir.rstrip('/')}/"]
 

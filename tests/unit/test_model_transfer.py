@@ -212,7 +212,7 @@ def test_progress_and_stats_are_read_from_real_rsync_output(tmp_path: Path) -> N
     src.mkdir()
     (src / "a.bin").write_bytes(os.urandom(3_000_000))
     lst = tmp_path / "list"
-    lst.write_text("a.bin\n")
+    lst.write_bytes(modelsync.files_list(["a.bin"]))
     argv = modelsync.rsync_argv(str(src), "x", "127.0.0.1", str(dst), str(lst), "k", "kh")
     local = [a for a in argv[:-2] if a not in ("-e",) and not a.startswith("ssh ")] + [str(src) + "/", str(dst) + "/"]
     r = subprocess.run(local, capture_output=True, text=True, timeout=60)

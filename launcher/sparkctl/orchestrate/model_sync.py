@@ -27,6 +27,7 @@ from ..modelsync import (
     RankSync,
     SyncReport,
     authorized_line,
+    files_list,
     key_tag,
     parse_progress,
     parse_sent,
@@ -231,7 +232,7 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             state = state_dir(settings.cluster_name)
             src_node = cluster.node(src)
             for t in todo:
-                src_node.put_bytes(f"{state}/sync-{t}.list", ("\n".join(report.ranks[t].files) + "\n").encode())
+                src_node.put_bytes(f"{state}/sync-{t}.list", files_list(report.ranks[t].files))
 
             def push(node: Node, t: str) -> None:
                 r = report.ranks[t]
