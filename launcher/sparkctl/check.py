@@ -478,6 +478,13 @@ def rule_model(
             f"{n}: {model} differs from the other nodes' ({'; '.join(parts)})",
             f"re-sync {n}'s copy, or fix its mount so it sees the shared folder",
         )
+    for n, lst in present.items():
+        if lst.unlisted and n in out:
+            odd = (f"{lst.unlisted} file(s) in {model} whose name holds a newline (not listed, so not "
+                   "compared: vLLM may still load one as a shard)")
+            was = out[n]
+            out[n] = replace(was, status=WARN if was.status == OK else was.status, reason=f"{was.text}; {odd}",
+                             fix=was.fix or f"rename or remove them on {n} (`ls -bR {model}` shows a newline as \\n)")
     return out
 
 

@@ -572,6 +572,7 @@ def parse_machine_id(text: str) -> str:
 class ModelListing:
     exists: bool
     files: dict[str, int]  # path relative to the model folder -> size in bytes
+    unlisted: int = 0  # files whose path holds a newline: withheld by the probe, never entries
 
     @property
     def shards(self) -> dict[str, int]:
@@ -580,18 +581,26 @@ class ModelListing:
 
 @guard
 def parse_model_listing(text: str) -> ModelListing:
-    """The probe's listing of $MODEL: 'missing' alone, or 'SIZE<TAB>RELATIVE/PATH' per file."""
+    """The probe's listing of $MODEL: 'missing' alone, or one line per file: 'SIZE<TAB>RELATIVE/PATH', or
+    'unlisted' for a file whose path holds a newline (the probe withholds it: a name like
+    `x<LF>5000<TAB>model-00001-of-00002.safetensors` could otherwise forge another file's entry). Lines
+    end at a newline only (not at the other breaks `str.splitlines` knows: \r, \x1c, \x85, ... are name
+    bytes); a tab inside a name is the name's (the size, digits, ends at the first tab)."""
     if text.strip() == "missing":
         return ModelListing(False, {})
     files = {}
-    for line in text.splitlines():
+    unlisted = 0
+    for line in text.split("\n"):
         if not line:
+            continue
+        if line == "unlisted":
+            unlisted += 1
             continue
         size, sep, path = line.partition("\t")
         if not sep or not size.isdigit() or not path:
             raise ParseError(f"unexpected model listing line: {line[:80]!r}")
         files[path] = int(size)
-    return ModelListing(True, files)
+    return ModelListing(True, files, unlisted)
 
 
 # ------------------------------------------------------------------ the node_facts.sh probe, whole

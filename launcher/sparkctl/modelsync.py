@@ -55,17 +55,37 @@ printf '%s\n' "$HOME"
 cat "$key.pub"
 """
 
+# A rank's ~/.ssh/authorized_keys holds its operators' keys: every line but this source's own sync key
+# (the line whose last field is exactly the tag) survives byte for byte, whatever its bytes (LC_ALL=C:
+# no locale calls a line binary); a symlink is written through (temp file beside the target, renamed
+# over it) and the file keeps its mode and owner; grep's or awk's error stops it, the file unchanged.
 INSTALL_KEY = r"""set -eu
+LC_ALL=C; export LC_ALL
 line=$1; tag=$2
 umask 077
 mkdir -p "$HOME/.ssh"
 f="$HOME/.ssh/authorized_keys"
-touch "$f"
-if grep -qxF -- "$line" "$f"; then echo present; exit 0; fi
-tmp="$f.sparkctl.$$"
-grep -vF -- "$tag" "$f" > "$tmp" || true
+if [ -L "$f" ]; then
+  f=$(readlink -f -- "$f") || { echo "cannot resolve the symlink $HOME/.ssh/authorized_keys" >&2; exit 1; }
+fi
+[ -e "$f" ] || : > "$f"
+rc=0; grep -qxF -- "$line" "$f" || rc=$?
+case $rc in
+  0) echo present; exit 0 ;;
+  1) ;;
+  *) echo "grep could not read $f (exit $rc); it was left unchanged" >&2; exit 1 ;;
+esac
+tmp=$(mktemp "$(dirname -- "$f")/.authorized_keys.sparkctl.XXXXXX")
+trap 'rm -f -- "$tmp"' EXIT
+TAG=$tag awk '$NF != ENVIRON["TAG"]' "$f" > "$tmp" || { echo "awk could not read $f; it was left unchanged" >&2; exit 1; }
 printf '%s\n' "$line" >> "$tmp"
-mv "$tmp" "$f"
+chmod "$(stat -c %a -- "$f")" "$tmp"
+own=$(stat -c %u:%g -- "$f")
+if [ "$(stat -c %u:%g -- "$tmp")" != "$own" ]; then
+  chown "$own" "$tmp" || { echo "cannot keep $f's owner ($own); it was left unchanged" >&2; exit 1; }
+fi
+mv -f -- "$tmp" "$f"
+trap - EXIT
 echo installed
 """
 
@@ -128,6 +148,12 @@ def authorized_line(pubkey: str, source_ip: str, tag: str) -> str:
     return f'restrict,from="{source_ip}" {parts[0]} {parts[1]} {tag}'
 
 
+def files_list(names: Sequence[str]) -> bytes:
+    """The `--files-from` list of one rank's planned files, as the source's rsync reads it (`--from0`): each
+    name ends with NUL, the one byte no file name holds, so a name with a newline is one file, not two."""
+    return b"".join(n.encode("utf-8", "surrogateescape") + b"\0" for n in names)
+
+
 def ssh_command(key: str, known_hosts: str) -> str:
     """The `-e` of rsync on the source: its own key and known_hosts, nothing from ~/.ssh/config."""
     return shlex.join(["ssh", "-F", "/dev/null", "-i", key, "-o", "IdentitiesOnly=yes",
@@ -137,9 +163,12 @@ def ssh_command(key: str, known_hosts: str) -> str:
 
 
 def rsync_argv(src_dir: str, user: str, ip: str, dst_dir: str, list_file: str, key: str, known_hosts: str) -> list[str]:
+    """`-s` (--protect-args, since 3.3 --secluded-args): the destination goes to the rank's rsync through
+    rsync's protocol, never on its shell's command line, where an rsync before 3.2.4 put it unescaped (a
+    MODEL with spaces split, one with `$(…)` run on the rank)."""
     host = f"[{ip}]" if ":" in ip else ip
-    return ["rsync", "-a", "--ignore-times", f"--partial-dir={PARTIAL_DIR}", "--mkpath",
-            f"--timeout={RSYNC_IO_TIMEOUT}", f"--files-from={list_file}", "--info=progress2", "--stats",
+    return ["rsync", "-a", "-s", "--ignore-times", f"--partial-dir={PARTIAL_DIR}", "--mkpath",
+            f"--timeout={RSYNC_IO_TIMEOUT}", f"--files-from={list_file}", "--from0", "--info=progress2", "--stats",
             "--no-human-readable", "-e", ssh_command(key, known_hosts),
             src_dir.rstrip("/") + "/", f"{user}@{host}:{dst_dir.rstrip('/')}/"]
 

@@ -345,6 +345,47 @@ def test_reach_script_on_loopback() -> None:
     assert got == {"127.0.0.1": "ok", "127.0.0.2": "ok", "255.255.255.255": "Network is unreachable"}, r
 
 
+@pytest.mark.skipif(not shutil.which("bash") or not shutil.which("timeout"), reason="the TCP test needs bash")
+def test_reach_script_without_mktemp_never_writes_through_a_planted_folder(tmp_path: Path) -> None:
+    """With no mktemp, the slow round's scratch folder is made new and private (mkdir, not mkdir -p): one
+    planted at the pid-named fallback in /tmp (a link to a folder whose files link to the user's) is not
+    written through; the peers then fail with the reason."""
+    import socket
+
+    real_timeout = shutil.which("timeout")
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "mktemp").write_text("#!/bin/sh\nexit 1\n")
+    # the 1 s round settles nothing, so every peer goes to the slow round that uses the scratch folder
+    (shims / "timeout").write_text(f'#!/bin/sh\n[ "$3" = 1 ] && exit 124\nexec {real_timeout} "$@"\n')
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    canary = tmp_path / "canary"
+    canary.write_bytes(b"precious\n")
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "127.0.0.1").symlink_to(canary)
+
+    def plant() -> None:  # in the child, before exec: $$ is this pid
+        Path(f"/tmp/sparkctl-reach.{os.getpid()}").symlink_to(evil)
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]  # bound, not listening: the connect is refused at once
+        r = subprocess.run(["sh", "-c", '. "$0"; reach_test "$@"', str(REACH), str(port), "127.0.0.1"],
+                           capture_output=True, timeout=30, preexec_fn=plant,
+                           env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "TMPDIR": "/tmp"})
+    try:
+        assert canary.read_bytes() == b"precious\n", r
+        assert (evil / "127.0.0.1").is_symlink() and sorted(p.name for p in evil.iterdir()) == ["127.0.0.1"]
+        got = C._parse_reach(r.stdout.decode())
+        assert list(got) == ["127.0.0.1"] and "temporary folder" in got["127.0.0.1"], r
+    finally:
+        for link in Path("/tmp").glob("sparkctl-reach.*"):
+            if link.is_symlink() and link.resolve() == evil.resolve():
+                link.unlink()
+
+
 def _probe_round_one(tmp_path: Path, port: int) -> tuple[subprocess.Popen[bytes], str, bytes]:
     """node_facts.sh as check runs it: reach.sh ahead of it, reach=PORT, the input left open."""
     nonce = "0123456789abcdef"

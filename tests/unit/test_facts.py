@@ -274,8 +274,60 @@ def test_infiniband_garbage(text: str) -> None:
 
 def test_model_listing() -> None:
     m = f.parse_model_listing("10\tmodel-00001-of-00002.safetensors\n20\tserving/exl3.py\n5\tconfig.json\n")
-    assert m.exists and m.shards == {"model-00001-of-00002.safetensors": 10}
+    assert m.exists and m.shards == {"model-00001-of-00002.safetensors": 10} and m.unlisted == 0
+    # only a newline ends a line: \r, \x1c, \x85 (str.splitlines' other breaks) are bytes of a name
+    m = f.parse_model_listing("0\tx\r5000\tm.safetensors\n0\ty\x1c9\tm.safetensors\nunlisted\n10\tm.safetensors\n")
+    assert m.files == {"x\r5000\tm.safetensors": 0, "y\x1c9\tm.safetensors": 0, "m.safetensors": 10}
+    assert m.unlisted == 1
     assert f.parse_model_listing("missing\n") == f.ModelListing(False, {})
+
+
+def _listing_by_the_probe(tmp_path: Path, model: Path) -> f.ModelListing | None:
+    """node_facts.sh's model section as a node runs it (the real `sh` and `find`), parsed as check does."""
+    nonce = "0123456789abcdef"
+    env = dict(os.environ, PATH=f"{tmp_path / 'nobin'}:{os.environ['PATH']}",
+               DOCKER_HOST=f"unix://{tmp_path}/no-engine.sock")
+    args = f.probe_args(model=str(model), docker=False, banner=False, listening=False)
+    out = subprocess.run(["sh", "-s", "--", nonce, *args], input=PROBE.read_bytes(), capture_output=True,
+                         env=env, timeout=60, cwd=tmp_path).stdout.decode("utf-8", "replace")
+    return f.node_facts_from_probe(out, nonce, expect_docker=False, expect_banner=False,
+                                   expect_listening=False).model
+
+
+@pytest.mark.skipif(not shutil.which("sh") or not shutil.which("find"), reason="needs a POSIX shell")
+def test_a_file_name_with_a_newline_and_a_tab_cannot_forge_another_entry(tmp_path: Path) -> None:
+    """A truncated shard beside files whose names imitate the listing (`x<LF>5000<TAB>model-….safetensors`,
+    the same with `\r`): the shard keeps its real size, so check sees the difference; a name with a
+    newline is withheld (counted, and check warns), one with `\r` is one entry of its own."""
+    from sparkctl import check as C
+
+    shard = "model-00001-of-00001.safetensors"
+    good, bad = tmp_path / "head" / "m", tmp_path / "rank" / "m"
+    for d in (good, bad):
+        (d / "serving").mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    (good / shard).write_bytes(b"x" * 5000)
+    (bad / shard).write_bytes(b"x" * 10)  # cut short
+    forged = f"x\n5000\t{shard}"
+    (bad / forged).write_bytes(b"")
+    (bad / "serving" / f"y\n5000\t{shard}").write_bytes(b"")
+    (bad / f"z\r5000\t{shard}").write_bytes(b"")
+    head, rank = _listing_by_the_probe(tmp_path, good), _listing_by_the_probe(tmp_path, bad)
+    assert head is not None and rank is not None
+    assert head.files == {shard: 5000, "config.json": 2} and head.unlisted == 0
+    assert rank.files == {shard: 10, "config.json": 2, f"z\r5000\t{shard}": 0} and rank.unlisted == 2
+    found = C.rule_model({"head": head, "rank": rank}, "head", "/m", {})
+    assert found["head"].status == C.OK and found["rank"].status == C.FAIL
+    assert "newline" in found["rank"].reason
+
+    # alone, withheld names make an otherwise equal node a warning that says what to do
+    (good / forged).write_bytes(b"")
+    head = _listing_by_the_probe(tmp_path, good)
+    assert head is not None and head.files == {shard: 5000, "config.json": 2} and head.unlisted == 1
+    same = f.ModelListing(True, {shard: 5000, "config.json": 2})
+    found = C.rule_model({"head": head, "rank": same}, "head", "/m", {})
+    assert found["head"].status == C.WARN and found["rank"].status == C.OK
+    assert "1 file" in found["head"].reason and "rename" in (found["head"].fix or "")
 
 
 # --------------------------------------------------------- the whole probe, run here on a fake node

@@ -78,6 +78,29 @@ def test_real_client_downloads_from_the_standin_and_moves_only_the_changed_shard
         assert doc["status"] == "up-to-date" and doc["commit"] == rev2
 
 
+def test_the_marker_is_written_through_a_private_temp_file_never_through_a_planted_link(pack: Path, tmp_path: Path) -> None:
+    """Whoever can write MODEL may plant symlinks at the names the marker's temp file once had: the pull
+    writes its marker through a file of its own and renames it, so their targets stay as they were."""
+    hub = StandinHub(tmp_path / "hub", token=TOKEN)
+    rev = hub.publish(REPO, pack)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    canary = tmp_path / "canary"
+    canary.write_bytes(b"the SSH user's file\n")
+    planted = [dest / ".sparkctl-model.json.tmp", dest / ".sparkctl-model.json"]
+    for p in planted:
+        p.symlink_to(canary)
+    with hub.serve() as url:
+        doc, err = _pull(url, rev, dest)
+    assert doc["status"] == "downloaded", (doc, err)
+    assert canary.read_bytes() == b"the SSH user's file\n"
+    marker = dest / ".sparkctl-model.json"
+    assert not marker.is_symlink() and json.loads(marker.read_text())["revision"] == rev
+    left = sorted(p.name for p in dest.iterdir() if p.name.startswith(".sparkctl-model"))
+    assert left == [".sparkctl-model.json", ".sparkctl-model.json.tmp"]  # the planted link, untouched
+    assert (dest / ".sparkctl-model.json.tmp").is_symlink()
+
+
 def test_wrong_token_is_refused_and_nothing_is_written(pack: Path, tmp_path: Path) -> None:
     hub = StandinHub(tmp_path / "hub", token=TOKEN)
     rev = hub.publish(REPO, pack)
@@ -189,7 +212,7 @@ def test_progress_and_stats_are_read_from_real_rsync_output(tmp_path: Path) -> N
     src.mkdir()
     (src / "a.bin").write_bytes(os.urandom(3_000_000))
     lst = tmp_path / "list"
-    lst.write_text("a.bin\n")
+    lst.write_bytes(modelsync.files_list(["a.bin"]))
     argv = modelsync.rsync_argv(str(src), "x", "127.0.0.1", str(dst), str(lst), "k", "kh")
     local = [a for a in argv[:-2] if a not in ("-e",) and not a.startswith("ssh ")] + [str(src) + "/", str(dst) + "/"]
     r = subprocess.run(local, capture_output=True, text=True, timeout=60)

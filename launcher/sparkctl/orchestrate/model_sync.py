@@ -27,6 +27,7 @@ from ..modelsync import (
     RankSync,
     SyncReport,
     authorized_line,
+    files_list,
     key_tag,
     parse_progress,
     parse_sent,
@@ -106,7 +107,9 @@ def _setup_auth(cluster: Cluster, settings: Any, src: str, targets: Sequence[str
         res = node.run(["sh", "-c", INSTALL_KEY, "sh", line, key_tag(settings.cluster_name, src)], timeout=60)
         if not res.ok:
             raise NodeError(node.name, "sync-key", f"could not add the sync key to ~/.ssh/authorized_keys: "
-                            f"{res.stderr.strip()[-300:]}", f"check {node.name}'s home and ~/.ssh permissions")
+                            f"{res.stderr.strip()[-300:]}",
+                            f"fix what the message names on {node.name} (its ~/.ssh and authorized_keys: "
+                            "readable, a writable folder to hold it), then run `sparkctl model sync` again")
 
     for err in cluster.run_all(install, nodes=list(targets)).failed.values():
         raise err  # the first node that refused the key
@@ -229,7 +232,7 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             state = state_dir(settings.cluster_name)
             src_node = cluster.node(src)
             for t in todo:
-                src_node.put_bytes(f"{state}/sync-{t}.list", ("\n".join(report.ranks[t].files) + "\n").encode())
+                src_node.put_bytes(f"{state}/sync-{t}.list", files_list(report.ranks[t].files))
 
             def push(node: Node, t: str) -> None:
                 r = report.ranks[t]

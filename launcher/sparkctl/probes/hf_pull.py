@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -43,10 +44,20 @@ def read_marker(root: str) -> dict[str, Any] | None:
 
 
 def write_marker(root: str, repo: str, commit: str, files: dict[str, int]) -> None:
-    tmp = marker_path(root) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"repo": repo, "revision": commit, "files": files, "written": int(time.time())}, f, indent=1)
-    os.replace(tmp, marker_path(root))
+    """The marker, whole or not at all: written to a temp file of its own (a new name, O_EXCL: never
+    through a link someone who can write DIR planted) and renamed over the marker."""
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=MARKER + ".", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"repo": repo, "revision": commit, "files": files, "written": int(time.time())}, f, indent=1)
+        os.replace(tmp, marker_path(root))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def missing_files(root: str, files: dict[str, int]) -> dict[str, int]:

@@ -131,8 +131,10 @@ model_listing() {
         echo missing
         return 0
     fi
-    # Top level (the shards, config.json) and one level down (serving/, lm_head-6bit/).
-    find "$MODEL/" -maxdepth 2 -type f -printf '%s\t%P\n'
+    # Top level (the shards, config.json) and one level down (serving/, lm_head-6bit/). A path holding a
+    # newline is withheld ("unlisted"): printed, it could forge another file's line (the facts leave
+    # through a shell variable, which cannot carry NUL framing; sparkctl.facts.parse_model_listing).
+    find "$MODEL/" -maxdepth 2 -type f \( -path "*$NL*" -printf 'unlisted\n' -o -printf '%s\t%P\n' \)
 }
 
 # The engine's own data root (`docker info`'s DockerRootDir), over its socket when it can.

@@ -83,8 +83,14 @@ reach_test() {
 
     # The slow ones, all at once: one forked subshell per peer; the connect's error goes to a file and is
     # read back with builtins.
-    tmp=$(mktemp -d 2>/dev/null || echo "/tmp/sparkctl-reach.$$")
-    mkdir -p "$tmp"
+    # Its scratch folder is its own: mktemp -d's, else one that mkdir makes new (it fails on any existing
+    # name, a planted link included), never `mkdir -p` on a guessable name in a shared /tmp.
+    tmp=$(mktemp -d 2>/dev/null) || { tmp="${TMPDIR:-/tmp}/sparkctl-reach.$$"; mkdir -m 700 -- "$tmp" 2>/dev/null; } || {
+        for ip in $rest; do
+            printf 'fail %s cannot make a private temporary folder for the TCP test (mktemp -d failed)\n' "$ip"
+        done
+        return 0
+    }
     # shellcheck disable=SC2016,SC2086 # the inner script is bash's; $rest is a list of addresses
     tcp=$($T3 bash -c '
         port=$1
