@@ -16,6 +16,7 @@ was expected, NCCL versions that differ, busbw below the recipe's floor.
 from __future__ import annotations
 
 import functools
+import shlex
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,13 @@ LAB_TORCH_IMAGE = "sparkctl-lab/torch:latest"
 _SWEEP = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1" --filter "label=$2") || exit $?
 [ -z "$ids" ] || docker rm -f $ids >/dev/null || exit $?
 echo "$ids" | grep -c . || true'''
+
+
+def sweep_by_hand(cluster: str) -> str:
+    """What a person pastes on a node to do the sweep's work: both labels, each one quoted word."""
+    ps = shlex.join(["docker", "ps", "-aq", "--filter", f"label={LABEL_CLUSTER}={cluster}",
+                     "--filter", f"label={LABEL_PURPOSE}={PURPOSE}"])
+    return f"docker rm -f $({ps})"
 
 
 def fabric_container_name(cluster: str, rank: int) -> str:
@@ -304,7 +312,7 @@ def sweep(node: Node, cluster: str) -> int:
     if not r.ok:
         first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
         raise NodeError(node.name, "docker", f"could not remove the fabric-test containers: {first[:300]}",
-                        f"on {node.name}: docker rm -f $(docker ps -aq --filter label={LABEL_PURPOSE}={PURPOSE})")
+                        f"on {node.name}: {sweep_by_hand(cluster)}")
     try:
         return int(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -395,7 +403,7 @@ def run_fabric_test(cluster: Cluster, settings: Settings, pins: list[RankPins], 
     findings = evaluate(outcomes, fab, timeout_s=bound)
     for node, why in problems.items():
         findings.append(Finding(node, CHECK, WARN, "not cleaned", f"{node}: {why}",
-                                f"remove them by hand: docker rm -f $(docker ps -aq --filter label={LABEL_PURPOSE}={PURPOSE})"))
+                                f"remove them by hand on {node}: {sweep_by_hand(settings.cluster_name)}"))
     collective = max((float((o.event("done") or {}).get("total_s") or 0) for o in outcomes), default=0.0)
     return FabricReport(fab.backend, fabric_image(settings), outcomes, findings, seconds, collective, problems, swept)
 
