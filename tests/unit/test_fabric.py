@@ -66,7 +66,7 @@ def test_run_argv_has_the_pins_up_would_set_and_no_secret(clean_env: dict[str, s
     tail = argv[argv.index("--entrypoint"):]
     assert tail[:4] == ["--entrypoint", "python3", str(s.get("IMAGE")), "-"]
     assert tail[tail.index("--master-addr") + 1] == "192.168.100.1"
-    assert tail[tail.index("--master-port") + 1] == str(s.getint("MASTER_PORT"))
+    assert tail[tail.index("--master-port") + 1] == str(s.getint("MASTER_PORT") + 1)  # never the service's own
     assert tail[tail.index("--world") + 1] == "4" and tail[tail.index("--backend") + 1] == "nccl"
     assert tail[tail.index("--sizes") + 1] == "1048576,16777216,67108864,268435456"
 
