@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -82,18 +83,20 @@ def timeout_s(settings: Settings) -> float:
 
 
 def container_name(cluster: str) -> str:
-    return f"sparkctl-{cluster}-argv-judge"
+    """A name of its own for each judge run (a random suffix): a `check` and an `up` of one cluster judging
+    at once neither collide on the name nor remove each other's container."""
+    return f"sparkctl-{cluster}-argv-judge-{secrets.token_hex(6)}"
 
 
-def judge_run_argv(settings: Settings, specs: Sequence[RankSpec]) -> list[str]:
-    """`docker run` of the judge on the head: no network, the model (and its companions) read-only where
-    the ranks see them, the GPUs the ranks get (vLLM picks its platform from them), the rank environment
-    less secrets, the script on stdin and every rank's argv as one JSON word."""
+def judge_run_argv(settings: Settings, specs: Sequence[RankSpec], name: str) -> list[str]:
+    """`docker run` of the judge on the head, its container called `name`: no network, the model (and its
+    companions) read-only where the ranks see them, the GPUs the ranks get (vLLM picks its platform from
+    them), the rank environment less secrets, the script on stdin and every rank's argv as one JSON word."""
     from .builders import container_options
 
     cluster = settings.cluster_name
     argv = ["docker", "run", "--rm", "--interactive", "--pull", "never", "--network", "none",
-            "--name", container_name(cluster),
+            "--name", name,
             "--label", f"{LABEL_CLUSTER}={cluster}",
             "--label", f"{LABEL_RECIPE}={settings.recipe.name}",
             "--label", f"{LABEL_PURPOSE}={PURPOSE}"]  # fmt: skip
@@ -171,9 +174,10 @@ def _identify(head: Node, settings: Settings) -> tuple[str | None, str, str]:
     return image, config, why
 
 
-def _remove(head: Node, cluster: str) -> None:
+def _remove(head: Node, name: str) -> None:
+    """Remove this run's judge container (by the name this run gave it; nothing else)."""
     try:
-        head.run(["docker", "rm", "-f", container_name(cluster)], timeout=30)
+        head.run(["docker", "rm", "-f", name], timeout=30)
     except NodeError:
         pass
 
@@ -204,11 +208,12 @@ def judge(head: Node, settings: Settings, specs: Sequence[RankSpec], *,
     if not cached:
         say(f"argv: {settings.image}'s own vLLM judges {len(specs)} rank argv(s) on {head.name} "
             f"(bound {bound:g} s; cached afterwards)")
-        argv = judge_run_argv(settings, specs)
+        name = container_name(settings.cluster_name)
+        argv = judge_run_argv(settings, specs, name)
         try:
             r = head.run(argv, stdin=probe_script(SCRIPT), timeout=bound)
         except NodeError as exc:
-            _remove(head, settings.cluster_name)
+            _remove(head, name)
             stage = "timeout" if exc.kind == "command-timeout" else "run"
             words = (f"the judge ran past ARGV_JUDGE_TIMEOUT_S={bound:g} s on {head.name}" if stage == "timeout"
                      else f"{head.name}: {exc.reason}")
@@ -217,7 +222,7 @@ def judge(head: Node, settings: Settings, specs: Sequence[RankSpec], *,
             from . import signals
 
             with signals.shielded(deliver=False):
-                _remove(head, settings.cluster_name)
+                _remove(head, name)
             raise
         found = parse_output(r.stdout)
         if not all(i in found for i in range(len(specs))):

@@ -341,7 +341,8 @@ def rule_disk(node: str, facts: F.NodeFacts) -> Finding:
             FAIL,
             gb(d.available_bytes),
             f"{node}: only {desc} for images",
-            f"free space on {node} (`docker system prune`) — the chain needs tens of GB",
+            f"free space on {node}: a lower BUILD_KEEP_CHAINS keeps fewer chains at the next `sparkctl build`; remove "
+            "images you no longer need there by name (`docker image ls`, `docker rmi NAME`) — the chain needs tens of GB",
         )
     if d.available_bytes < DISK_WARN_BYTES:
         return _f(

@@ -10,6 +10,7 @@ sparkctl's to stop: `up` refuses, naming it.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -69,11 +70,12 @@ def foreign(apps: Sequence[GpuApp], cluster: str, own_ids: Collection[str] = ())
 
 
 def foreign_fix(node: str, apps: Sequence[GpuApp]) -> str:
-    """How to free the GPU: sparkctl never stops what it did not start."""
+    """How to free the GPU: sparkctl never stops what it did not start. A name or label the node reported is
+    one shell-quoted word in each command named here (they get pasted into a shell)."""
     others = sorted({a.container_cluster for a in apps if a.container_cluster})
     named = [a.container_name or (a.container_id or "")[:12] for a in apps if a.container_id and not a.container_cluster]
-    steps = [f"`sparkctl down` with CLUSTER_NAME={c}" for c in others]
-    steps += [f"`docker stop {n}` on {node}" for n in named]
+    steps = [f"`CLUSTER_NAME={shlex.quote(c)} sparkctl down`" for c in others]
+    steps += [f"`{shlex.join(['docker', 'stop', n])}` on {node}" for n in named]
     if any(a.container_id is None for a in apps):
         steps.append(f"stop pid {', '.join(str(a.pid) for a in apps if a.container_id is None)} on {node}")
     return ("free the GPU on " + node + " yourself (" + "; ".join(steps) + "), then run up again; sparkctl does "

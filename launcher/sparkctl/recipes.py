@@ -19,6 +19,8 @@ from .resources import recipes_dir
 
 VERSION_KEYS = ("vllm", "torch", "exllamav3", "nccl")  # what `build` reads from each image it builds
 _PLAIN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A layer's name is a docker tag (`<tag_prefix>:<name>`) and a folder name (bake's staged context): no `/`, no `..`.
+_LAYER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 DEFAULT_RECIPE = "glm53-exl3-tp4"
 
@@ -204,6 +206,9 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         if not isinstance(layer, dict):
             raise UsageError(f"{lw}: should be a table")
         lname = _get(layer, "name", str, lw)
+        if not _LAYER_NAME_RE.match(lname) or ".." in lname:
+            raise UsageError(f"{lw}/name: {lname!r} is not a layer name (lower-case letters, digits, '.', '_', '-', "
+                             "starting with a letter or digit, no '..', at most 128)")
         dockerfile = _get(layer, "dockerfile", str, lw, f"Dockerfile.{lname}")
         if not _PLAIN_NAME_RE.match(dockerfile):
             raise UsageError(f"{lw}/dockerfile: {dockerfile!r} should be a file name in $MODEL/serving/ "

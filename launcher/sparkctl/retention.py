@@ -5,7 +5,10 @@ Each chain image is therefore also tagged `<tag>-<hash12>` (its `sparkctl.conten
 every rank for the same inputs). Per layer, hash tags beyond the newest BUILD_KEEP_CHAINS are removed
 (`docker rmi` by tag: an image a container still uses stays), and then this recipe's own dangling
 images (untagged, with our content-hash label: e.g. what `build --ship` superseded) are pruned.
-Nothing without both our recipe and content-hash labels, or outside the chain's own tags, is touched.
+A hash tag is exactly `<tag>-<12 lowercase hex>` on an image labelled with this recipe, that layer and a
+content hash beginning with those 12 digits: a user's own `<tag>-known-good` (or any tag that merely
+looks like ours) is never removed, nor counted among the kept. Nothing without both our recipe and
+content-hash labels, or outside the chain's own tags, is touched.
 """
 
 from __future__ import annotations
@@ -18,16 +21,35 @@ from .cluster import Node, NodeError
 DEFAULT_KEEP = 3
 
 # $1 keep, $2 recipe, then the chain's tags. Prints one line per hash tag it removed ("removed TAG").
+# A tag is the sweep's only when it is exactly `<chain tag>-<12 lowercase hex>` and its image's labels say this
+# recipe, the chain tag's layer and a content hash that begins with those 12 digits (labels: hash|layer|recipe;
+# the hash is hex and a layer name has no `|`, so the split is exact). Anything else is a user's and stays.
 _RETAIN = r'''keep="$1"; recipe="$2"; shift 2
+fmt='{{index .Config.Labels "sparkctl.content-hash"}}|{{index .Config.Labels "sparkctl.layer"}}|{{index .Config.Labels "sparkctl.recipe"}}'
+hex12='[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]'
 for t in "$@"; do
-  h=$(docker image inspect --format '{{index .Config.Labels "sparkctl.content-hash"}}' "$t" 2>/dev/null) || continue
-  h=${h#sha256:}
+  mine=$(docker image inspect --format "$fmt" "$t" 2>/dev/null) || continue
+  h=${mine%%|*}; h=${h#sha256:}; rest=${mine#*|}; layer=${rest%%|*}
+  [ "${rest#*|}" = "$recipe" ] || continue
   case "$h" in *[!0-9a-f]*|'') continue ;; esac
-  docker tag "$t" "$t-$(printf '%.12s' "$h")" || exit 3
+  h=$(printf '%.12s' "$h")
+  case "$h" in $hex12) ;; *) continue ;; esac
+  docker tag "$t" "$t-$h" || exit 3
   docker images --filter "reference=$t-*" --format '{{.CreatedAt}}	{{.Repository}}:{{.Tag}}' \
-    | sort -r | tail -n +"$((keep + 1))" | cut -f2 | while IFS= read -r old; do
-      docker rmi "$old" >/dev/null 2>&1 && echo "removed $old"
-    done
+    | sort -r | cut -f2 | {
+      n=0
+      while IFS= read -r old; do
+        s=${old#"$t-"}
+        [ "$old" = "$t-$s" ] || continue
+        case "$s" in $hex12) ;; *) continue ;; esac
+        got=$(docker image inspect --format "$fmt" "$old" 2>/dev/null) || continue
+        gh=${got%%|*}; gh=${gh#sha256:}
+        [ "${got#*|}" = "$layer|$recipe" ] && [ "$(printf '%.12s' "$gh")" = "$s" ] || continue
+        n=$((n + 1))
+        [ "$n" -gt "$keep" ] || continue
+        docker rmi "$old" >/dev/null 2>&1 && echo "removed $old"
+      done
+    }
 done
 docker image prune -f --filter "label=sparkctl.recipe=$recipe" --filter "label=sparkctl.content-hash" >/dev/null
 exit 0'''

@@ -2,10 +2,11 @@
 
 On each of the four lab hosts this plants what sparkctl must never touch: a running container of
 someone else, a running and a stopped container that look like sparkctl's but belong to another cluster
-(`sparkctl.cluster=othercluster`, same naming scheme), and two foreign images (one carrying sparkctl-like
-image labels). Then every command that touches nodes runs — check, build, up, wait, status, logs, audit,
-lock, down, `lab status` (never `lab down`) — and each planted thing must still be there, unchanged
-(same ID; the running ones still running). Everything planted is removed in `finally`.
+(`sparkctl.cluster=othercluster`, same naming scheme), two foreign images (one carrying sparkctl-like
+image labels), and three user tags beside the chain's own hash tags (`<chain tag>-known-good-…`,
+`-backup-…` and a hash-shaped `-0123456789ab`, on the old base image). Then every command that touches
+nodes runs — check, build, up, wait, status, logs, audit, lock, down, `lab status` (never `lab down`) —
+and each planted thing must still be there, unchanged (same ID; the running ones still running). Everything planted is removed in `finally`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.lab
 NODES = ["spark1", "spark2", "spark3", "spark4"]
 CLUSTER = {"CLUSTER_NAME": "foreign", "PORT": "18903", "MASTER_PORT": "39513"}
 TAG = uuid.uuid4().hex[:8]
+CHAIN_KEYS3 = "sparkctl-lab/chain:keys3"  # the lab recipe's top chain tag (tag_prefix:layer)
 
 
 def sk(lab: Lab, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -54,6 +56,12 @@ def plant(lab: Lab, node: str, rank: int) -> dict[str, str]:
     ids[f"foreign/lookalike:{TAG}"] = ok(lab.docker(
         node, "commit", "--change", "LABEL sparkctl.recipe=lab", "--change", "LABEL sparkctl.layer=keys3",
         f"foreign-app-{TAG}", f"foreign/lookalike:{TAG}"))
+    # A user's own tags beside the chain's hash tags (`<tag>-<hash12>`), on an image older than every build:
+    # retention's sweep of keys3's hash tags must leave them, the hash-shaped one too.
+    for suffix in ("known-good", "backup", "0123456789ab"):
+        ref = f"{CHAIN_KEYS3}-{suffix}-{TAG}" if suffix != "0123456789ab" else f"{CHAIN_KEYS3}-{suffix}"
+        ok(lab.docker(node, "tag", BASE_IMAGE, ref))
+        ids[ref] = ok(lab.docker(node, "image", "inspect", "--format", "{{.Id}}", ref))
     return ids
 
 
@@ -91,7 +99,7 @@ def planted(chain: Lab) -> Iterator[tuple[Lab, dict[str, dict[str, str]]]]:
 def test_foreign_containers_and_images_survive_every_command(planted: tuple[Lab, dict[str, dict[str, str]]]) -> None:
     lab, ids = planted
     before = {node: inventory(lab, node, list(ids[node])) for node in NODES}
-    assert all(len(before[n]) == 5 for n in NODES)
+    assert all(len(before[n]) == 8 for n in NODES)
 
     results = {}
     for args in (("check",), ("build", "--no-cache"), ("up",), ("wait", "--timeout", "60"), ("status",), ("logs", "--tail", "5"),

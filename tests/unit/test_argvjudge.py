@@ -117,7 +117,9 @@ def test_a_judge_past_its_bound_is_not_judged_and_up_starts(nodes: LocalNodes, c
     rows = check(capsys)
     assert {f["status"] for f in rows.values()} == {"warn"}  # a warning, not a failure
     assert "ARGV_JUDGE_TIMEOUT_S=0.5" in rows["spark1"]["reason"]
-    removed = [c for c in nodes.docker_calls() if c["argv"][:2] == ["rm", "-f"] and "sparkctl-t-argv-judge" in c["argv"]]
+    (judged,) = judge_runs(nodes)
+    name = judged["argv"][judged["argv"].index("--name") + 1]
+    removed = [c for c in nodes.docker_calls() if c["argv"][:2] == ["rm", "-f"] and name in c["argv"]]
     assert removed and removed[0]["node"] == "spark1", "the judge's container was not removed after its bound"
     code, out, err = run(["up"], capsys)
     assert code == 0, err
@@ -208,7 +210,8 @@ def test_a_signal_while_the_judge_runs_removes_its_container_and_is_raised(monke
     from sparkctl.cluster.channel import RunResult
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(argvjudge, "judge_run_argv", lambda settings, specs: ["docker", "run", "--rm", "judge"])
+    monkeypatch.setattr(argvjudge, "judge_run_argv",
+                        lambda settings, specs, name: ["docker", "run", "--rm", "--name", name, "judge"])
 
     class Head:
         name = "spark1"
@@ -223,4 +226,106 @@ def test_a_signal_while_the_judge_runs_removes_its_container_and_is_raised(monke
     S, spec = _OneRank, _one_rank()
     with pytest.raises(KeyboardInterrupt):
         argvjudge.judge(Head(), S(), [spec])  # type: ignore[arg-type]
-    assert Head.runs[-1] == ["docker", "rm", "-f", "sparkctl-t-argv-judge"], Head.runs
+    name = Head.runs[-2][Head.runs[-2].index("--name") + 1]
+    assert name.startswith("sparkctl-t-argv-judge-") and Head.runs[-1] == ["docker", "rm", "-f", name], Head.runs
+
+
+def _lab_settings() -> Any:
+    from sparkctl.settings import load_settings
+
+    return load_settings(cli={}, environ={"NODES": " ".join(NODES), "MODEL": "/m", "RECIPE": "lab",
+                                                  "CLUSTER_NAME": "t"})
+
+
+def _judge_head(started: list[str], both: Any) -> Any:
+    """A head whose `docker run --name N` holds N while it runs, refusing a second container of that name as
+    Docker does; each judge waits (bounded) until two are in flight at once, then gives its verdict."""
+    import threading
+
+    from sparkctl.cluster.channel import RunResult
+
+    names: set[str] = set()
+    lock = threading.Lock()
+
+    class Head:
+        name = "spark1"
+        runs: list[list[str]] = []
+
+        def run(self, argv: list[str], **_: Any) -> RunResult:
+            self.runs.append(list(argv))
+            if argv[:2] != ["docker", "run"]:
+                return RunResult("@@image sha256:abc\n@@config none\n", "", 0, 0.0)
+            name = argv[argv.index("--name") + 1]
+            with lock:
+                if name in names:
+                    return RunResult("", f'docker: Error response from daemon: Conflict. The container name "/{name}" '
+                                         "is already in use by container \"0123\".", 125, 0.0)
+                names.add(name)
+                started.append(name)
+                if len(started) == 2:
+                    both.set()
+            both.wait(10)
+            with lock:
+                names.discard(name)  # --rm
+            return RunResult('@@sparkctl-argv {"rank": 0, "verdict": "ok", "vllm": "0.33.0"}\n', "", 0, 0.0)
+
+    return Head()
+
+
+def test_two_judges_of_one_cluster_at_once_both_give_a_verdict(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """A `check` and an `up` of one cluster judging at the same moment: each run's container has a name of its
+    own, so neither is refused by Docker for the other's name (which made one of them "not judged")."""
+    import threading
+
+    from sparkctl import argvjudge
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    started: list[str] = []
+    both = threading.Event()
+    head = _judge_head(started, both)
+    settings, spec = _lab_settings(), _one_rank()
+    out: list[Any] = [None, None]
+
+    def one(i: int) -> None:
+        out[i] = argvjudge.judge(head, settings, [spec])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [[v.verdict for v in j.verdicts] for j in out] == [["ok"], ["ok"]], [j.verdicts for j in out]
+    assert len(set(started)) == 2 and all(n.startswith("sparkctl-t-argv-judge-") for n in started), started
+
+
+def test_a_judge_past_its_bound_removes_its_own_container_only(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its bound a judge removes its container by the name it gave it: never another run's judge."""
+    from sparkctl import argvjudge
+    from sparkctl.cluster import NodeError
+    from sparkctl.cluster.channel import RunResult
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+
+    class Head:
+        name = "spark1"
+        runs: list[list[str]] = []
+
+        def run(self, argv: list[str], **_: Any) -> RunResult:
+            self.runs.append(list(argv))
+            if argv[:2] == ["docker", "run"]:
+                raise NodeError("spark1", "command-timeout", "timed out")
+            return RunResult("@@image sha256:abc\n@@config none\n", "", 0, 0.0)
+
+    settings, spec = _lab_settings(), _one_rank()
+    for _ in range(2):
+        (v,) = argvjudge.judge(Head(), settings, [spec]).verdicts  # type: ignore[arg-type]
+        assert v.verdict == "not-judged" and v.stage == "timeout"
+    runs = [r for r in Head.runs if r[:2] == ["docker", "run"]]
+    removals = [r for r in Head.runs if r[:2] == ["docker", "rm"]]
+    names = [r[r.index("--name") + 1] for r in runs]
+    assert len(set(names)) == 2, names
+    assert removals == [["docker", "rm", "-f", n] for n in names], (names, removals)

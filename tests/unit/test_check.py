@@ -1026,3 +1026,13 @@ def test_memory_names_another_clusters_engine_and_waits_for_an_ended_one() -> No
     w = C.rule_memory("spark2", ended, _needing(m.free_bytes + m.cache_bytes + GB), needs())
     assert w.status == WARN and "up waits for it to come back (MEMORY_WAIT_S)" in w.text, w
     assert "not yet given back: pid 77 VLLM::Worker_TP (62.9 GB; it has exited)" in w.text
+
+
+def test_a_full_disks_fix_names_no_command_that_removes_what_is_not_sparkctls() -> None:
+    """The fix for a full Docker disk never suggests a node-wide prune (`docker system prune` removes every
+    stopped container, unused network and image on the node, other clusters' and other users' too)."""
+    facts = healthy()
+    facts.disks = [F.DiskUsage("b", 100 * GB, 0, 5 * GB, "/var/lib/docker")]
+    f = C.rule_disk("n", facts)
+    assert f.status == FAIL and "BUILD_KEEP_CHAINS" in f.fix, f.fix
+    assert "prune" not in f.fix and "$(" not in f.fix, f.fix  # nothing in bulk: images by name only

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import concurrent.futures
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ def test_run_argv_has_the_pins_up_would_set_and_no_secret(clean_env: dict[str, s
     tail = argv[argv.index("--entrypoint"):]
     assert tail[:4] == ["--entrypoint", "python3", str(s.get("IMAGE")), "-"]
     assert tail[tail.index("--master-addr") + 1] == "192.168.100.1"
-    assert tail[tail.index("--master-port") + 1] == str(s.getint("MASTER_PORT"))
+    assert tail[tail.index("--master-port") + 1] == str(s.getint("MASTER_PORT") + 1)  # never the service's own
     assert tail[tail.index("--world") + 1] == "4" and tail[tail.index("--backend") + 1] == "nccl"
     assert tail[tail.index("--sizes") + 1] == "1048576,16777216,67108864,268435456"
 
@@ -393,3 +394,54 @@ def test_recipe_fabric_section_is_validated(tmp_path: Path, body: str, key: str)
     with pytest.raises(UsageError, match=f"bad.toml/fabric.*{key}" if key != "fabric" else "bad.toml/fabric"):
         load_recipe(str(bad))
     assert load_recipe("glm53-exl3-tp4").fabric.busbw_floor_gbps == 5.0
+
+
+def test_the_remove_by_hand_hints_remove_only_this_clusters_fabric_tests(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, clean_env: dict[str, str]) -> None:
+    """When a sweep fails, both hints (the sweep's error and the run's `not cleaned` finding) name a command
+    that, pasted into a node's shell, removes this cluster's fabric-test containers and nothing else: not
+    another cluster's fabric test, not this cluster's service. The cluster's name is one quoted word."""
+    import shlex
+    import subprocess
+
+    from tests.unit.localnodes import local_nodes
+
+    class Unswept(FakeNode):
+        def run(self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = None) -> RunResult:
+            if argv[:2] == ["sh", "-c"]:
+                return RunResult("", "Cannot connect to the Docker daemon", 1, 0)
+            return super().run(argv, stdin=stdin, timeout=timeout)
+
+    def run_all(c: FakeCluster, fn: Any, nodes: list[str]) -> dict[str, Any]:
+        return {n: fn(c.node(n)) for n in nodes}
+
+    c = FakeCluster(NODES, run_all)
+    c.nodes = {n: Unswept(n, c.log) for n in NODES}
+    report = fabric.run_fabric_test(c, _settings("lab", CLUSTER_NAME="t"), _pins(_settings("lab")))  # type: ignore[arg-type]
+    (finding,) = [f for f in report.findings if f.node == "spark1" and f.short == "not cleaned"]
+    hints = {"finding": finding.fix.split("remove them by hand on spark1: ", 1)[1]}
+    with pytest.raises(NodeError) as err:
+        fabric.sweep(Unswept("spark1", []), "t")  # type: ignore[arg-type]
+    hints["sweep"] = err.value.fix.split("on spark1: ", 1)[1]
+    with pytest.raises(NodeError) as odd:
+        fabric.sweep(Unswept("spark1", []), "t x;touch canary")  # type: ignore[arg-type]
+    hints["quoted"] = odd.value.fix.split("on spark1: ", 1)[1]
+
+    planted = {"mine": ["sparkctl.cluster=t", "sparkctl.purpose=fabric-test"],
+               "odd": ["sparkctl.cluster=t x;touch canary", "sparkctl.purpose=fabric-test"],
+               "other-fabric": ["sparkctl.cluster=othercluster", "sparkctl.purpose=fabric-test"],
+               "serving": ["sparkctl.cluster=t", "sparkctl.rank=0"]}
+    with local_nodes(monkeypatch, tmp_path / "nodes", ["spark1"]) as ln:
+        for which, hint in hints.items():
+            state = ln.root / "docker-spark1.json"
+            state.write_text(json.dumps({**json.loads(state.read_text()), "containers": {}}))
+            for name, labels in planted.items():
+                words = [w for lab in labels for w in ("--label", lab)]
+                assert ln.docker("spark1", "run", "--detach", "--name", name, *words, "busybox").returncode == 0
+            subprocess.run(["sh", "-c", hint], env=ln.env_for("spark1"), cwd=tmp_path, capture_output=True,
+                           timeout=30, check=False)
+            left = sorted(c["Name"].lstrip("/") for c in json.loads(state.read_text())["containers"].values())
+            gone = {"finding": "mine", "sweep": "mine", "quoted": "odd"}[which]
+            assert left == sorted(set(planted) - {gone}), (which, hint, left)
+            assert not (tmp_path / "canary").exists(), hint
+            assert shlex.split(hint)[:2] == ["docker", "rm"], hint

@@ -117,7 +117,8 @@ def test_a_failed_sweep_is_a_warning_with_its_reason_and_the_fix_by_hand(clean_e
     assert report.cleanup == {"spark3": reason}
     (warn,) = [f for f in report.findings if f.status == WARN]
     assert warn.node == "spark3" and warn.short == "not cleaned" and warn.text == f"spark3: {reason}"
-    assert "docker rm -f $(docker ps -aq --filter label=sparkctl.purpose=fabric-test)" in warn.fix
+    assert (f"by hand on spark3: docker rm -f $(docker ps -aq --filter label=sparkctl.cluster={s.cluster_name} "
+            "--filter label=sparkctl.purpose=fabric-test)") in warn.fix
     assert report.swept == {n: 0 for n in s.nodes if n != "spark3"}
 
 

@@ -758,3 +758,57 @@ def test_every_recipe_expects_exllamav3_1_4_5_after_v145() -> None:
     for name in CARD_CHAIN_RECIPES:
         chain = im.load_chain(load_recipe(name))
         assert dict(next(x for x in chain if x.name == "v145").expect) == {"exllamav3": "1.4.5"}, name
+
+
+def _recipe_with_first_layer(dest: Path, layer: str) -> Path:
+    """The lab recipe, its first layer (dcp) renamed: `layer` is the TOML of that table's body."""
+    text = (load_recipe("lab").path).read_text()
+    assert text.count('[[images.layers]]\nname = "dcp"\n') == 1
+    path = dest / "evil.toml"
+    path.write_text(text.replace('[[images.layers]]\nname = "dcp"\n', f"[[images.layers]]\n{layer}\n"))
+    return path
+
+
+@pytest.mark.parametrize("layer", ['name = "../../x"\ndockerfile = "Dockerfile.dcp"', 'name = ".."',
+                                   'name = "x/../../../x"\ndockerfile = "Dockerfile.dcp"',
+                                   'name = "Keys"\ndockerfile = "Dockerfile.dcp"'])
+def test_a_layer_name_outside_the_safe_pattern_is_refused_and_bake_removes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], layer: str) -> None:
+    """A recipe layer's name becomes a folder (bake's staged context, replaced) and a tag: one that is not
+    `[a-z0-9][a-z0-9._-]*` without `..` is refused where the recipe is loaded, exit 2, one line naming the
+    recipe file and the key; a folder outside bake's own stays."""
+    from tests.conftest import run_cli
+
+    serving = write_serving(tmp_path / "m" / "serving")
+    (serving / "Dockerfile...").write_bytes(SERVING["Dockerfile.dcp"])  # `name = ".."`'s default
+    recipe = _recipe_with_first_layer(tmp_path, layer)
+    canary = tmp_path / "x" / "keep.txt"  # what out/b/../../x, or out/b/.. (bake's own parent), reaches
+    canary.parent.mkdir()
+    canary.write_text("mine")
+    (tmp_path / "out" / "b").mkdir(parents=True)
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NODES", raising=False)
+    code, out, err = run_cli(["--recipe", str(recipe), "--model", str(tmp_path / "m"), "bake",
+                              "--out", "out/b/docker-bake.hcl"], capsys)
+    assert canary.is_file() and (tmp_path / "out" / "keep.txt").is_file(), "bake removed a folder outside its own"
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err and f"{recipe}/images/layers/0/name" in lines[0], err
+    assert not (tmp_path / "out" / "b" / "docker-bake.hcl").exists()
+
+
+def test_bake_never_replaces_a_folder_outside_its_own(tmp_path: Path) -> None:
+    """Defence in depth: a layer whose name leaves the bake folder (however it got past the recipe loader) is
+    refused before anything there is removed."""
+    serving = write_serving(tmp_path / "serving")
+    chain = local_chain(im.load_chain(load_recipe("lab")), serving)
+    canary = tmp_path / "x" / "keep.txt"
+    canary.parent.mkdir()
+    canary.write_text("mine")
+    (tmp_path / "bake").mkdir()
+    evil = [replace(chain[0], name="../x"), *chain[1:]]
+    with pytest.raises(UsageError, match=r"\.\./x"):
+        stage_contexts(evil, serving, tmp_path / "bake")
+    assert canary.read_text() == "mine"
+    assert not any((tmp_path / "bake").iterdir())

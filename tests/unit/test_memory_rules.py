@@ -72,3 +72,25 @@ def test_node_memory_is_immutable() -> None:
 def test_the_wait_default_is_the_one_the_env_example_documents() -> None:
     text = (ROOT / "env/env.tp4.example").read_text()
     assert f"#MEMORY_WAIT_S={memory.DEFAULT_WAIT_S:g}\n" in text
+
+
+def test_the_fix_quotes_what_a_node_named(tmp_path: Path) -> None:
+    """A container's name and its cluster label come from the node: the commands the fix names are pasted into
+    a shell, so each value is one quoted word there and runs nothing."""
+    import shlex
+    import subprocess
+
+    canary = tmp_path / "canary"
+    for tool in ("docker", "sparkctl"):  # stand-ins that do nothing: only the shell's reading is tested
+        (tmp_path / tool).write_text("#!/bin/sh\nexit 0\n")
+        (tmp_path / tool).chmod(0o755)
+    other = F.GpuApp(1, "a", 1, container_id="cd" * 32, container_cluster=f"p $(touch {canary})")
+    named = F.GpuApp(2, "b", 1, container_id=CID, container_name=f"t;touch {canary}")
+    fix = memory.foreign_fix("n1", [other, named])
+    commands = re.findall(r"`([^`]+)`", fix)
+    for cmd in commands:
+        subprocess.run(["sh", "-c", cmd], env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True, timeout=10,
+                       check=False)
+    assert not canary.exists(), fix
+    assert sorted(shlex.split(c) for c in commands) == [
+        [f"CLUSTER_NAME=p $(touch {canary})", "sparkctl", "down"], ["docker", "stop", f"t;touch {canary}"]], fix

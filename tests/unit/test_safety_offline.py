@@ -131,6 +131,32 @@ def test_the_fabric_sweep_leaves_the_service_and_other_clusters_alone(nodes: Loc
         assert sorted(left) == sorted([*serving[n], f"other-fabric-{n}", f"other-serving-{n}"]), (n, sorted(left))
 
 
+def test_check_fabric_beside_the_service_never_meets_on_a_port_the_head_uses(
+        nodes: LocalNodes, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check --fabric` while this cluster serves: the all-reduce's rendezvous is neither MASTER_PORT (the
+    serving ranks' rendezvous holds it on the head), nor PORT, nor a port the head was seen listening on;
+    every rank is told the same port."""
+    import socket
+
+    with socket.socket() as held:  # something on the head (this machine) listens on MASTER_PORT + 1
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        master, api = taken - 1, taken + 1
+        monkeypatch.setenv("MASTER_PORT", str(master))
+        monkeypatch.setenv("PORT", str(api))
+        assert run(["up"], capsys)[0] == 0
+        code, out, err = run(["check", "--fabric", "--fabric-timeout", "5"], capsys)
+    assert "Traceback" not in err, err
+    runs = [c["argv"] for c in nodes.docker_calls()
+            if c["argv"][:1] == ["run"] and any(a.startswith("sparkctl-t-fabric-rank") for a in c["argv"])]
+    ports = {a[a.index("--master-port") + 1] for a in runs}
+    assert len(runs) == len(NODES) and len(ports) == 1, ports
+    (port,) = ports
+    assert int(port) not in (master, api, taken), (port, master, api, taken)
+    assert f"port {port}" in out, out  # the run says where it meets (a firewall question names it)
+
+
 def test_model_pull_carries_the_token_on_stdin_never_on_a_command_line(nodes: LocalNodes, capsys: Any,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path: Path) -> None:

@@ -265,36 +265,6 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path):
     assert not complaints, r.stdout + r.stderr
 
 
-# ------------------------------------------------------------------------------------------ retention
-
-FAKE_DOCKER = r'''#!/bin/sh
-echo "$*" >> "$LOG"
-case "$1 $2" in
-  "image inspect") case "$5" in *keys3) echo "sha256:abcdef0123456789abcdef" ;; *) echo "" ;; esac ;;
-  "images --filter") printf '2026-11-0%s 00:00:00 +0000 UTC\tr/chain:keys3-old%s\n' 1 1 3 3 5 5 2 2 4 4 ;;
-esac
-exit 0
-'''
-
-
-def test_retention_tags_by_hash_keeps_the_newest_and_prunes_only_its_own(tmp_path):
-    from sparkctl.retention import retain_argv
-
-    (tmp_path / "docker").write_text(FAKE_DOCKER)
-    (tmp_path / "docker").chmod(0o755)
-    log = tmp_path / "log"
-    argv = retain_argv(3, "lab", ["r/chain:dcp", "r/chain:keys3"])
-    r = subprocess.run(argv, env={"PATH": f"{tmp_path}:/usr/bin:/bin", "LOG": str(log)}, capture_output=True,
-                       text=True, timeout=30)
-    assert r.returncode == 0, r.stderr
-    calls = log.read_text().splitlines()
-    assert "tag r/chain:keys3 r/chain:keys3-abcdef012345" in calls
-    assert not any(c.startswith("tag r/chain:dcp") for c in calls)  # no content hash: not ours, not tagged
-    assert sorted(c for c in calls if c.startswith("rmi")) == ["rmi r/chain:keys3-old1", "rmi r/chain:keys3-old2"]
-    assert r.stdout.split() == ["removed", "r/chain:keys3-old2", "removed", "r/chain:keys3-old1"]
-    assert calls[-1] == "image prune -f --filter label=sparkctl.recipe=lab --filter label=sparkctl.content-hash"
-
-
 def test_status_view_shows_ranks_metrics_supervisor_and_problems():
     from rich.console import Console
 

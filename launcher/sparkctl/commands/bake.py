@@ -78,8 +78,14 @@ def local_chain(refs: list[im.LayerRef], serving: Path) -> list[im.LayerSpec]:
 
 
 def stage_contexts(chain: list[im.LayerSpec], payload: Path, dest: Path) -> dict[str, Path]:
-    """Copy each layer's Dockerfile and the files it copies into dest/<layer>/ (replacing it)."""
+    """Copy each layer's Dockerfile and the files it copies into dest/<layer>/ (replacing it). A folder that
+    is not a child of dest is refused before anything is removed (the recipe loader already refuses such names)."""
     out: dict[str, Path] = {}
+    for layer in chain:
+        ctx = dest / layer.name
+        if ctx.resolve().parent != dest.resolve() or ctx.name != layer.name:
+            raise UsageError(f"layer {layer.name!r}: its bake context {ctx} is not a folder of {dest}; nothing removed",
+                             fix="name the layer with lower-case letters, digits, '.', '_', '-' in the recipe")
     for layer in chain:
         ctx = dest / layer.name
         if ctx.exists():

@@ -94,7 +94,10 @@ def _fabric(g: Globals, s: Any, report: CheckReport, cluster: Cluster,
         report.findings.extend(skipped(report.nodes, f"fabric pins unknown for {', '.join(missing)}"))
         return None
     say = console(g.json).print
-    fr = run_fabric_test(cluster, s, pins, timeout_s=fabric_timeout, say=lambda m: say(m, markup=False))
+    head = report.facts.get(s.head)
+    busy = [lst.port for lst in (head.listeners or [])] if head is not None else []
+    fr = run_fabric_test(cluster, s, pins, timeout_s=fabric_timeout, say=lambda m: say(m, markup=False),
+                         busy_ports=busy)
     report.findings.extend(fr.findings)
     report.timing["fabric"] = fr.seconds
     return fr

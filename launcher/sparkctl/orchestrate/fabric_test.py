@@ -9,6 +9,12 @@ secrets left out) plus NCCL_DEBUG=INFO. Every container is labelled with this cl
 also after a timeout, a lost node or Ctrl-C. The whole run is bounded: the program stops itself at the
 recipe's timeout, and each node's `docker run` has that timeout plus a start allowance.
 
+The ranks meet on the head at `fabric_port`: MASTER_PORT + 1, or the next port up that is neither
+MASTER_PORT, PORT nor one the head was seen listening on (`check` reads its listeners first). Never the
+service's own: `check --fabric` may run beside a serving cluster, whose rendezvous holds MASTER_PORT on
+the head, and a test holding MASTER_PORT would make an `up` starting then fail. (`check`'s reach test
+already tries MASTER_PORT itself between the ranks.)
+
 Findings (check `collective`): a rank that failed or never joined (named), NCCL on sockets where RDMA
 was expected, NCCL versions that differ, busbw below the recipe's floor.
 """
@@ -16,9 +22,10 @@ was expected, NCCL versions that differ, busbw below the recipe's floor.
 from __future__ import annotations
 
 import functools
+import shlex
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +43,7 @@ LABEL_PURPOSE = "sparkctl.purpose"
 PURPOSE = "fabric-test"
 START_ALLOWANCE_S = 30.0  # docker run + interpreter + torch import, beyond the program's own bound
 PROGRAM = "fabric_allreduce.py"
+PORT_WORDS = "the test's port on the head (MASTER_PORT + 1 or the next free one; the run's first line names it)"
 
 # The lab's fabric-test image (`sparkctl lab torch` loads it; lab.state.TORCH_IMAGE, which a unit test keeps
 # equal): named here so that production code does not import the lab.
@@ -45,6 +53,13 @@ LAB_TORCH_IMAGE = "sparkctl-lab/torch:latest"
 _SWEEP = r'''ids=$(docker ps -aq --no-trunc --filter "label=$1" --filter "label=$2") || exit $?
 [ -z "$ids" ] || docker rm -f $ids >/dev/null || exit $?
 echo "$ids" | grep -c . || true'''
+
+
+def sweep_by_hand(cluster: str) -> str:
+    """What a person pastes on a node to do the sweep's work: both labels, each one quoted word."""
+    ps = shlex.join(["docker", "ps", "-aq", "--filter", f"label={LABEL_CLUSTER}={cluster}",
+                     "--filter", f"label={LABEL_PURPOSE}={PURPOSE}"])
+    return f"docker rm -f $({ps})"
 
 
 def fabric_container_name(cluster: str, rank: int) -> str:
@@ -81,8 +96,17 @@ def _without_mounts(options: list[str]) -> list[str]:
     return out
 
 
-def fabric_run_argv(settings: Settings, rank: int, pins: list[RankPins], *, timeout_s: float | None = None) -> list[str]:
-    """`docker run` of one rank's fabric test: the service's options, the rank's env, the program on stdin."""
+def fabric_port(settings: Settings, busy: Iterable[int] = ()) -> int:
+    """The port the ranks meet on (see the module's docstring); `busy`: the ports the head listens on."""
+    master = settings.getint("MASTER_PORT")
+    taken = {master, settings.getint("PORT"), *busy}
+    return next(p for p in (*range(master + 1, 65536), *range(1024, master)) if p not in taken)
+
+
+def fabric_run_argv(settings: Settings, rank: int, pins: list[RankPins], *, timeout_s: float | None = None,
+                    port: int | None = None) -> list[str]:
+    """`docker run` of one rank's fabric test: the service's options, the rank's env, the program on stdin;
+    the ranks meet at the head's `port` (default: `fabric_port` with no port known busy)."""
     fab = settings.recipe.fabric
     cluster = settings.cluster_name
     argv = [
@@ -99,7 +123,8 @@ def fabric_run_argv(settings: Settings, rank: int, pins: list[RankPins], *, time
     argv += [
         "--entrypoint", "python3", fabric_image(settings), "-",
         "--rank", str(rank), "--world", str(len(settings.nodes)),
-        "--master-addr", master_addr(settings, pins), "--master-port", str(settings.getint("MASTER_PORT")),
+        "--master-addr", master_addr(settings, pins),
+        "--master-port", str(port if port is not None else fabric_port(settings)),
         "--backend", fab.backend, "--sizes", ",".join(str(s) for s in fab.sizes),
         "--warmup", str(fab.warmup), "--iters", str(fab.iters),
         "--deadline", f"{timeout_s if timeout_s is not None else fab.timeout_s:g}",
@@ -245,7 +270,7 @@ def evaluate(outcomes: list[RankOutcome], fab: FabricTest, *, timeout_s: float) 
             findings.append(Finding(o.node, CHECK, FAIL, "timed out",
                                     f"{who}: did not finish within {timeout_s:g} s (stuck at {timeout.get('stage')})",
                                     "the ranks named here never met: compare their fabric pins "
-                                    "(`sparkctl check`), the head's MASTER_PORT and the firewall"))
+                                    f"(`sparkctl check`) and the firewall for {PORT_WORDS}"))
         elif o.event("done") is None and o.stopped_by is not None:
             findings.append(Finding(o.node, CHECK, FAIL, "stopped",
                                     f"{who}: stopped by sparkctl after rank {o.stopped_by} failed (the all-reduce "
@@ -293,7 +318,7 @@ def _fix_for(error: str, o: RankOutcome) -> str:
     if "duplicate gpu" in low:
         return "two ranks landed on one GPU: one rank per node, GPUS_PER_NODE and --gpus"
     if "connect" in low or "timed out" in low or "timeout" in low:
-        return "the rank could not reach the head's rendezvous: check the head's fabric IP, MASTER_PORT, the firewall"
+        return f"the rank could not reach the head's rendezvous: check the head's fabric IP and the firewall for {PORT_WORDS}"
     return "see the error; `sparkctl nccl-report` on the rank's output explains what NCCL chose"
 
 
@@ -304,7 +329,7 @@ def sweep(node: Node, cluster: str) -> int:
     if not r.ok:
         first = next((ln for ln in r.stderr.splitlines() if ln.strip()), f"exit status {r.exit_code}")
         raise NodeError(node.name, "docker", f"could not remove the fabric-test containers: {first[:300]}",
-                        f"on {node.name}: docker rm -f $(docker ps -aq --filter label={LABEL_PURPOSE}={PURPOSE})")
+                        f"on {node.name}: {sweep_by_hand(cluster)}")
     try:
         return int(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -331,14 +356,17 @@ def _sweep_all(cluster: Cluster, settings: Settings) -> tuple[dict[str, int], di
 
 
 def run_fabric_test(cluster: Cluster, settings: Settings, pins: list[RankPins], *,
-                    timeout_s: float | None = None, say: Callable[[str], None] = lambda s: None) -> FabricReport:
-    """Run the test on every rank at once; always sweep afterwards, also on Ctrl-C (re-raised)."""
+                    timeout_s: float | None = None, say: Callable[[str], None] = lambda s: None,
+                    busy_ports: Iterable[int] = ()) -> FabricReport:
+    """Run the test on every rank at once; always sweep afterwards, also on Ctrl-C (re-raised).
+    `busy_ports`: what the head listens on (the rendezvous avoids them, and MASTER_PORT and PORT)."""
     fab = settings.recipe.fabric
     bound = float(timeout_s if timeout_s is not None else fab.timeout_s)
     program = probe_script(PROGRAM)
-    argv = {n: fabric_run_argv(settings, r, pins, timeout_s=bound) for r, n in enumerate(settings.nodes)}
+    port = fabric_port(settings, busy_ports)
+    argv = {n: fabric_run_argv(settings, r, pins, timeout_s=bound, port=port) for r, n in enumerate(settings.nodes)}
     say(f"fabric test: {fab.backend} all-reduce on {len(argv)} rank(s) in {fabric_image(settings)} "
-        f"(bound {bound:g} s)")
+        f"(bound {bound:g} s; the ranks meet on the head's port {port})")
     start = time.monotonic()
     box: dict[str, Any] = {}
 
@@ -395,7 +423,7 @@ def run_fabric_test(cluster: Cluster, settings: Settings, pins: list[RankPins], 
     findings = evaluate(outcomes, fab, timeout_s=bound)
     for node, why in problems.items():
         findings.append(Finding(node, CHECK, WARN, "not cleaned", f"{node}: {why}",
-                                f"remove them by hand: docker rm -f $(docker ps -aq --filter label={LABEL_PURPOSE}={PURPOSE})"))
+                                f"remove them by hand on {node}: {sweep_by_hand(settings.cluster_name)}"))
     collective = max((float((o.event("done") or {}).get("total_s") or 0) for o in outcomes), default=0.0)
     return FabricReport(fab.backend, fabric_image(settings), outcomes, findings, seconds, collective, problems, swept)
 
