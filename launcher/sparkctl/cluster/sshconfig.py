@@ -37,6 +37,7 @@ class SshTarget:
     proxy_command: str | None = None  # ProxyCommand, its %-tokens expanded (run by the shell, as ssh does)
     certificate_files: tuple[str, ...] = ()  # CertificateFile, tokens and ~ expanded (missing ones kept: said so)
     pkcs11_provider: str | None = None  # PKCS11Provider: not usable here; named if no other key is accepted
+    agent: bool = True  # False for `IdentityAgent none`: ssh then asks no agent, and neither does sparkctl
 
     @property
     def known_hosts_name(self) -> str:
@@ -172,7 +173,9 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
             jumps += [*hop.jumps, replace(hop, jumps=())]
     # ssh -G lists the default identity files when none is set: only those that exist are candidates
     # (ssh itself skips the missing ones).
-    identities = tuple(p for p in _split_paths(" ".join(opts.get("identityfile", [])), tokens) if os.path.exists(p))
+    # `IdentityFile none` is no file (ssh skips it), never a file named none in the current directory.
+    named = [w for w in " ".join(opts.get("identityfile", [])).split() if w.lower() != "none"]
+    identities = tuple(p for p in _split_paths(" ".join(named), tokens) if os.path.exists(p))
     certificates = _split_paths(" ".join(opts.get("certificatefile", [])), tokens)
     known = _known_hosts_paths(opts.get("userknownhostsfile"), _USER_KNOWN_HOSTS)
     global_known = _known_hosts_paths(opts.get("globalknownhostsfile"), _GLOBAL_KNOWN_HOSTS)
@@ -193,6 +196,7 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
         proxy_command=proxy_command,
         certificate_files=certificates,
         pkcs11_provider=None if _one(opts, "pkcs11provider", "none").lower() == "none" else _one(opts, "pkcs11provider"),
+        agent=_one(opts, "identityagent") != "none",
     )
 
 
