@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -189,3 +190,39 @@ def test_llama_benchy_reaches_the_head_directly_whatever_the_proxy_environment(
     run = llamabenchy.level_of(out["levels"][0]["result"], 2)
     assert run is not None and run["e2e_ttft"]["mean"] > 0
     assert proxy.connections == 0 and not any(KEY.encode() in b for b in proxy.received)
+
+
+# ---------------------------------------- what runs beside the engine, inside its container, with the key
+
+
+def _proxy_env(listener: Listener) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "no_proxy": "corp.example",
+            **{var: f"http://127.0.0.1:{listener.port}" for var in PROXY_VARS}}
+
+
+def test_the_lws_readiness_probe_asks_the_engine_directly_whatever_the_pods_proxy_variables(
+        proxy: Listener, head: tuple[str, list[tuple[str, str | None]]]) -> None:
+    """The probe runs in the leader's container, whose environment may name a proxy (for the hub)."""
+    from sparkctl import lws
+
+    url, seen = head
+    done = subprocess.run([sys.executable, "-c", lws.READINESS_SCRIPT, "m", url], capture_output=True, timeout=60,
+                          env={**_proxy_env(proxy), "VLLM_API_KEY": KEY}, check=False)
+    assert done.returncode == 0, done.stderr
+    assert seen == [("/v1/models", f"Bearer {KEY}"), ("/v1/chat/completions", f"Bearer {KEY}")]
+    assert proxy.connections == 0
+
+
+def test_vllm_bench_serve_runs_with_no_proxy_variable(proxy: Listener, tmp_path: Path) -> None:
+    """`bench --tool vllm` runs `vllm bench serve` in the head's container (the real sh runs the script here,
+    the tool stands in as a command that writes its environment): vLLM's client honours the environment's
+    proxies, so none reaches it."""
+    from sparkctl import vllmbench
+
+    out = tmp_path / "env.txt"
+    argv = vllmbench.exec_argv("c", ["sh", "-c", 'env > "$0"', str(out)])[4:]  # the container's part dropped
+    subprocess.run(argv, input=f"{KEY}\n".encode(), env=_proxy_env(proxy), capture_output=True, timeout=60,
+                   check=False)
+    names = [line.split("=", 1)[0] for line in out.read_text().splitlines()]
+    assert "OPENAI_API_KEY" in names
+    assert not [n for n in names if n.lower().endswith("_proxy")], names
