@@ -10,6 +10,7 @@ The Prometheus text of /metrics is parsed by promtext.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -59,6 +60,17 @@ class BadAnswer(CheckFailed):
     """The head answered, but not what vLLM answers (not JSON, the wrong shape, too large)."""
 
 
+def _request(method: str, url: str, **kw: Any) -> requests.Response:
+    """requests' `request`, but never through a proxy: the environment's http_proxy, HTTPS_PROXY, ALL_PROXY
+    (and NO_PROXY) are not read, nor ~/.netrc (whose password would replace the Authorization header), so
+    the API key goes to the head and nowhere else. A CA bundle named by REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE
+    is still used for an https:// head, as before."""
+    with requests.Session() as session:
+        session.trust_env = False
+        session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+        return session.request(method, url, **kw)
+
+
 def _read_capped(r: requests.Response, limit: int, what: str) -> bytes:
     """The body, refusing to hold more than `limit` bytes of it (the head's answers are untrusted)."""
     chunks: list[bytes] = []
@@ -94,14 +106,14 @@ class HeadApi:
 
     def health(self) -> int | None:
         try:
-            with requests.get(f"{self.base_url}/health", timeout=self.timeout, headers=self._headers(),
+            with _request("GET", f"{self.base_url}/health", timeout=self.timeout, headers=self._headers(),
                               stream=True) as r:
                 return r.status_code
         except requests.RequestException:
             return None
 
     def models(self) -> list[str]:
-        with requests.get(f"{self.base_url}/v1/models", timeout=self.timeout, headers=self._headers(),
+        with _request("GET", f"{self.base_url}/v1/models", timeout=self.timeout, headers=self._headers(),
                           stream=True) as r:
             r.raise_for_status()
             doc = _json_object(_read_capped(r, MAX_JSON_ANSWER, "/v1/models"), "/v1/models")
@@ -115,7 +127,7 @@ class HeadApi:
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                 "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}}
         start = time.monotonic()
-        with requests.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=timeout,
+        with _request("POST", f"{self.base_url}/v1/chat/completions", json=body, timeout=timeout,
                            headers=self._headers(), stream=True) as r:
             r.raise_for_status()
             doc = _json_object(_read_capped(r, MAX_JSON_ANSWER, "chat completion"), "chat completion")
@@ -133,7 +145,7 @@ class HeadApi:
 
     def metrics(self) -> str | None:
         try:
-            with requests.get(f"{self.base_url}/metrics", timeout=self.timeout, headers=self._headers(),
+            with _request("GET", f"{self.base_url}/metrics", timeout=self.timeout, headers=self._headers(),
                               stream=True) as r:
                 if not r.ok:
                     return None
@@ -148,14 +160,14 @@ class HeadApi:
     def get(self, path: str, *, limit: int = MAX_JSON_ANSWER, timeout: float | None = None) -> tuple[int, bytes]:
         """A plain GET: the status and the body (capped: BadAnswer). Raises requests' errors when the
         head cannot be reached or the answer breaks off."""
-        with requests.get(f"{self.base_url}{path}", timeout=timeout or self.timeout, headers=self._headers(),
+        with _request("GET", f"{self.base_url}{path}", timeout=timeout or self.timeout, headers=self._headers(),
                           stream=True) as r:
             return r.status_code, _read_capped(r, limit, path)
 
     def post_json(self, path: str, payload: dict[str, Any], *, timeout: float | None = None) -> tuple[int, Any]:
         """POST a JSON body: the status and the JSON answer (None when it is not JSON). Raises requests'
         errors when the head cannot be reached, BadAnswer when the answer is too large."""
-        with requests.post(f"{self.base_url}{path}", json=payload, timeout=timeout or self.timeout,
+        with _request("POST", f"{self.base_url}{path}", json=payload, timeout=timeout or self.timeout,
                            headers=self._headers(), stream=True) as r:
             body = _read_capped(r, MAX_JSON_ANSWER, path)
             status = r.status_code

@@ -9,7 +9,8 @@ It downloads nothing at run time, by its own flags and environment:
   loopback: the compared workload's prompts;
 - `--model` given (no look-up of the served name on huggingface.co), HF_HUB_OFFLINE=1 and
   TRANSFORMERS_OFFLINE=1 (a hub fallback fails instead of downloading), HOME a temporary folder (its
-  text cache goes there and is removed).
+  text cache goes there and is removed), and no proxy variable at all (`environment`: the API key goes
+  to the head only).
 
 The load: llama-benchy sends a level as `--runs` batches of C requests at once (after its own warm-up),
 prompts of `--pp` tokens as the server counts them (chat template included: it adapts the text to the
@@ -25,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,14 @@ def argv(*, python: str, base_url: str, model: str, tokenizer: str, input_len: i
             "--exact-tg", "--concurrency", str(concurrency), "--runs", str(runs), "--no-cache",
             "--book-url", book_url, "--skip-coherence", "--latency-mode", "api", "--format", "json",
             "--save-result", result]
+
+
+def environment(parent: Mapping[str, str], work: Path) -> dict[str, str]:
+    """llama-benchy's environment: this one without a single proxy variable (http_proxy, HTTPS_PROXY,
+    ALL_PROXY, NO_PROXY, any case: aiohttp and requests in llama-benchy honour them, and a lower-case
+    no_proxy that leaves the head out would send the API key to the proxy), offline, HOME in `work`."""
+    env = {k: v for k, v in parent.items() if not k.lower().endswith("_proxy")}
+    return env | {"HOME": str(work), "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def stdin_for(api_key: str | None) -> str:

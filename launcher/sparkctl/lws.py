@@ -61,17 +61,19 @@ _SIZE_UNITS = {"": "", "b": "", "k": "Ki", "m": "Mi", "g": "Gi"}  # docker's --s
 DEFAULT_READY_TIMEOUT_S = 3600
 
 # The readiness check `wait` makes, inside the leader's container (python3 is in every vLLM image): the
-# served name in /v1/models and one real chat completion. Values arrive as argv, the key from the env.
+# served name in /v1/models and one real chat completion. Values arrive as argv, the key from the env;
+# no proxy from the pod's environment is used (the key goes to the engine only).
 READINESS_SCRIPT = """\
 import json, os, sys, urllib.request
 name, base = sys.argv[1], sys.argv[2]
 headers = {"Content-Type": "application/json"}
+direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the key never goes to a proxy
 if os.environ.get("VLLM_API_KEY"):
     headers["Authorization"] = "Bearer " + os.environ["VLLM_API_KEY"]
 def call(path, body=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(base + path, data=data, headers=headers)
-    with urllib.request.urlopen(req, timeout=50) as answer:
+    with direct.open(req, timeout=50) as answer:
         return json.loads(answer.read(4 << 20))
 if name not in [m.get("id") for m in call("/v1/models").get("data") or []]:
     sys.exit(name + " is not in /v1/models")

@@ -27,6 +27,8 @@ SCRIPT = (
     'IFS= read -r key || key=""\n'
     '[ -n "$key" ] && export OPENAI_API_KEY="$key"\n'
     "unset key\n"
+    # vLLM's client honours proxy variables: the key goes to the engine on loopback, never to a proxy
+    "unset http_proxy HTTP_PROXY https_proxy HTTPS_PROXY all_proxy ALL_PROXY no_proxy NO_PROXY\n"
     'dir=$(mktemp -d) || exit 3\n'
     "trap 'rm -rf \"$dir\"' EXIT\n"
     '"$@" --save-result --result-dir "$dir" --result-filename result.json >&2 || exit $?\n'

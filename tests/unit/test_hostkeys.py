@@ -106,3 +106,20 @@ def test_a_line_that_is_not_base64_is_skipped_and_the_lines_after_it_still_read(
     path = tmp_path / "known_hosts"
     path.write_text("hostb ssh-ed25519 not*base64\n" + _line("hosta", HIGH))
     assert hostkeys.judge_host_key(_target(path, "hosta"), "ssh-ed25519", HIGH).status == "trusted"
+
+
+def test_trust_writes_through_a_symlink_keeping_every_other_byte_and_the_mode(tmp_path: Path) -> None:
+    """A known_hosts that is a symlink (dotfiles) stays one: its target is rewritten. Lines that are not UTF-8,
+    with CRLF or with a form feed, survive byte for byte; the file's mode stays."""
+    real = tmp_path / "dotfiles" / "known_hosts"
+    real.parent.mkdir()
+    other = [b"# caf\xe9 (latin-1)", b"hostb ssh-ed25519 " + base64.b64encode(LOW) + b" x\r", b"\x0c# form feed \x1c"]
+    real.write_bytes(b"\n".join([other[0], _line("hosta", LOW).rstrip("\n").encode(), *other[1:]]))  # no final newline
+    real.chmod(0o644)
+    link = tmp_path / "known_hosts"
+    link.symlink_to(real)
+    assert hostkeys.record_host_key(_target(link, "hosta"), "ssh-ed25519", HIGH) == str(real)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_bytes() == b"\n".join([*other, _line("hosta", HIGH).rstrip("\n").encode()]) + b"\n"
+    assert real.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in real.parent.iterdir()) == ["known_hosts"]  # no temporary file left

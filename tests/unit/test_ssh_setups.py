@@ -458,3 +458,39 @@ def test_proxy_use_fdpass_is_refused_by_name(sshlab: SshLab, tmp_path: Path) -> 
         err = cluster.run_all(["true"])["fdpass"]
     assert isinstance(err, NodeError) and err.kind == "config" and "ProxyUseFdpass yes is not supported" in err.reason
     assert "ProxyUseFdpass no" in (err.fix or "") and not canary.exists()
+
+
+# ------------------------------------------------------------------------ `none`: no agent, no key file
+
+
+def test_identity_agent_none_and_identity_file_none_mean_none_as_for_ssh(
+        sshlab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real ssh-agent holds the only key that opens the node, and a file named `none` in the current
+    directory is that key too. `IdentityAgent none` asks no agent and `IdentityFile none` names no file: the
+    real ssh is refused, and so is sparkctl; without `IdentityAgent none` both log in through the agent."""
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir(mode=0o700)
+    sock = agent_dir / "sock"
+    started = subprocess.run(["ssh-agent", "-s", "-a", str(sock)], capture_output=True, text=True, timeout=20,
+                             check=True)
+    pid = int(started.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    try:
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        subprocess.run(["ssh-add", "-q", str(sshlab.dir / "id_ed25519")], capture_output=True, timeout=20, check=True)
+        cwd = tmp_path / "cwd"
+        cwd.mkdir()
+        shutil.copy(sshlab.dir / "id_ed25519", cwd / "none")
+        (cwd / "none").chmod(0o600)
+        monkeypatch.chdir(cwd)
+        for agent_line, opens in (("  IdentityAgent none\n", False), ("", True)):
+            cfg = _only_key(sshlab, tmp_path, f"{agent_line}  IdentityFile none\n  IdentitiesOnly no\n")
+            real = subprocess.run(["ssh", "-F", str(cfg), "-o", "BatchMode=yes", "n1", "true"], cwd=cwd,
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, check=False)
+            assert (real.returncode == 0) is opens, real.stderr
+            with Cluster(["n1"], cfg, connect_timeout=5) as cluster:
+                res = cluster.run_all(["true"])["n1"]
+            assert isinstance(res, RunResult) is opens, res
+            if not opens:
+                assert isinstance(res, NodeError) and res.kind == "auth", res
+    finally:
+        os.kill(pid, 15)

@@ -58,6 +58,7 @@ from .hostkeys import (
     host_key_error,
     host_matches,
     judge_host_key,
+    no_known_hosts_file,
     read_known_hosts,
     record_host_key,
 )
@@ -77,6 +78,6 @@ __all__ = [
     "Cluster", "HostKeyVerdict", "Jumps", "KnownHost", "Node", "NodeError", "NodeResult", "Results", "RunResult",
     "Session", "SshConfig", "SshTarget", "Stream", "StreamLost", "docker_json", "fetch_host_key",
     "fingerprint", "hash_hostname", "host_key_error", "host_matches", "judge_host_key", "load_ssh_config",
-    "open_transport", "parallel", "raise_failed", "read_known_hosts", "record_host_key", "remote_command",
-    "resolve_target", "ssh_g",
+    "no_known_hosts_file", "open_transport", "parallel", "raise_failed", "read_known_hosts", "record_host_key",
+    "remote_command", "resolve_target", "ssh_g",
 ]

@@ -178,7 +178,7 @@ def host_key_error(target: SshTarget, verdict: HostKeyVerdict) -> NodeError:
             "hostkey-changed",
             f"HOST KEY CHANGED for {where}: POSSIBLE MAN-IN-THE-MIDDLE ATTACK (or the host was reinstalled). "
             f"It offered {verdict.key_type} {verdict.fingerprint}; known_hosts has {old}",
-            f"verify the new fingerprint out of band; if the change is expected, run `{trust}` to replace it",
+            f"verify the new fingerprint out of band; if the change is expected, run `{trust} --replace`",
             key_type=verdict.key_type,
             fingerprint=verdict.fingerprint,
         )
@@ -212,28 +212,53 @@ def host_key_error(target: SshTarget, verdict: HostKeyVerdict) -> NodeError:
         ca_fp = fingerprint(verdict.cert.ca_blob)
         other += (f"; it also offered a host certificate signed by CA {verdict.cert.ca_type} {ca_fp}, which no "
                   f"@cert-authority line trusts for {target.known_hosts_name}")
+    fix = f"check that fingerprint out of band, then run `{trust}`"
+    if not target.known_hosts_files:
+        fix = (f"the ssh config sets `UserKnownHostsFile none` (or /dev/null) for {target.alias}: set it to a file "
+               f"(e.g. ~/.ssh/known_hosts) in {target.ssh_config or '~/.ssh/config'}, check that fingerprint out of "
+               f"band, then run `{trust}`")
     return NodeError(
         target.alias,
         "hostkey-unknown",
         f"host key of {where} is not in known_hosts ({files}){other}: it offered {verdict.key_type} {verdict.fingerprint}",
-        f"check that fingerprint out of band, then run `{trust}`",
+        fix,
         key_type=verdict.key_type,
         fingerprint=verdict.fingerprint,
     )
 
 
+def no_known_hosts_file(target: SshTarget) -> UsageError:
+    """The refusal of `trust` for a host whose ssh config names no file to record keys in."""
+    where = target.ssh_config or "~/.ssh/config"
+    return UsageError(
+        f"{target.alias}: the ssh config sets `UserKnownHostsFile none` (or /dev/null) for it: there is no "
+        "known_hosts file to record its host key in (OpenSSH reads no file then, and neither does sparkctl)",
+        fix=f"set UserKnownHostsFile to a file (e.g. ~/.ssh/known_hosts) in the entry for {target.alias} in "
+            f"{where}, then run `{target.trust_command()}`",
+    )
+
+
 def record_host_key(target: SshTarget, key_type: str, key_blob: bytes) -> str:
     """Append the key to the first UserKnownHostsFile (hashed when HashKnownHosts=yes), first
-    removing this host's entries of the same type (the `trust` of a changed key). Returns the file."""
+    removing this host's entries of the same type (the `trust --replace` of a changed key); every other
+    line stays byte for byte. The file is replaced atomically (a new file, renamed over it), written
+    through a symlink to its target, with its mode (and, as root, its owner) kept. Returns the file."""
     if not target.known_hosts_files:
-        raise UsageError(f"{target.alias}: UserKnownHostsFile is /dev/null; nowhere to record the key")
-    path = Path(target.known_hosts_files[0])
+        raise no_known_hosts_file(target)
+    path = Path(os.path.realpath(target.known_hosts_files[0]))
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = target.known_hosts_name
-    kept = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            fields = line.split()
+    kept: list[bytes] = []
+    try:
+        st: os.stat_result | None = path.stat()
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        lines = path.read_bytes().split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()  # the last line's newline (or an empty file)
+        for line in lines:
+            fields = line.decode("utf-8", "replace").split()
             drop = (
                 len(fields) >= 3
                 and not fields[0].startswith(("#", "@"))
@@ -243,12 +268,20 @@ def record_host_key(target: SshTarget, key_type: str, key_blob: bytes) -> str:
             if not drop:
                 kept.append(line)
     entry_name = hash_hostname(name) if target.hash_known_hosts else name
-    kept.append(f"{entry_name} {key_type} {base64.b64encode(key_blob).decode()}")
+    kept.append(f"{entry_name} {key_type} {base64.b64encode(key_blob).decode()}".encode())
     tmp = path.with_name(f".{path.name}.sparkctl-{secrets.token_hex(4)}")
-    fd = os.open(
-        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if not path.exists() else path.stat().st_mode & 0o777
-    )
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write("\n".join(kept) + "\n")
-    os.replace(tmp, path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if st is not None:
+                os.fchmod(f.fileno(), st.st_mode & 0o7777)
+                if os.geteuid() == 0:
+                    os.fchown(f.fileno(), st.st_uid, st.st_gid)
+            f.write(b"\n".join(kept) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return str(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import pwd
 import re
 import shlex
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from ..errors import NodeError, UsageError
 
 DEFAULT_SSH_CONFIG = "~/.ssh/config"
 _GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
+_USER_KNOWN_HOSTS = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class SshTarget:
     proxy_command: str | None = None  # ProxyCommand, its %-tokens expanded (run by the shell, as ssh does)
     certificate_files: tuple[str, ...] = ()  # CertificateFile, tokens and ~ expanded (missing ones kept: said so)
     pkcs11_provider: str | None = None  # PKCS11Provider: not usable here; named if no other key is accepted
+    agent: bool = True  # False for `IdentityAgent none`: ssh then asks no agent, and neither does sparkctl
 
     @property
     def known_hosts_name(self) -> str:
@@ -170,10 +173,12 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
             jumps += [*hop.jumps, replace(hop, jumps=())]
     # ssh -G lists the default identity files when none is set: only those that exist are candidates
     # (ssh itself skips the missing ones).
-    identities = tuple(p for p in _split_paths(" ".join(opts.get("identityfile", [])), tokens) if os.path.exists(p))
+    # `IdentityFile none` is no file (ssh skips it), never a file named none in the current directory.
+    named = [w for w in " ".join(opts.get("identityfile", [])).split() if w.lower() != "none"]
+    identities = tuple(p for p in _split_paths(" ".join(named), tokens) if os.path.exists(p))
     certificates = _split_paths(" ".join(opts.get("certificatefile", [])), tokens)
-    known = _split_paths(_one(opts, "userknownhostsfile"), tokens) or (os.path.expanduser("~/.ssh/known_hosts"),)
-    global_known = _split_paths(_one(opts, "globalknownhostsfile"), tokens) or _GLOBAL_KNOWN_HOSTS
+    known = _known_hosts_paths(opts.get("userknownhostsfile"), _USER_KNOWN_HOSTS)
+    global_known = _known_hosts_paths(opts.get("globalknownhostsfile"), _GLOBAL_KNOWN_HOSTS)
     host_key_alias = _one(opts, "hostkeyalias")
     return SshTarget(
         alias=alias,
@@ -191,6 +196,7 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
         proxy_command=proxy_command,
         certificate_files=certificates,
         pkcs11_provider=None if _one(opts, "pkcs11provider", "none").lower() == "none" else _one(opts, "pkcs11provider"),
+        agent=_one(opts, "identityagent") != "none",
     )
 
 
@@ -219,6 +225,31 @@ def _expand_proxy_command(alias: str, command: str, tokens: Mapping[str, str]) -
                             f"(only {' '.join(_PROXY_TOKENS)} and %%)", "fix the ProxyCommand line in the ssh config")
         i += 2
     return "".join(out)
+
+
+def _known_hosts_paths(printed: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """UserKnownHostsFile / GlobalKnownHostsFile as `ssh -G` printed them, read as ssh reads them: `none`
+    is no file at all (never a file of that name); ~ is the passwd home (ssh's tilde_expand, not $HOME);
+    nothing is %-expanded again (`ssh -G` prints UserKnownHostsFile with its %-tokens and ${VARS} already
+    expanded, so a `%%h` it printed as `%h` is a file of that name; ssh expands no token in
+    GlobalKnownHostsFile); a relative path is opened in the current directory, as ssh opens it (ssh never
+    changes directory), so it is made absolute here, which names it in every message."""
+    words = (printed[0] if printed else "").split() or list(default)
+    if [w.lower() for w in words] == ["none"]:
+        return ()
+    return tuple(os.path.abspath(_tilde(w)) for w in words)
+
+
+def _tilde(path: str) -> str:
+    """ssh's tilde expansion: `~` and `~/x` from the passwd entry of this uid, `~user/x` from user's."""
+    if not path.startswith("~"):
+        return path
+    user, sep, rest = path[1:].partition("/")
+    try:
+        home = pwd.getpwnam(user).pw_dir if user else pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        return os.path.expanduser(path)  # ssh itself stops at such a name; `ssh -G` already accepted it
+    return os.path.join(home, rest.lstrip("/")) if sep and rest.strip("/") else home
 
 
 def _split_paths(value: str | None, tokens: Mapping[str, str]) -> tuple[str, ...]:

@@ -264,7 +264,7 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCa
             tried.append(key)
         else:
             candidates += _with_certificates(path, key, path, certs, used)
-    if not target.identities_only and os.environ.get("SSH_AUTH_SOCK"):
+    if not target.identities_only and target.agent and os.environ.get("SSH_AUTH_SOCK"):
         try:
             for k in paramiko.Agent().get_keys():
                 candidates += _with_certificates(f"agent key {k.fingerprint}", k, None, certs, used)

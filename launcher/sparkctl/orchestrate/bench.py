@@ -228,8 +228,7 @@ def run_llama_benchy(cfg: BenchConfig, doc: dict[str, Any], tokenizer: Path, say
     task, levels = next(iter(doc["workloads"].items()))
     prompts = next((w.prompts for w in cfg.workloads if w.name == task), cfg.workloads[0].prompts)
     text = "\n\n".join(prompts[i % len(prompts)] for i in range(max(64, 4 * len(prompts))))
-    env = {**os.environ, "HOME": str(work), "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost," + cfg.endpoint.host}
+    env = llamabenchy.environment(os.environ, work)
     out: dict[str, Any] = {"tool": "llama-benchy", "workload_compared": task, "levels": []}
     pairs = []
     with serve_text(text) as book_url:
