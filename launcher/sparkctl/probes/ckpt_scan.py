@@ -415,7 +415,7 @@ def _load_cache(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = json.loads(f.read(64 * MIB))
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, damaged or absurdly nested: start afresh
         return {}
 
 
