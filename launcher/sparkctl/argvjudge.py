@@ -35,6 +35,7 @@ from typing import Any
 from .builders import LABEL_CLUSTER, LABEL_RECIPE, RankSpec
 from .cluster import Node, NodeError
 from .findings import FAIL, OK, WARN, Finding
+from .parsing import parse_json
 from .resources import probe_script
 from .settings import Settings
 
@@ -121,9 +122,9 @@ def parse_output(stdout: str) -> dict[int, dict[str, Any]]:
         if not line.startswith(MARK):
             continue
         try:
-            doc = json.loads(line[len(MARK):])
+            doc = parse_json(line[len(MARK):])
             out[int(doc.get("rank", -1))] = doc
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError):  # ParseError is a ValueError
             continue
     return out
 

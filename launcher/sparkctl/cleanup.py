@@ -14,7 +14,6 @@ audited.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from . import signals
 from .builders import LABEL_CLUSTER
 from .cluster import Cluster, Node, NodeError
 from .lock import audit_file, state_dir
+from .parsing import ParseError, parse_json
 
 # Lists "ID NAME" of each of the cluster's containers, removes them, then prints the names it removed.
 # IDs are hex and names [a-zA-Z0-9_.-]: both are single words.
@@ -136,8 +136,8 @@ def parse_up_records(text: str) -> UpRecords:
     legacy: set[tuple[int, str]] = set()
     for line in text.splitlines()[-2000:]:
         try:
-            doc = json.loads(line[:4096])
-        except (ValueError, RecursionError):
+            doc = parse_json(line[:4096])
+        except ParseError:
             continue
         if not isinstance(doc, dict) or doc.get("action") != "up":
             continue

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .builders import LABEL_CONFIG_HASH, LABEL_CONTENT_HASH, LABEL_RANK
-from .parsing import ParseError, guard, parse_json
+from .parsing import NotJson, ParseError, guard, parse_json
 
 # ------------------------------------------------------------------- the CLI: version, images, ps
 
@@ -265,8 +265,8 @@ def parse_docker_api(stdout: str, stderr: str, rc: int, nonce: str) -> DockerFac
 
 def _api_message(code: int, body: str) -> str:
     try:
-        doc = json.loads(body)
-    except ValueError:
+        doc = parse_json(body)
+    except ParseError:
         doc = None
     msg = doc.get("message") if isinstance(doc, dict) else None
     return f"HTTP {code}: {str(msg)[:300]}" if msg else f"HTTP {code}"
@@ -377,11 +377,9 @@ def _small_int(value: Any, *, signed: bool = False) -> int | None:
 def parse_container_inspect(text: str) -> list[ContainerState]:
     """`docker inspect ID...` (service's _INSPECT prints '[]' when there is none): one state per object."""
     try:
-        docs = json.loads(text or "[]")
-    except json.JSONDecodeError as exc:
-        raise ParseError(f"docker inspect printed something that is not JSON ({exc.msg})") from None
-    except RecursionError:  # absurdly nested JSON
-        raise ParseError("docker inspect printed JSON nested too deeply") from None
+        docs = parse_json(text or "[]")
+    except NotJson as exc:
+        raise ParseError(f"docker inspect printed something that is not JSON ({exc.reason})") from None
     if not isinstance(docs, list):
         raise ParseError("docker inspect did not print a list")
     return [ContainerState.from_inspect(d) for d in docs if isinstance(d, dict)]

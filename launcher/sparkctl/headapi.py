@@ -9,7 +9,6 @@ The Prometheus text of /metrics is parsed by promtext.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -20,6 +19,7 @@ from urllib.parse import urlsplit
 import requests
 
 from .errors import CheckFailed, UsageError
+from .parsing import ParseError, parse_json
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ def _read_capped(r: requests.Response, limit: int, what: str) -> bytes:
 
 def _json_object(body: bytes, what: str) -> dict[str, Any]:
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or absurdly nested
+        doc = parse_json(body)
+    except ParseError:  # not JSON, not UTF-8, or absurdly nested
         raise BadAnswer(f"the head's {what} answer is not JSON: {body[:80]!r}") from None
     if not isinstance(doc, dict):
         raise BadAnswer(f"the head's {what} answer is JSON but not an object ({type(doc).__name__})")
@@ -172,8 +172,8 @@ class HeadApi:
             body = _read_capped(r, MAX_JSON_ANSWER, path)
             status = r.status_code
         try:
-            return status, json.loads(body)
-        except (ValueError, RecursionError):
+            return status, parse_json(body)
+        except ParseError:
             return status, None
 
 

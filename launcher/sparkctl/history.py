@@ -22,6 +22,7 @@ from .cluster import Cluster, Node, NodeError
 from .docker_parse import parse_content_hash
 from .errors import UsageError
 from .lock import audit_line, now_iso, state_dir, whoami
+from .parsing import ParseError, parse_json
 from .render import Rendered
 from .settings import KNOBS, RANK_KEY_RE, Settings, is_secret, known_key, prefixes_of
 
@@ -129,8 +130,8 @@ def parse_history(text: str) -> list[Release]:
         if len(line) > MAX_LINE:
             continue
         try:
-            doc = json.loads(line)
-        except (ValueError, RecursionError):
+            doc = parse_json(line)
+        except ParseError:
             continue
         if isinstance(doc, dict):
             found.append(doc)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import CheckFailed
+from .parsing import ParseError, parse_json
 
 _MACHINE_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -99,14 +100,12 @@ class Seen:
 
 def parse_whoami(identity: NodeIdentity, text: str) -> Seen:
     """WHOAMI's output (untrusted) -> what the machine is and the last `up`'s record on it."""
-    import json
-
     head, _, rest = text.partition(RECORD_MARK)
     ident = NodeIdentity(identity.alias, identity.hostname, identity.port, identity.host_key,
                          parse_machine_id(head.strip().split("\n", 1)[0]) if head.strip() else None)
     try:
-        doc = json.loads(rest.strip()[:MAX_RECORD_CHARS]) if rest.strip() else None
-    except (ValueError, RecursionError):
+        doc = parse_json(rest.strip()[:MAX_RECORD_CHARS]) if rest.strip() else None
+    except ParseError:
         doc = None
     nodes = doc.get("nodes") if isinstance(doc, dict) else None
     if not isinstance(nodes, dict):

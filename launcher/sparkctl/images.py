@@ -40,7 +40,7 @@ from . import dockerfile
 from .builders import LABEL_CONTENT_HASH, LABEL_VERSIONS, docker_build_argv, image_labels
 from .docker_parse import Image, find_image, parse_image_inspect
 from .errors import UsageError
-from .parsing import ParseError
+from .parsing import NotJson, ParseError, parse_json
 from .recipes import Recipe
 
 HASH_SCHEME = "sparkctl-content-hash/1"
@@ -425,7 +425,7 @@ def versions_argv(tag: str) -> list[str]:
 def parse_versions(text: str) -> dict[str, str]:
     for line in reversed(text.splitlines()):
         if line.startswith("@@versions "):
-            doc = json.loads(line.removeprefix("@@versions "))
+            doc = parse_json(line.removeprefix("@@versions "))
             if isinstance(doc, dict):
                 return {str(k): str(v) for k, v in doc.items()}
     raise ParseError("the version probe printed no @@versions line")
@@ -463,8 +463,8 @@ def read_versions(image: Image) -> dict[str, str] | None:
     if not raw:
         return None
     try:
-        doc = json.loads(raw)
-    except json.JSONDecodeError:
+        doc = parse_json(raw)
+    except ParseError:
         return None
     return {str(k): str(v) for k, v in doc.items()} if isinstance(doc, dict) else None
 
@@ -669,9 +669,9 @@ def parse_saved(text: str) -> tuple[str, list[dict[str, Any]]]:
     """SAVE_SCRIPT's output: the folder on the first line, then manifest.json."""
     first, _, rest = text.partition("\n")
     try:
-        manifest = json.loads(rest)
-    except json.JSONDecodeError as exc:
-        raise ParseError(f"docker save manifest.json is not JSON ({exc.msg})") from None
+        manifest = parse_json(rest)
+    except NotJson as exc:
+        raise ParseError(f"docker save manifest.json is not JSON ({exc.reason})") from None
     if not isinstance(manifest, list):
         raise ParseError("docker save manifest.json is not a list")
     return first.strip(), manifest

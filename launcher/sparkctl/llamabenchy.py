@@ -24,13 +24,13 @@ requests' generation rate).
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckFailed
+from .parsing import ParseError, parse_json
 
 MODULE = "llama_benchy"
 EXTRA = "pip install 'sparkctl-launcher[llama-benchy]'"
@@ -84,11 +84,11 @@ def stdin_for(api_key: str | None) -> str:
 def read_result(path: Path, where: str) -> dict[str, Any]:
     """llama-benchy's JSON result (`--format json --save-result`); CheckFailed when it is missing or damaged."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = parse_json(path.read_bytes())
     except OSError:
         raise CheckFailed(f"llama-benchy on {where} wrote no result", fix="see its output above") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckFailed(f"llama-benchy on {where}: its result is not JSON ({exc})") from None
+    except ParseError as exc:
+        raise CheckFailed(f"llama-benchy on {where}: its result is {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
         raise CheckFailed(f"llama-benchy on {where}: its result has no \"benchmarks\" list")
     return doc

@@ -44,6 +44,7 @@ from . import signals
 from .builders import REMOTE_STATE_DIR
 from .cluster import parallel
 from .errors import CheckFailed
+from .parsing import ParseError, parse_json
 from .threads import spawn, wait_bounded
 
 _ACQUIRE = r'''
@@ -130,8 +131,8 @@ class LockOwner:
         """The owner file as the head printed it (untrusted): None unless it is the JSON object we write."""
         first = text.lstrip()[:MAX_OWNER_CHARS].split("\n", 1)[0].strip()
         try:
-            d = json.loads(first) if first else None
-        except (ValueError, RecursionError):
+            d = parse_json(first) if first else None
+        except ParseError:
             return None
         if not isinstance(d, dict):
             return None

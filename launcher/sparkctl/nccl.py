@@ -22,13 +22,13 @@ as `events` (see probes/fabric_allreduce.py).
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from .findings import FAIL, OK, WARN, Finding
+from .parsing import ParseError, parse_json
 
 FABRIC_MARK = "@@sparkctl-fabric "
 MAX_LINE = 4096  # a longer line is cut: a log is data, and a pathological one must not cost quadratic time
@@ -151,8 +151,8 @@ def parse(text: str, source: str = "") -> NcclLog:
         mark = line.find(FABRIC_MARK)
         if mark >= 0:
             try:
-                doc = json.loads(line[mark + len(FABRIC_MARK):])
-            except ValueError:
+                doc = parse_json(line[mark + len(FABRIC_MARK):])
+            except ParseError:
                 continue
             if isinstance(doc, dict) and isinstance(doc.get("event"), str):
                 doc.setdefault("source", _source_of(line[:mark], source))

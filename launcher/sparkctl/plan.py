@@ -17,13 +17,13 @@ accepts, in whole blocks. 1,000,000 tokens at DCP 4 on GB10: 3,908 × 3,984,128 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckFailed, UsageError
+from .parsing import parse_json
 from .settings import Settings
 
 GIB = 1 << 30
@@ -108,8 +108,8 @@ def checkpoint_from_scan(scan: Any, model: Path, where: str, *, config_only: boo
             raise UsageError(f"{model / name}{at}: {str(entry['error'])[:200]}")
         try:
             raw = decode_blob(entry.get("data"))
-            return json.loads(raw) if raw else None
-        except (ValueError, TypeError, RecursionError) as exc:  # not JSON, a 5,000-digit number, too deep
+            return parse_json(raw) if raw else None
+        except (ValueError, TypeError) as exc:  # a blob that does not decode; ParseError: not JSON, too deep
             raise UsageError(f"{model / name}{at}: not valid JSON ({str(exc)[:200]})") from None
 
     def size_of(name: str) -> int | None:

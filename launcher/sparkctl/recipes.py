@@ -123,10 +123,15 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.toml"))
 
 
+def is_recipe_file(name_or_path: str) -> bool:
+    """Whether RECIPE names a recipe file (a path) rather than a shipped recipe (a name)."""
+    return name_or_path.endswith(".toml") or "/" in name_or_path
+
+
 def load_recipe(name_or_path: str) -> Recipe:
     """Load a shipped recipe by name, or a recipe file by path."""
     candidate = Path(name_or_path)
-    if name_or_path.endswith(".toml") or "/" in name_or_path:
+    if is_recipe_file(name_or_path):
         path = candidate
     else:
         path = recipes_dir() / f"{name_or_path}.toml"

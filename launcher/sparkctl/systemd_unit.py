@@ -2,13 +2,17 @@
 
 The unit runs `sparkctl watch` for one cluster with the env file, the recipe, the ssh config and every
 knob that came from the environment or the command line pinned, so what it restarts after a reboot is
-what was running. It starts after the network and Docker; its own restart policy is bounded
+what was running. The recipe is pinned by content: the install copies the recipe that ran (a file, or a
+shipped one, which a later sparkctl may change) to `RECIPE_DIR/<cluster>/recipe-<sha256>.toml` on the
+node, 0600 in a 0700 folder (a recipe's [defaults] may hold a secret), and `--recipe` names that copy;
+`--print` names the file's absolute path, or the shipped recipe's name. It starts after the network and Docker; its own restart policy is bounded
 (StartLimitBurst within StartLimitIntervalSec). Secrets are never written into it: they stay in the
 env file. `down` stops and disables it, so a deliberate `down` stays down; `up` never enables it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
@@ -16,11 +20,18 @@ from .errors import UsageError
 from .settings import Settings, is_secret
 
 UNIT_DIR = "/etc/systemd/system"
+RECIPE_DIR = "/etc/sparkctl"  # the recipes the installed units run, one folder per cluster
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def unit_name(cluster: str) -> str:
     return f"sparkctl-watch-{cluster}.service"
+
+
+def recipe_copy_path(cluster: str, content: bytes) -> str:
+    """Where the install puts the recipe the unit runs: named by its content, so installing another never
+    rewrites the copy a unit already installed runs."""
+    return f"{RECIPE_DIR}/{cluster}/recipe-{hashlib.sha256(content).hexdigest()[:16]}.toml"
 
 
 def _escape(word: str, *, dollar: bool) -> str:
@@ -91,11 +102,18 @@ WantedBy=multi-user.target
 """
 
 
-# Install on the head (root): write the unit from stdin, reload, enable and start it. Exit 4: not root;
-# 5: no systemctl (the file is written, nothing enabled).
-INSTALL = r'''u="$1"; d="$2"
+# Install the recipe's copy first (root): from stdin, 0600 in a 0700 folder. Exit 4: not root; 3: not written.
+INSTALL_RECIPE = r'''f="$1"; d="${f%/*}"
+[ "$(id -u)" = 0 ] || exit 4
+umask 077 && mkdir -p -- "$d" && chmod 700 -- "$d" && cat > "$f.tmp" && mv -f -- "$f.tmp" "$f" || exit 3'''
+
+# Install on the head (root): write the unit from stdin, then remove the cluster's other recipe copies (the
+# unit that ran them is replaced), reload, enable and start it. Exit 4: not root; 5: no systemctl (the file is
+# written, nothing enabled).
+INSTALL = r'''u="$1"; d="$2"; keep="$3"
 [ "$(id -u)" = 0 ] || exit 4
 umask 022 && mkdir -p -- "$d" && cat > "$d/$u.tmp" && mv -f -- "$d/$u.tmp" "$d/$u" || exit 3
+for f in "${keep%/*}"/recipe-*.toml; do [ "$f" = "$keep" ] || rm -f -- "$f"; done
 command -v systemctl >/dev/null 2>&1 || exit 5
 systemctl daemon-reload && systemctl enable --now -- "$u"'''
 
@@ -106,8 +124,12 @@ command -v systemctl >/dev/null 2>&1 || exit 0
 systemctl disable --now -- "$u"'''
 
 
-def install_argv(cluster: str) -> list[str]:
-    return ["sh", "-c", INSTALL, "sparkctl-export", unit_name(cluster), UNIT_DIR]
+def install_recipe_argv(path: str) -> list[str]:
+    return ["sh", "-c", INSTALL_RECIPE, "sparkctl-export-recipe", path]
+
+
+def install_argv(cluster: str, recipe_copy: str) -> list[str]:
+    return ["sh", "-c", INSTALL, "sparkctl-export", unit_name(cluster), UNIT_DIR, recipe_copy]
 
 
 def disable_argv(cluster: str) -> list[str]:

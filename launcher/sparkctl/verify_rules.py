@@ -36,7 +36,6 @@ mtp_other (eh_proj, shared_head), embed, lm_head, other.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -46,6 +45,7 @@ from operator import add, itemgetter
 from typing import Any
 
 from .findings import CLUSTER_ROW, FAIL, INFO, WARN, Finding
+from .parsing import NotJson, parse_json
 from .probes.ckpt_scan import decode_blob
 from .safetensors import DTYPE_BITS, Header, HeaderError, TensorKind, nbytes, parse_header
 
@@ -215,9 +215,10 @@ def _json_file(scan: Mapping[str, Any], name: str, findings: list[Finding], *, r
         return None
     try:
         raw = decode_blob(entry.get("data"))
-        return None if raw is None else json.loads(raw)
-    except ValueError as exc:
-        findings.append(issue(FAIL, "json-invalid", f"{name} is not valid JSON: {str(exc)[:120]}",
+        return None if raw is None else parse_json(raw)
+    except ValueError as exc:  # NotJson, or a blob that does not decode
+        why = exc.reason if isinstance(exc, NotJson) else str(exc)
+        findings.append(issue(FAIL, "json-invalid", f"{name} is not valid JSON: {why[:120]}",
                                 "re-download the file (it is damaged)", name))
         return None
 

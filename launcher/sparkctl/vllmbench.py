@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import CheckFailed
+from .parsing import ParseError, parse_json
 
 MARKER = "@@sparkctl-vllm-bench"
 DEFAULT_INPUT_LEN = 128  # --tool vllm needs a prompt length in tokens (vLLM's random dataset); sparkctl builds the same
@@ -65,9 +66,9 @@ def parse_result(stdout: str, where: str) -> dict[str, Any]:
         raise CheckFailed(f"vllm bench serve on {where} printed no result",
                           fix="see its output above; the serving image must have vLLM with `vllm bench serve`")
     try:
-        doc = json.loads(rest)
-    except ValueError as exc:
-        raise CheckFailed(f"vllm bench serve on {where}: its result is not JSON ({exc})") from None
+        doc = parse_json(rest)
+    except ParseError as exc:
+        raise CheckFailed(f"vllm bench serve on {where}: its result is {exc}") from None
     if not isinstance(doc, dict):
         raise CheckFailed(f"vllm bench serve on {where}: its result is not a JSON object")
     return doc

@@ -12,6 +12,7 @@ from typing import Any
 
 from .cluster import Node, NodeError
 from .lock import state_dir
+from .parsing import ParseError, parse_json
 
 MAX_STATE = 64 * 1024
 
@@ -38,8 +39,8 @@ def write_state(head: Node, cluster: str, doc: dict[str, Any]) -> None:
 def parse_state(text: str, now: float | None = None) -> dict[str, Any] | None:
     """The state as `status` shows it, with `alive` (updated within 3 rounds + 10 s) added."""
     try:
-        doc = json.loads(text[:MAX_STATE]) if text.strip() else None
-    except (ValueError, RecursionError):
+        doc = parse_json(text[:MAX_STATE]) if text.strip() else None
+    except ParseError:
         return None
     if not isinstance(doc, dict):
         return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import select
@@ -17,6 +16,7 @@ import paramiko
 
 from ..errors import NodeError, UsageError
 from ..identity import NodeIdentity
+from ..parsing import NotJson, ParseError, parse_json
 from .hostkeys import fingerprint
 from .sshconfig import SshTarget
 
@@ -241,16 +241,16 @@ class Node:
             )
         text = res.stdout.strip()
         try:
-            return json.loads(text) if text else None
-        except json.JSONDecodeError:
+            return parse_json(text) if text else None
+        except ParseError:
             pass
         try:
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
+            return [parse_json(line) for line in text.splitlines() if line.strip()]
+        except NotJson as exc:
             raise NodeError(
                 self.name,
                 "output",
-                f"`docker {_short(shlex.join(args))}` printed something that is not JSON ({exc.msg})",
+                f"`docker {_short(shlex.join(args))}` printed something that is not JSON ({exc.reason})",
             ) from None
 
     def host_key(self) -> tuple[str, str]:

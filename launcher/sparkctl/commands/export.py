@@ -27,8 +27,11 @@ def export_cmd() -> None:
               help="The sparkctl on that node (default: this one's Python, `-m sparkctl`).")
 @click.pass_context
 def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, program: str | None) -> None:
-    """A systemd unit that runs `sparkctl watch` for this cluster, after docker and the network."""
-    from ..systemd_unit import pinned_environment, unit_name, unit_text
+    """A systemd unit that runs `sparkctl watch` for this cluster, after docker and the network, with the
+    recipe that ran pinned: its copy installed beside the unit (`--print`: the file's absolute path, or
+    the shipped recipe's name)."""
+    from ..recipes import is_recipe_file
+    from ..systemd_unit import pinned_environment, recipe_copy_path, unit_name, unit_text
 
     g = globals_of(ctx)
     s = one_replica(settings_of(g), "export systemd")
@@ -38,7 +41,16 @@ def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, p
     argv = shlex.split(program) if program else [sys.executable, "-m", "sparkctl"]
     if s.env_file is not None:
         argv += ["--env-file", str(s.env_file.resolve())]
-    argv += ["--recipe", str(s.recipe.path if s.get("RECIPE", "").endswith(".toml") else s.recipe.name), "watch"]
+    try:
+        content = s.recipe.path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"recipe {s.recipe.path}: cannot be read ({exc.strerror or exc})") from None
+    copy = recipe_copy_path(s.cluster_name, content)
+    if print_only:
+        given = is_recipe_file(s.values["RECIPE"].raw)
+        argv += ["--recipe", str(s.recipe.path.resolve()) if given else s.recipe.name, "watch"]
+    else:
+        argv += ["--recipe", copy, "watch"]
     env, warnings = pinned_environment(s, os.path.abspath(g.ssh_config_path()))
     warn(warnings)
     text = unit_text(cluster=s.cluster_name, argv=argv, env=env)
@@ -49,12 +61,12 @@ def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, p
         else:
             sys.stdout.write(text)
         return
-    install_unit(g.ssh_config_path(), target, s.cluster_name, name, text)
+    install_unit(g.ssh_config_path(), target, s.cluster_name, name, text, (copy, content))
     if g.json:
-        emit_json({"unit": name, "node": target, "installed": True})
+        emit_json({"unit": name, "node": target, "installed": True, "recipe": copy})
     else:
-        console(False).print(f"installed and started {name} on {target}; `sparkctl down` stops and disables it",
-                             markup=False)
+        console(False).print(f"installed and started {name} on {target} (recipe {s.recipe.name} pinned as {copy}); "
+                             "`sparkctl down` stops and disables it", markup=False)
 
 
 COMMANDS = {"export": export_cmd}

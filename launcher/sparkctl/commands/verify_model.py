@@ -128,7 +128,7 @@ def _human(report: Report, where: str, layout_src: str, as_json: bool) -> None:
 @click.command("verify-model")
 @click.option("--local", "local_dir", metavar="DIR", type=click.Path(path_type=Path),
               help="Verify this folder on this machine (default: MODEL on every node).")
-@click.option("--deep", is_flag=True, help="Also hash every shard in full (parallel, cached by path/size/mtime).")
+@click.option("--deep", is_flag=True, help="Also hash every shard in full (parallel, cached by file identity: path, size, mtime, inode, ctime).")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON document on stdout.")
 @click.option("--layout", "layout_name", metavar="NAME",
               help="Checkpoint layout rules (recipes/layouts/NAME.json) instead of the recipe's.")

@@ -4,12 +4,12 @@ defaults of the model card's benchmark and `--concurrency`'s list (where it goes
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..parsing import ParseError, parse_json
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 DEFAULT_WORKLOADS = ("prose", "code", "list")
@@ -78,9 +78,9 @@ def load_prompt_file(path: str | os.PathLike[str]) -> Workload:
             continue
         if p.suffix == ".jsonl":
             try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"prompt file {p}, line {n}: not JSON ({exc.msg})",
+                item = parse_json(line)
+            except ParseError as exc:
+                raise UsageError(f"prompt file {p}, line {n}: {exc}",
                                  fix='write one JSON string or {"prompt": "..."} per line') from None
             item = item.get("prompt") if isinstance(item, dict) else item
             if not isinstance(item, str) or not item.strip():

@@ -4,7 +4,6 @@ Everything here works on the document, so a saved run renders and compares like 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 from .. import benchmetrics
 from ..errors import UsageError
+from ..parsing import ParseError, parse_json
 
 SCHEMA = "sparkctl-bench/2"  # /2: vLLM's metric definitions and names (issue 27)
 OLD_SCHEMAS = ("sparkctl-bench/1", "sparkctl-bench-replicas/1")  # read for --compare (their TTFT and tok/s were defined otherwise: noted)
@@ -46,11 +46,11 @@ def rounded(value: float | None, nd: int) -> float | None:
 def load_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        doc = parse_json(p.read_bytes())
     except OSError as exc:
         raise UsageError(f"saved run {p}: cannot be read ({exc.strerror or exc})") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"saved run {p}: not JSON ({exc})", fix="pass a file written by sparkctl bench --save") from None
+    except ParseError as exc:
+        raise UsageError(f"saved run {p}: {exc}", fix="pass a file written by sparkctl bench --save") from None
     multi = isinstance(doc, dict) and is_replicas_doc(doc)
     if not isinstance(doc, dict) or not multi and (doc.get("schema") not in (SCHEMA, *OLD_SCHEMAS) or not isinstance(doc.get("workloads"), dict)):
         raise UsageError(f"saved run {p} is not a sparkctl bench run ({SCHEMA} or {MULTI_SCHEMA})",

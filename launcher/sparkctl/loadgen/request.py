@@ -6,7 +6,6 @@ makes beside it (/v1/models, /metrics, /tokenize: through headapi.HeadApi, the o
 from __future__ import annotations
 
 import contextlib
-import json
 import select
 import socket
 import ssl
@@ -21,6 +20,7 @@ import requests
 from .. import benchmetrics, promtext
 from ..errors import CheckFailed
 from ..headapi import BadAnswer, Endpoint, HeadApi, reason
+from ..parsing import ParseError, parse_json
 from .report import rounded
 from .wire import ChunkedDecoder, SpecCounters, SSEParser, spec_counters
 
@@ -280,8 +280,8 @@ def _error_message(body: bytes) -> str:
     """The message of an OpenAI/vLLM error body ({"error": {"message"}}, {"message"}, {"detail"}), else the text."""
     text = body.decode("utf-8", "replace").strip()
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
+        obj = parse_json(text)
+    except ParseError:
         return text[:300] or "(empty body)"
     if isinstance(obj, dict):
         err = obj.get("error", obj)
@@ -320,8 +320,8 @@ class _Tracker:
                     self.malformed += 1
                 continue
             try:
-                obj = json.loads(ev)
-            except ValueError:
+                obj = parse_json(ev)
+            except ParseError:
                 self.malformed += 1
                 continue
             if not isinstance(obj, dict):
@@ -512,9 +512,9 @@ def list_models(ep: Endpoint, api_key: str | None, timeout: float = 10.0) -> lis
     if status != 200:
         return None
     try:
-        data = json.loads(body).get("data")
+        data = parse_json(body).get("data")
         return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-    except (ValueError, AttributeError, TypeError, RecursionError):
+    except (ValueError, AttributeError, TypeError):  # ParseError is a ValueError
         return None
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..cluster import Cluster
 from ..lock import audit_tail_argv
+from ..parsing import ParseError, parse_json
 from ..settings import Settings
 
 
@@ -19,8 +19,8 @@ def read_audit(s: Settings, ssh_config: Any, tail: int) -> tuple[list[dict[str, 
     for node, r in results.ok.items():
         for line in r.stdout.splitlines():
             try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:
+                doc = parse_json(line)
+            except ParseError:
                 continue
             if isinstance(doc, dict):
                 entries.append({"node": node, **doc})

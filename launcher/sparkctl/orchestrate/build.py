@@ -570,7 +570,11 @@ def ship_images(cluster: Cluster, tags: list[str], facts: dict[str, im.RankFacts
         raise CheckFailed(f"{head_name}: docker save failed: {res.stderr.strip()[-400:]}",
                           fix=f"check disk space in {head_name}'s TMPDIR (default /var/tmp)")
     report["save"] = im.parse_save_stats(res.stderr)
-    saved, manifest = im.parse_saved(res.stdout)
+    try:
+        saved, manifest = im.parse_saved(res.stdout)
+    except ParseError as exc:
+        raise CheckFailed(f"{head_name}: docker save's output cannot be read: {exc}",
+                          fix=f"check `docker save` on {head_name}, then run `sparkctl build --ship` again") from None
     try:
         groups: dict[str, tuple[im.Selection, list[str]]] = {}
         for n in need:

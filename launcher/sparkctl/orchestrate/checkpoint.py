@@ -5,12 +5,12 @@ connection. The planner (`sparkctl.plan`, pure) turns what it prints into a `Che
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CheckFailed
+from ..parsing import ParseError, parse_json
 from ..plan import CheckpointInfo, checkpoint_from_scan, config_or_none
 from ..resources import probe_script
 
@@ -49,8 +49,8 @@ def scan_on(node: _Runs, model: Path | str, *, headers: str = "summary", shards:
         last = (r.stderr.strip().splitlines() or [f"exit status {r.exit_code}"])[-1]
         raise CheckFailed(f"cannot read the checkpoint on {node.name}: {last[:300]}", fix=fix)
     try:
-        doc = json.loads(r.stdout)
-    except (ValueError, RecursionError) as exc:
+        doc = parse_json(r.stdout)
+    except ParseError as exc:
         raise CheckFailed(f"the checkpoint scan on {node.name} printed something that is not JSON "
                           f"({str(exc)[:100]})") from None
     if not isinstance(doc, dict):

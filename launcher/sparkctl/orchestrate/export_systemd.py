@@ -7,16 +7,23 @@ from typing import Any
 
 from ..cluster import Cluster
 from ..errors import CheckFailed
-from ..systemd_unit import install_argv
+from ..systemd_unit import install_argv, install_recipe_argv
 
 
-def install_unit(ssh_config: Any, target: str, cluster_name: str, name: str, text: str) -> None:
-    """Write unit `name` (`text`) on `target`, enable and start it; CheckFailed with the fix when it cannot."""
+def install_unit(ssh_config: Any, target: str, cluster_name: str, name: str, text: str,
+                 recipe: tuple[str, bytes]) -> None:
+    """Write the recipe's copy (`recipe`: its path there and its bytes), then unit `name` (`text`) on
+    `target`, enable and start it; CheckFailed with the fix when it cannot. A unit already installed keeps
+    running its own copy until the new unit replaces it."""
+    copy, content = recipe
     with Cluster([target], ssh_config) as cluster:
-        r = cluster.node(target).run(install_argv(cluster_name), stdin=text.encode(), timeout=60)
+        node = cluster.node(target)
+        r = node.run(install_recipe_argv(copy), stdin=content, timeout=60)
+        if r.ok:
+            r = node.run(install_argv(cluster_name, copy), stdin=text.encode(), timeout=60)
     hints = {4: f"installing a unit needs root on {target}: log in as root, or install the `--print` output",
              5: f"{target} has no systemctl: the unit is written to /etc/systemd/system/{name} but not enabled",
-             3: f"cannot write /etc/systemd/system/{name} on {target}"}
+             3: f"cannot write /etc/systemd/system/{name} or {copy} on {target}"}
     if r.exit_code in hints:
         raise CheckFailed(hints[r.exit_code], fix="`sparkctl export systemd --print` shows the unit")
     if not r.ok:

@@ -7,13 +7,13 @@ is verify-model's cluster check limited to the head. Flags and printing: command
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..cluster import Cluster, RunResult
 from ..errors import CheckFailed
+from ..parsing import ParseError, parse_json
 from ..resources import probe_script
 from ..verify_rules import Report
 from .verify_model import verify_cluster
@@ -48,12 +48,18 @@ def pull_on_head(s: Any, ssh_config: Any, repo: str, revision: str, *, started: 
         # The script and the token go in; the script says @@ready once it has read the token.
         session.read_until(b"@@ready\n", stdin=script + token.encode() + b"\n")
         result = _drive(session, progress, t0)
+    return answer_of(result, head, python)
+
+
+def answer_of(result: RunResult, head: str, python: str) -> dict[str, Any]:
+    """hf_pull.py's last JSON line (untrusted: the head printed it); CheckFailed naming the head when
+    there is none, or it is not a JSON object."""
     lines = [ln for ln in result.stdout.splitlines() if ln.strip().startswith("{")]
     try:
-        doc: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    except ValueError:
+        doc = parse_json(lines[-1]) if lines else {}
+    except ParseError:
         doc = {}
-    if not doc:
+    if not doc or not isinstance(doc, dict):
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
         raise CheckFailed(f"{head}: the download did not run (exit {result.exit_code}): {tail}",
                           fix=f"check that {python} exists on {head} (HF_PYTHON) and has huggingface_hub")
@@ -70,9 +76,9 @@ def _drive(session: Any, progress: Callable[[int, int, float], None], started: f
         for line in done_lines:
             if line.startswith("@@progress "):
                 try:
-                    p = json.loads(line[len("@@progress "):])
+                    p = parse_json(line[len("@@progress "):])
                     progress(int(p["bytes"]), int(p["total"]), time.monotonic() - started)
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError):  # ParseError is a ValueError
                     pass
     res: RunResult = session.finish()
     return res

@@ -7,7 +7,6 @@ one rsync per rank, compare) are in `sparkctl.modelsync`'s docstring, beside the
 from __future__ import annotations
 
 import functools
-import json
 import posixpath
 import threading
 import time
@@ -38,6 +37,7 @@ from ..modelsync import (
     state_dir,
     why,
 )
+from ..parsing import ParseError, parse_json
 from ..resources import probe_script
 from ..threads import spawn, wait_all, wait_bounded
 from ..verify_nodes import compare_nodes
@@ -48,8 +48,8 @@ def scan_node(node: Node, model: str) -> dict[str, Any]:
     r = node.run_script(probe_script("ckpt_scan.py"), [model, "--headers", "none", "--fingerprints"],
                         interpreter=("python3", "-"), timeout=SCAN_TIMEOUT)
     try:
-        doc = json.loads(r.stdout)
-    except ValueError:
+        doc = parse_json(r.stdout)
+    except ParseError:
         doc = None
     if not r.ok or not isinstance(doc, dict):
         raise NodeError(node.name, "scan", f"the checkpoint scan of {model} failed (exit {r.exit_code}): "
@@ -60,8 +60,8 @@ def scan_node(node: Node, model: str) -> dict[str, Any]:
 def describe_node(node: Node, model: str) -> dict[str, Any]:
     r = node.run_script(probe_script("model_node.py"), [model], interpreter=("python3", "-"), timeout=60)
     try:
-        doc = json.loads(r.stdout)
-    except ValueError:
+        doc = parse_json(r.stdout)
+    except ParseError:
         doc = None
     if not r.ok or not isinstance(doc, dict):
         raise NodeError(node.name, "probe", f"describing {model} failed (exit {r.exit_code}): {r.stderr.strip()[-300:]}",

@@ -10,13 +10,13 @@ Flags, the layout's resolution and printing: commands/verify_model.py.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..cluster import Cluster
 from ..findings import FAIL, Finding
+from ..parsing import ParseError, parse_json
 from ..probes.ckpt_scan import scan
 from ..resources import probe_script
 from ..verify import verify_scan, verify_with
@@ -80,8 +80,8 @@ def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Fin
                                     node))
             continue
         try:
-            doc = json.loads(r.stdout) if r.ok else None
-        except ValueError:
+            doc = parse_json(r.stdout) if r.ok else None
+        except ParseError:
             doc = None
         if not isinstance(doc, dict):
             findings.append(issue(FAIL, "node-scan-failed",

@@ -6,7 +6,6 @@ the nodes -- one SSH connection per node, Docker, the head's HTTP API. Its resta
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import time
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from .. import service, signals, watchstate
 from ..cluster import Cluster, NodeError
 from ..lock import audit_line, audit_tail_argv, new_owner, whoami
+from ..parsing import ParseError, parse_json
 from ..settings import Settings
 from ..supervisor import Observation, Policy
 from . import require_all
@@ -114,8 +114,8 @@ class WatchOps:
         found = set()
         for line in r.stdout.splitlines():
             try:
-                doc = json.loads(line)
-            except (ValueError, RecursionError):
+                doc = parse_json(line)
+            except ParseError:
                 continue
             if isinstance(doc, dict) and doc.get("action") == "down":
                 found.add(line)
@@ -131,7 +131,7 @@ class WatchOps:
         new = sorted(downs - self._baseline)
         if not new:
             return None
-        doc = json.loads(new[-1])
+        doc = parse_json(new[-1])  # parsed above already
         return f"`down` by {str(doc.get('who'))[:100]} at {str(doc.get('when'))[:40]}"
 
     def busy(self) -> str | None:

@@ -12,7 +12,7 @@ What it reports (see scan()):
   shards  every *.safetensors (top level and one folder down): size, mtime_ns, header length,
           header sha256, and the raw header bytes or its summary (summarize_header: the tensors
           grouped by name pattern, dtype and shape), optionally sha256 of the first and last MiB
-  deep    optionally the full sha256 of every shard (parallel threads, cached by path/size/mtime)
+  deep    optionally the full sha256 of every shard (parallel threads, cached by path and file identity)
 
 The header is read defensively (length checked against a cap and the file size, a bounded prefix
 looked at first), so a hostile file costs a few KiB of reading, never a huge allocation.
@@ -415,7 +415,7 @@ def _load_cache(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = json.loads(f.read(64 * MIB))
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, damaged or absurdly nested: start afresh
         return {}
 
 
@@ -450,7 +450,10 @@ def sha256_file(path: str, progress: Progress | None = None) -> str:
 
 def deep_hashes(paths: list[str], *, workers: int | None = None, cache_file: str | None = None,
                 progress: Progress | None = None) -> dict[str, dict[str, Any]]:
-    """sha256 of every file, in parallel, reusing cached results keyed by (realpath, size, mtime_ns).
+    """sha256 of every file, in parallel, reusing a cached result only for the very same file: keyed by its
+    realpath and its identity (size, mtime, inode, ctime, as SummaryCache), so a different file copied over
+    it with the same size and mtime (`cp -p`, `rsync -a`) is hashed again. An entry without that identity
+    (a cache from before) is never trusted.
 
     Returns {path: {"sha256": hex, "cached": bool}} or {path: {"error": ...}} per file.
     """
@@ -467,7 +470,7 @@ def deep_hashes(paths: list[str], *, workers: int | None = None, cache_file: str
             continue
         key = os.path.realpath(p)
         hit = cache.get(key)
-        if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+        if isinstance(hit, dict) and hit.get("id") == SummaryCache.identity(st) and isinstance(hit.get("sha256"), str):
             results[p] = {"sha256": hit.get("sha256"), "cached": True}
             if progress:
                 progress(st.st_size)
@@ -484,7 +487,7 @@ def deep_hashes(paths: list[str], *, workers: int | None = None, cache_file: str
             return
         with lock:
             results[p] = {"sha256": digest, "cached": False}
-            cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            cache[key] = {"id": SummaryCache.identity(st), "sha256": digest}
 
     if todo:
         # Biggest first so the pool does not end waiting on one late large file.

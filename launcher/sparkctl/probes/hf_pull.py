@@ -39,7 +39,7 @@ def read_marker(root: str) -> dict[str, Any] | None:
         with open(marker_path(root)) as f:
             doc = json.load(f)
         return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # whoever writes MODEL writes the marker: nested absurdly deep
         return None
 
 

@@ -65,7 +65,7 @@ def describe(directory: str) -> dict[str, Any]:
                 m = json.load(f)
             doc["marker"] = {"repo": m.get("repo"), "revision": m.get("revision"),
                              "files": len(m.get("files") or {})} if isinstance(m, dict) else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # a marker nested absurdly deep: none
             pass
         for dirpath, _, names in os.walk(os.path.join(root, PARTIAL_DIR)):
             for n in names:
