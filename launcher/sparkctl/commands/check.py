@@ -22,7 +22,7 @@ from ..options import Globals
 from ..orchestrate.check import CheckReport, run_check
 from ..orchestrate.fabric_test import FabricReport
 from ..output import console, emit_json, warn
-from ..render import env_tp4_path, render_all, resolve_pins, write_private
+from ..render import OUT_FIX, env_tp4_path, render_all, resolve_pins, write_env_tp4
 
 DEFAULT_OUT = Path("env/env.tp4")
 STYLE = {OK: "green", FAIL: "bold red", WARN: "yellow"}
@@ -123,9 +123,9 @@ def _write_env(s: Any, report: CheckReport, out: Path) -> tuple[Path | None, str
             texts.append((env_tp4_path(out, view.replica_index), rendered.env_tp4))
     except UsageError as exc:
         return None, exc.message
-    for path, text in texts:
-        write_private(path, text)
-    return out, None
+    kept = {path: note for path, text in texts if (note := write_env_tp4(path, text, s, fix=OUT_FIX))}
+    warn(list(kept.values()))
+    return (None if out in kept else out), None
 
 
 def _as_json(report: CheckReport, env_path: Path | None, render_error: str | None) -> dict[str, Any]:
