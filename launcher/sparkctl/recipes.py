@@ -17,6 +17,8 @@ from typing import Any
 from .errors import UsageError
 from .resources import recipes_dir
 
+# A container environment variable's name (POSIX): nothing that could end its line in a rank's env file.
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 VERSION_KEYS = ("vllm", "torch", "exllamav3", "nccl")  # what `build` reads from each image it builds
 _PLAIN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -185,6 +187,9 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
     cont = _get(data, "container", dict, where, {})
     env = _get(cont, "env", dict, f"{where}/container", {})
     for k, v in env.items():
+        if not ENV_NAME_RE.fullmatch(k):
+            raise UsageError(f"{where}/container/env: {k!r} is not an environment variable name (letters, digits "
+                             "and '_', not starting with a digit)")
         if not isinstance(v, str):
             raise UsageError(f"{where}/container/env/{k}: should be a string, got {v!r}")
     container = ContainerOptions(

@@ -50,6 +50,9 @@ RANK_KEY_RE = re.compile(r"^RANK(\d+)_(FABRIC_IP|CX7_IF|CX7_IB|GID_INDEX)$")
 LEGACY_RE = re.compile(r"^SKIP_[A-Z0-9_]+$")
 #: A prefix of CONTAINER_ENV_PREFIXES: upper-case, ending in "_" (so it names a family of keys, never all of them).
 _PREFIX_RE = re.compile(r"^[A-Z][A-Z0-9]*_$")
+# A key sparkctl reads: nothing that could end a line or a word in a file it writes (a rank's env file,
+# env.tp4, the systemd unit). fullmatch, never `$`, which also matches before a final newline.
+KEY_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
 PASSTHROUGH_DOC = "Passed to the containers' environment as it is (its prefix is in CONTAINER_ENV_PREFIXES)."
 LEGACY_DOC = "The bash launcher's switch: accepted so an old env file loads; sparkctl's own commands replace it."
 
@@ -547,6 +550,8 @@ def _env_file_path(env_file: str | None, environ: Mapping[str, str]) -> tuple[Pa
 
 def known_key(key: str, prefixes: tuple[str, ...] = ()) -> bool:
     """A knob, a rank pin, a seed-launcher switch, or a key of a CONTAINER_ENV_PREFIXES family (`prefixes`)."""
+    if not KEY_NAME_RE.fullmatch(key):
+        return False
     return key in KNOBS or bool(RANK_KEY_RE.match(key)) or bool(LEGACY_RE.match(key)) or _passes(key, prefixes)
 
 
@@ -572,6 +577,10 @@ def _read_env_file(path: Path) -> dict[str, str]:
         raw = dotenv_values(path, interpolate=False)
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"env file {path}: cannot be read ({exc})") from None
+    bad = [k for k in raw if not KEY_NAME_RE.fullmatch(k)]
+    if bad:  # a quoted key can hold a newline: it would be a line of its own in a rank's env file
+        raise UsageError(f"env file {path}: {', '.join(map(repr, bad))} is not a key name (A-Z, 0-9 and '_', "
+                         "not starting with a digit)")
     return {k: ("" if v is None else v) for k, v in raw.items()}
 
 

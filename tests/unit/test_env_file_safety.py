@@ -102,3 +102,57 @@ def test_env_tp4_carries_every_key_that_was_set_but_no_secret(nodes: LocalNodes,
     code2, out2, err2 = run(["--env-file", "b.env", "--json", "render", "--out", "b.tp4"], capsys)
     assert code == code2 == 0, err2
     assert json.loads(out1)["config_hash"] == json.loads(out2)["config_hash"]
+
+
+# Key names: a key is A-Z, 0-9 and '_' (not starting with a digit), so no key can start a new line in a file
+# sparkctl writes (a rank's env file, env.tp4, the systemd unit).
+BAD_KEYS = ["NCCL_X\nLD_PRELOAD", "NCCL_A B", "NCCL_X=Y", "nccl_lower", "NCCL_É", "9NCCL",
+            "NCCL_$(id)", "RANK0_FABRIC_IP\n"]
+
+
+def _quoted(key: str) -> str:
+    return "'" + key.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_an_env_file_key_that_is_not_a_name_is_refused_naming_the_file_and_key(clean_env: dict[str, str],
+                                                                               capsys: Any, key: str) -> None:
+    from dotenv import dotenv_values as read
+
+    Path("x.env").write_text(f'NODES="a b c d"\nMODEL=/m\nCONTAINER_ENV_PREFIXES=NCCL_\n{_quoted(key)}=/tmp/evil.so\n')
+    assert key in read("x.env")  # python-dotenv does read it as that key
+    for argv in (["config"], ["render"], ["up"]):
+        code, out, err = run(["--env-file", "x.env", *argv], capsys)
+        assert code == 2, (argv, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "env file x.env" in lines[0] and repr(key) in lines[0], err
+        assert "/tmp/evil.so" not in out + err
+
+
+def test_a_key_that_is_not_a_name_never_reaches_a_rank_env_file(clean_env: dict[str, str]) -> None:
+    from sparkctl.builders import env_file_text
+    from sparkctl.errors import UsageError
+    from sparkctl.settings import known_key, load_settings
+
+    # the environment's odd keys are not sparkctl's: never known, never passed on
+    s = load_settings(environ={"NODES": "a b c d", "MODEL": "/m", "CONTAINER_ENV_PREFIXES": "NCCL_",
+                               "NCCL_X\nLD_PRELOAD": "/tmp/evil.so", "NCCL_OK": "1"})
+    assert s.passthrough_env() == {"NCCL_OK": "1"}
+    assert not known_key("RANK0_FABRIC_IP\n") and not known_key("SKIP_X\n") and known_key("SKIP_X")
+    # and the writer refuses one whatever hands it over
+    for key in ("NCCL_X\nLD_PRELOAD", "NCCL_X\rLD_PRELOAD", "A B", "A=B", ""):
+        with pytest.raises(UsageError):
+            env_file_text({key: "1"})
+    assert env_file_text({"NCCL_OK": "1", "lower_ok": "2"}) == "NCCL_OK=1\nlower_ok=2\n"
+
+
+def test_a_recipe_container_env_key_that_is_not_a_name_is_refused(clean_env: dict[str, str], tmp_path: Path) -> None:
+    from sparkctl.errors import UsageError
+    from sparkctl.recipes import load_recipe
+
+    shipped = Path(load_recipe("lab").path).read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(shipped.replace("[container.env]\n", '[container.env]\n"A\\nLD_PRELOAD" = "x"\n'))
+    with pytest.raises(UsageError) as exc:
+        load_recipe(str(bad))
+    assert "'A\\nLD_PRELOAD'" in exc.value.message and "\n" not in exc.value.message
