@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import UsageError
 from .resources import recipes_dir
+from .vllm_flags import secret_flag_refusal
 
 # A container environment variable's name (POSIX): nothing that could end its line in a rank's env file.
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -229,6 +230,10 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         if layers:
             raise UsageError(f"{pw}: a recipe runs a prebuilt image or builds a chain, not both "
                              f"(it also lists {len(layers)} [[images.layers]])", fix=f"remove one from {path}")
+    extra_args = _str_list(vllm, "extra_args", f"{where}/vllm")
+    refusal = secret_flag_refusal(list(extra_args))
+    if refusal:  # on every rank's command line
+        raise UsageError(f"{where}/vllm/extra_args {refusal}")
     ckpt = _get(data, "checkpoint", dict, where, {})
     fabric = _fabric(_get(data, "fabric", dict, where, {}), f"{where}/fabric")
     return Recipe(
@@ -237,7 +242,7 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         description=_get(data, "description", str, where, ""),
         defaults=dict(defaults),
         memory=memory,
-        vllm_extra_args=_str_list(vllm, "extra_args", f"{where}/vllm"),
+        vllm_extra_args=extra_args,
         dspark_speculative_config=_get(vllm, "dspark_speculative_config", str, f"{where}/vllm", None),
         container=container,
         tag_prefix=_get(images, "tag_prefix", str, f"{where}/images", f"sparkctl/{name}"),

@@ -26,7 +26,7 @@ from dotenv import dotenv_values
 from .errors import UsageError
 from .recipes import DEFAULT_RECIPE, Recipe, load_recipe
 from .topology import Replica, Topology, TopologyError, build_topology
-from .vllm_flags import check_extra_words
+from .vllm_flags import check_extra_words, names_a_secret_flag
 
 REDACTED = "[REDACTED]"
 _SECRET_RE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -356,7 +356,7 @@ class Value:
     @property
     def shown(self) -> str:
         """The value for a message: secrets redacted, control characters escaped (one line, always)."""
-        if is_secret(self.key) and self.raw:
+        if self.raw and (is_secret(self.key) or self.key == "VLLM_EXTRA_ARGS" and names_a_secret_flag(self.raw)):
             return REDACTED
         return repr(self.raw) if _CONTROL_RE.search(self.raw) else self.raw
 
