@@ -573,6 +573,10 @@ def _resolved_prefixes(layers: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
 def _read_env_file(path: Path) -> dict[str, str]:
     if not path.is_file():
         raise UsageError(f"env file {path} not found", fix="check the path given by --env-file or SPARKCTL_ENV_FILE")
+    broken = [b.original.line for b in _bindings(path) if b.error]
+    if broken:  # python-dotenv would skip them, and their keys be unset (a VLLM_API_KEY with a quote left open)
+        raise UsageError(f"env file {path} line {', '.join(map(str, broken))}: not KEY=value as python-dotenv reads "
+                         "it (a quote left open? a space in the key?); the line is not shown, it may hold a secret")
     try:
         raw = dotenv_values(path, interpolate=False)
     except (OSError, UnicodeDecodeError) as exc:
@@ -584,17 +588,21 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return {k: ("" if v is None else v) for k, v in raw.items()}
 
 
-def _duplicate_keys(path: Path) -> dict[str, list[int]]:
-    """Keys the env file sets more than once, with their line numbers (python-dotenv's own parser: the
-    same lines dotenv_values reads, where the last one silently wins)."""
+def _bindings(path: Path) -> list[Any]:
+    """The env file's statements as python-dotenv's own parser reads them (the lines dotenv_values reads)."""
     from dotenv.parser import parse_stream
 
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError):
-        return {}  # _read_env_file has said why
+        return []  # _read_env_file says why
+    return list(parse_stream(io.StringIO(text)))
+
+
+def _duplicate_keys(path: Path) -> dict[str, list[int]]:
+    """Keys the env file sets more than once, with their line numbers (where the last one silently wins)."""
     lines: dict[str, list[int]] = {}
-    for binding in parse_stream(io.StringIO(text)):
+    for binding in _bindings(path):
         if binding.key is not None:
             lines.setdefault(binding.key, []).append(binding.original.line)
     return {k: v for k, v in lines.items() if len(v) > 1}

@@ -156,3 +156,13 @@ def test_a_recipe_container_env_key_that_is_not_a_name_is_refused(clean_env: dic
     with pytest.raises(UsageError) as exc:
         load_recipe(str(bad))
     assert "'A\\nLD_PRELOAD'" in exc.value.message and "\n" not in exc.value.message
+
+
+@pytest.mark.parametrize("line", ['VLLM_API_KEY="sk-unclosed', "VLLM_API_KEY 'sk-x'", "VLLM_API_KEY = 'sk-x' junk"])
+def test_a_line_python_dotenv_cannot_parse_is_refused_not_dropped(clean_env: dict[str, str], capsys: Any,
+                                                                   line: str) -> None:
+    Path("x.env").write_text(f'NODES="a b c d"\nMODEL=/m\n{line}\nTP=4\n')
+    code, out, err = run(["--env-file", "x.env", "config"], capsys)
+    assert code == 2, err  # before: the line was dropped with python-dotenv's log line, and the key unset
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "env file x.env line 3" in lines[0] and "sk-" not in err, err
