@@ -79,6 +79,7 @@ def test_the_loaded_env_file_is_never_rewritten(nodes: LocalNodes, capsys: Any, 
     assert loaded.read_bytes() == before, f"{argv} rewrote the env file it read"
     assert tp4.read_bytes() == before
     assert "it is the env file" in err and str(tp4) in err  # said, not silent
+    assert "--render writes it anyway" not in out  # and nothing says otherwise
     if argv == ["up"]:  # and the service got the key the file holds
         assert f"VLLM_API_KEY={KEY}" in (nodes.home("spark1") / ".sparkctl" / "t" / "rank0.env").read_text()
     assert KEY not in out + err and HF not in out + err

@@ -72,7 +72,7 @@ def command(
         emit_json(_as_json(report, env_path, render_error) | ({"fabric": fabric_report.to_dict()}
                                                                if fabric_report else {}))
     else:
-        _print(report, env_path, render_error, g.verbosity)
+        _print(report, env_path, render_error, g.verbosity, tried=report.ok or force_render)
         if fabric_report:
             _print_fabric(fabric_report)
     if not report.ok:
@@ -150,7 +150,8 @@ def _as_json(report: CheckReport, env_path: Path | None, render_error: str | Non
     }
 
 
-def _print(report: CheckReport, env_path: Path | None, render_error: str | None, verbosity: int) -> None:
+def _print(report: CheckReport, env_path: Path | None, render_error: str | None, verbosity: int, *,
+           tried: bool) -> None:
     c = console(False)
     rows = [*report.nodes, *([CLUSTER_ROW] if any(f.node == CLUSTER_ROW for f in report.findings) else [])]
     columns = [*CHECKS, *(c for c in ("base", "versions", "pin-env", "image-pin", "checkpoint", "api", "collective", "identity") if any(f.check == c for f in report.findings))]
@@ -190,7 +191,7 @@ def _print(report: CheckReport, env_path: Path | None, render_error: str | None,
         )
     elif render_error:
         c.print(f"\n[yellow]env.tp4 not written:[/] {_esc(render_error)}")
-    elif not report.ok:
+    elif not tried:  # tried and not written: it is the env file in use, and a warning said so
         c.print("\nenv.tp4 not written (a check failed; --render writes it anyway)")
 
 
