@@ -14,6 +14,7 @@ from typing import Any
 from . import __version__
 from .errors import UsageError
 from .plan import Plan
+from .recipes import ENV_NAME_RE
 from .settings import RankPins, Settings
 
 LABEL_CLUSTER = "sparkctl.cluster"
@@ -160,6 +161,8 @@ def rank_env(settings: Settings, rank: int, pins: RankPins) -> dict[str, str]:
 def env_file_text(env: dict[str, str]) -> str:
     """docker --env-file format: KEY=value per line, taken literally (no quotes, no expansion)."""
     for key, value in env.items():
+        if not ENV_NAME_RE.fullmatch(key):
+            raise UsageError(f"{key!r}: a container environment variable's name is letters, digits and '_'")
         if "\n" in value or "\r" in value or "\x00" in value:
             raise UsageError(f"{key}: a container environment value cannot contain a newline or NUL")
     return "".join(f"{k}={v}\n" for k, v in sorted(env.items()))

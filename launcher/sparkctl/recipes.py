@@ -16,7 +16,10 @@ from typing import Any
 
 from .errors import UsageError
 from .resources import recipes_dir
+from .vllm_flags import secret_flag_refusal
 
+# A container environment variable's name (POSIX): nothing that could end its line in a rank's env file.
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 VERSION_KEYS = ("vllm", "torch", "exllamav3", "nccl")  # what `build` reads from each image it builds
 _PLAIN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # A layer's name is a docker tag (`<tag_prefix>:<name>`) and a folder name (bake's staged context): no `/`, no `..`.
@@ -192,6 +195,9 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
     cont = _get(data, "container", dict, where, {})
     env = _get(cont, "env", dict, f"{where}/container", {})
     for k, v in env.items():
+        if not ENV_NAME_RE.fullmatch(k):
+            raise UsageError(f"{where}/container/env: {k!r} is not an environment variable name (letters, digits "
+                             "and '_', not starting with a digit)")
         if not isinstance(v, str):
             raise UsageError(f"{where}/container/env/{k}: should be a string, got {v!r}")
     container = ContainerOptions(
@@ -234,6 +240,10 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         if layers:
             raise UsageError(f"{pw}: a recipe runs a prebuilt image or builds a chain, not both "
                              f"(it also lists {len(layers)} [[images.layers]])", fix=f"remove one from {path}")
+    extra_args = _str_list(vllm, "extra_args", f"{where}/vllm")
+    refusal = secret_flag_refusal(list(extra_args))
+    if refusal:  # on every rank's command line
+        raise UsageError(f"{where}/vllm/extra_args {refusal}")
     ckpt = _get(data, "checkpoint", dict, where, {})
     fabric = _fabric(_get(data, "fabric", dict, where, {}), f"{where}/fabric")
     return Recipe(
@@ -242,7 +252,7 @@ def _parse(data: dict[str, Any], path: Path) -> Recipe:
         description=_get(data, "description", str, where, ""),
         defaults=dict(defaults),
         memory=memory,
-        vllm_extra_args=_str_list(vllm, "extra_args", f"{where}/vllm"),
+        vllm_extra_args=extra_args,
         dspark_speculative_config=_get(vllm, "dspark_speculative_config", str, f"{where}/vllm", None),
         container=container,
         tag_prefix=_get(images, "tag_prefix", str, f"{where}/images", f"sparkctl/{name}"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from .builders import RankSpec, config_hash, docker_run_argv, kv_cache_bytes, ma
 from .errors import UsageError
 from .plan import Plan, gb
 from .resources import data_dir
-from .settings import RankPins, Settings
+from .settings import RANK_KEY_RE, RankPins, Settings, is_secret
 
 
 def _dotenv_quote(value: Any) -> str:
@@ -138,16 +139,60 @@ def render_env_tp4(settings: Settings, plan: Plan, pins: list[RankPins], *, cfg_
         "replica_count": settings.replica_count,
         "rank_offset": settings.rank_offset,
         "ranks": [{"rank": r.rank, "node": r.node, "pins": pins[r.rank]} for r in settings.service.ranks],
+        "secrets_left_out": sorted(settings.secrets()),
     }
     try:
-        return _env().get_template("env.tp4.j2").render(**ctx)
+        text = _env().get_template("env.tp4.j2").render(**ctx)
     except jinja2.UndefinedError as exc:  # a template asks for something render does not provide
         raise UsageError(f"templates/env.tp4.j2: {exc.message}") from None
+    return text + _carried(settings, text)
+
+
+_KEY_LINE = re.compile(r"^([A-Z_][A-Z0-9_]*)=", re.MULTILINE)
+
+
+def _carried(settings: Settings, text: str) -> str:
+    """The lines of every key set outside the recipe (env file, environment, command line) that the
+    template did not write, so env.tp4 loaded as an env file gives the same service: passthrough families
+    (NCCL_*), DROP_CACHES, MEMORY_WAIT_S... Never a secret (the template names them), never another rank's
+    pin (the template writes this service's)."""
+    written = set(_KEY_LINE.findall(text))
+    lines = [f"{key}={_dotenv_quote(v.raw) if v.raw else ''}\n" for key, v in sorted(settings.values.items())
+             if key not in written and not v.source.startswith("recipe ") and not is_secret(key)
+             and not RANK_KEY_RE.match(key)]
+    if not lines:
+        return ""
+    return "\n# Also set where these settings came from (kept, so this file loads the same service):\n" + \
+        "".join(lines)
 
 
 def env_tp4_path(base: Path, replica: int) -> Path:
     """Replica 0's env.tp4 is `base` (env/env.tp4, as with one replica); replica i's is `base`.replica<i>."""
     return base if replica == 0 else base.with_name(f"{base.name}.replica{replica}")
+
+
+def env_file_in_use(path: Path, settings: Settings) -> bool:
+    """Is `path` the env file `settings` were read from, by any name (another spelling, a symlink, a hard
+    link)? sparkctl never writes over its own input."""
+    if settings.env_file is None:
+        return False
+    try:
+        return os.path.samefile(path, settings.env_file)
+    except OSError:  # one of them is not there: the same file only by its resolved name
+        return path.resolve() == settings.env_file.resolve()
+
+
+OUT_FIX = "write the rendered one elsewhere with --out PATH"  # render's and check's way out
+
+
+def write_env_tp4(path: Path, text: str, settings: Settings, *, fix: str) -> str | None:
+    """Write a rendered env.tp4 (write_private), unless `path` is the env file `settings` were read from:
+    then leave it as it is and return why (for a warning), with `fix`."""
+    if not env_file_in_use(path, settings):
+        write_private(path, text)
+        return None
+    return (f"{path} not written: it is the env file this command read ({settings.env_file}), which sparkctl "
+            f"never rewrites (it would lose every line the renderer does not write); {fix}")
 
 
 def write_private(path: Path, text: str) -> None:

@@ -26,7 +26,7 @@ from dotenv import dotenv_values
 from .errors import UsageError
 from .recipes import DEFAULT_RECIPE, Recipe, load_recipe
 from .topology import Replica, Topology, TopologyError, build_topology
-from .vllm_flags import check_extra_words
+from .vllm_flags import check_extra_words, names_a_secret_flag
 
 REDACTED = "[REDACTED]"
 _SECRET_RE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -50,6 +50,9 @@ RANK_KEY_RE = re.compile(r"^RANK(\d+)_(FABRIC_IP|CX7_IF|CX7_IB|GID_INDEX)$")
 LEGACY_RE = re.compile(r"^SKIP_[A-Z0-9_]+$")
 #: A prefix of CONTAINER_ENV_PREFIXES: upper-case, ending in "_" (so it names a family of keys, never all of them).
 _PREFIX_RE = re.compile(r"^[A-Z][A-Z0-9]*_$")
+# A key sparkctl reads: nothing that could end a line or a word in a file it writes (a rank's env file,
+# env.tp4, the systemd unit). fullmatch, never `$`, which also matches before a final newline.
+KEY_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
 PASSTHROUGH_DOC = "Passed to the containers' environment as it is (its prefix is in CONTAINER_ENV_PREFIXES)."
 LEGACY_DOC = "The bash launcher's switch: accepted so an old env file loads; sparkctl's own commands replace it."
 
@@ -353,7 +356,7 @@ class Value:
     @property
     def shown(self) -> str:
         """The value for a message: secrets redacted, control characters escaped (one line, always)."""
-        if is_secret(self.key) and self.raw:
+        if self.raw and (is_secret(self.key) or self.key == "VLLM_EXTRA_ARGS" and names_a_secret_flag(self.raw)):
             return REDACTED
         return repr(self.raw) if _CONTROL_RE.search(self.raw) else self.raw
 
@@ -547,6 +550,8 @@ def _env_file_path(env_file: str | None, environ: Mapping[str, str]) -> tuple[Pa
 
 def known_key(key: str, prefixes: tuple[str, ...] = ()) -> bool:
     """A knob, a rank pin, a seed-launcher switch, or a key of a CONTAINER_ENV_PREFIXES family (`prefixes`)."""
+    if not KEY_NAME_RE.fullmatch(key):
+        return False
     return key in KNOBS or bool(RANK_KEY_RE.match(key)) or bool(LEGACY_RE.match(key)) or _passes(key, prefixes)
 
 
@@ -568,24 +573,36 @@ def _resolved_prefixes(layers: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
 def _read_env_file(path: Path) -> dict[str, str]:
     if not path.is_file():
         raise UsageError(f"env file {path} not found", fix="check the path given by --env-file or SPARKCTL_ENV_FILE")
+    broken = [b.original.line for b in _bindings(path) if b.error]
+    if broken:  # python-dotenv would skip them, and their keys be unset (a VLLM_API_KEY with a quote left open)
+        raise UsageError(f"env file {path} line {', '.join(map(str, broken))}: not KEY=value as python-dotenv reads "
+                         "it (a quote left open? a space in the key?); the line is not shown, it may hold a secret")
     try:
         raw = dotenv_values(path, interpolate=False)
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"env file {path}: cannot be read ({exc})") from None
+    bad = [k for k in raw if not KEY_NAME_RE.fullmatch(k)]
+    if bad:  # a quoted key can hold a newline: it would be a line of its own in a rank's env file
+        raise UsageError(f"env file {path}: {', '.join(map(repr, bad))} is not a key name (A-Z, 0-9 and '_', "
+                         "not starting with a digit)")
     return {k: ("" if v is None else v) for k, v in raw.items()}
 
 
-def _duplicate_keys(path: Path) -> dict[str, list[int]]:
-    """Keys the env file sets more than once, with their line numbers (python-dotenv's own parser: the
-    same lines dotenv_values reads, where the last one silently wins)."""
+def _bindings(path: Path) -> list[Any]:
+    """The env file's statements as python-dotenv's own parser reads them (the lines dotenv_values reads)."""
     from dotenv.parser import parse_stream
 
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError):
-        return {}  # _read_env_file has said why
+        return []  # _read_env_file says why
+    return list(parse_stream(io.StringIO(text)))
+
+
+def _duplicate_keys(path: Path) -> dict[str, list[int]]:
+    """Keys the env file sets more than once, with their line numbers (where the last one silently wins)."""
     lines: dict[str, list[int]] = {}
-    for binding in parse_stream(io.StringIO(text)):
+    for binding in _bindings(path):
         if binding.key is not None:
             lines.setdefault(binding.key, []).append(binding.original.line)
     return {k: v for k, v in lines.items() if len(v) > 1}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -29,10 +30,16 @@ OWNED_FLAGS: dict[str, str] = {
     "--kv-cache-dtype": "KV_CACHE_DTYPE", "--kv-cache-memory-bytes": "KV_CACHE_MEMORY_BYTES",
     "--gpu-memory-utilization": "GPU_MEMORY_UTILIZATION (capped by the recipe)",
     "--speculative-config": "SPEC_METHOD/SPEC_K", "--headless": "NODES (every rank but the head)",
-    "--api-key": "VLLM_API_KEY (it travels in a 0600 env file; on argv every `ps` would show it)",
     "--config": "the env file (a vLLM config file could set any flag sparkctl owns)",
     "--help": "nothing (it prints help and exits instead of serving)",
 }
+
+# The flags whose value is a secret, and the knob that carries it instead (to the containers in a 0600 env
+# file, never on a command line). Refused by dest too, in every alias, prefix and `--flag=value` form.
+# Judged from the whole table (tests/unit/test_vllm_flags.py::NOT_SECRET lists every other dest whose
+# name reads like a secret, and why it is not one: --ssl-keyfile is a path, --allow-credentials a switch).
+SECRET_FLAGS: dict[str, str] = {"--api-key": "VLLM_API_KEY", "--hf-token": "HF_TOKEN"}
+_FLAG_WORD = re.compile(r"(?:^|[\s'\"=])(--[A-Za-z0-9-]*)")
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,20 @@ class FlagTable:
 
     def owned_dests(self) -> dict[str, str]:
         """dest → the knob that sets it, for every dest sparkctl owns."""
-        owned = {}
-        for flag, knob in OWNED_FLAGS.items():
+        return self._dests(OWNED_FLAGS, "OWNED_FLAGS")
+
+    def secret_dests(self) -> dict[str, str]:
+        """dest → the knob that carries it, for every dest whose value is a secret."""
+        return self._dests(SECRET_FLAGS, "SECRET_FLAGS")
+
+    def _dests(self, flags: dict[str, str], name: str) -> dict[str, str]:
+        dests = {}
+        for flag, knob in flags.items():
             if flag not in self.options:  # the data file and this table disagree: a bug, not bad input
                 raise RuntimeError(f"{flag} is not a `vllm serve` flag in {DATA_FILE.name} (vLLM "
-                                   f"{self.vllm_version}); update OWNED_FLAGS")
-            owned[self.options[flag].dest] = knob
-        return owned
+                                   f"{self.vllm_version}); update {name}")
+            dests[self.options[flag].dest] = knob
+        return dests
 
 
 def _table_from(doc: dict[str, Any]) -> FlagTable:
@@ -76,6 +90,30 @@ def _table_from(doc: dict[str, Any]) -> FlagTable:
 @cache
 def flag_table() -> FlagTable:
     return _table_from(json.loads(DATA_FILE.read_text()))
+
+
+def names_a_secret_flag(text: str, table: FlagTable | None = None) -> bool:
+    """Might `text` (VLLM_EXTRA_ARGS as written, split or not) hold a flag whose value is a secret: any
+    word that is, or is a prefix of, such a flag, in any case? Then the text is never shown."""
+    table = table or flag_table()
+    secret = table.secret_dests()
+    return any(o.dest in secret for m in _FLAG_WORD.finditer(text)
+               for o in table.resolve(m.group(1).lower().split(".", 1)[0]))
+
+
+def secret_flag_refusal(words: list[str], table: FlagTable | None = None) -> str | None:
+    """The refusal (as check_extra_words words it) of the first flag word that sets a secret, else None."""
+    table = table or flag_table()
+    secrets = table.secret_dests()
+    for word in words:
+        base = word.split("=", 1)[0].split(".", 1)[0]
+        matches = table.resolve(base) if word.startswith("--") else []
+        secret = sorted(o.dest for o in matches if o.dest in secrets)
+        if secret:
+            return (f"has {base}{_alias(base, matches, secret[0])}: its value is a secret, which on a command line "
+                    "`ps`, `docker inspect`, `config`, the history and the systemd unit would show; set "
+                    f"{secrets[secret[0]]} in the env file instead (it reaches the containers in a 0600 file)")
+    return None
 
 
 def check_extra_words(words: list[str], table: FlagTable | None = None) -> None:
@@ -110,11 +148,11 @@ def check_extra_words(words: list[str], table: FlagTable | None = None) -> None:
         dests = {o.dest for o in matches}
         hit = sorted(d for d in dests if d in owned)
         if hit:
-            names = sorted(o.name for o in matches if o.dest == hit[0])
-            exact = base in names
-            alias = "" if exact else f" (vLLM takes it as {names[0] if len(names) == 1 else ' or '.join(names)})"
-            raise ValueError(f"has {base}{alias}: sparkctl sets {_canonical(table, hit[0])} from {owned[hit[0]]}; "
-                             "set that instead")
+            raise ValueError(f"has {base}{_alias(base, matches, hit[0])}: sparkctl sets {_canonical(table, hit[0])} "
+                             f"from {owned[hit[0]]}; set that instead")
+        refusal = secret_flag_refusal([word], table)
+        if refusal:
+            raise ValueError(refusal)
         if len(dests) > 1:
             cands = ", ".join(sorted(o.name for o in matches)[:6])
             raise ValueError(f"has {base}, which is ambiguous to vLLM ({cands}); write the full flag name")
@@ -122,6 +160,12 @@ def check_extra_words(words: list[str], table: FlagTable | None = None) -> None:
         last = opt.name if base == opt.name else f"{base} ({opt.name})"
         last_nargs = opt.nargs
         expect = 0 if "=" in word else (None if "." in flag else opt.nargs)
+
+
+def _alias(base: str, matches: list[Option], dest: str) -> str:
+    """"" when `base` is the option's own name, else how vLLM takes it."""
+    names = sorted(o.name for o in matches if o.dest == dest)
+    return "" if base in names else f" (vLLM takes it as {names[0] if len(names) == 1 else ' or '.join(names)})"
 
 
 def _canonical(table: FlagTable, dest: str) -> str:

@@ -14,7 +14,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the CUDA wheel on a CPU-on
 pytest.importorskip("vllm")
 
 from sparkctl.settings import parse_vllm_extra_args  # noqa: E402
-from sparkctl.vllm_flags import DATA_FILE, OWNED_FLAGS, flag_table  # noqa: E402
+from sparkctl.vllm_flags import DATA_FILE, OWNED_FLAGS, SECRET_FLAGS, flag_table  # noqa: E402
 from tests.fidelity import vllm_serve_flags  # noqa: E402
 
 pytestmark = pytest.mark.fidelity
@@ -39,17 +39,21 @@ def test_the_data_file_is_what_the_real_parser_says_today(parser) -> None:  # ty
         "vLLM's serve parser changed: rerun tests/fidelity/vllm_serve_flags.py in this venv and review the diff")
 
 
-def _refused_forms() -> list[str]:
-    """Every option string of an owned dest, and every prefix of one that sparkctl refuses as that dest."""
+def _forms_of(dests: set[str]) -> list[str]:
+    """Every option string of `dests`, and every prefix of a long one that argparse expands to that dest alone."""
     table = flag_table()
-    owned = table.owned_dests()
     forms = []
     for name, opt in table.options.items():
-        if opt.dest in owned and opt.dest not in ("help", "config"):
+        if opt.dest in dests:
             forms.append(name)
             forms += [name[:n] for n in range(3, len(name)) if name.startswith("--")
                       and {o.dest for o in table.resolve(name[:n])} == {opt.dest}]
     return sorted(set(forms))
+
+
+def _refused_forms() -> list[str]:
+    """Every form of an owned dest that sparkctl refuses as that dest."""
+    return _forms_of(set(flag_table().owned_dests()) - {"help", "config"})
 
 
 @pytest.mark.parametrize("flag", _refused_forms())
@@ -64,6 +68,19 @@ def test_each_refused_flag_really_sets_an_owned_dest_in_vllm(parser, flag: str) 
     default = getattr(_parse(parser, ["/m"]), opt.dest)
     got = getattr(_parse(parser, argv), opt.dest)
     assert got != default, f"{flag} did not set {opt.dest} in vLLM's parser"
+
+
+@pytest.mark.parametrize("flag", _forms_of(set(flag_table().secret_dests())))
+def test_each_refused_secret_flag_really_hands_vllm_that_secret(parser, flag: str) -> None:  # type: ignore[no-untyped-def]
+    table = flag_table()
+    opt = table.resolve(flag)[0]
+    knob = table.secret_dests()[opt.dest]
+    for form in ([flag, "s3cr3t"], [f"{flag}=s3cr3t"]):
+        with pytest.raises(ValueError, match=f"set {knob} in the env file") as exc:
+            parse_vllm_extra_args(" ".join(form))
+        assert "s3cr3t" not in str(exc.value)
+        got = getattr(_parse(parser, ["/m", *form]), opt.dest)
+        assert got in ("s3cr3t", ["s3cr3t"]), f"{form} did not set {opt.dest} in vLLM's parser: {got!r}"
 
 
 @pytest.mark.parametrize("text", ["--max-num-seqs 8", "--no-enable-prefix-caching", "--enforce-eager --max-num-seq 8",
@@ -88,4 +105,4 @@ def test_unknown_flags_the_rule_refuses_vllm_refuses(parser) -> None:  # type: i
 
 def test_owned_flags_exist_in_vllm(parser) -> None:  # type: ignore[no-untyped-def]
     registry = parser._option_string_actions
-    assert sorted(f for f in OWNED_FLAGS if f not in registry) == []
+    assert sorted(f for f in [*OWNED_FLAGS, *SECRET_FLAGS] if f not in registry) == []

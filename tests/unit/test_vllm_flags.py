@@ -5,6 +5,7 @@ tests/fidelity/test_extra_args_rules.py checks the table against the real parser
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,77 @@ def test_a_table_that_lacks_an_owned_flag_is_a_bug_not_bad_input() -> None:
     table = FlagTable("9.9", {"--port": Option("--port", "port", None)})
     with pytest.raises(RuntimeError, match="OWNED_FLAGS"):
         check_extra_words(["--port", "1"], table)
+
+
+# The flags whose value is a secret, by dest: their value would be on every `docker run` argv, in `config
+# --json`, env.tp4, the history, the argv judge's argv and the 0644 systemd unit.
+SECRET_DESTS = {"api_key": "VLLM_API_KEY", "hf_token": "HF_TOKEN"}
+# Every other dest whose name reads like a secret, and why it is not one (a vLLM update that adds a dest
+# matching the pattern fails test_every_secret_looking_dest_is_judged until someone judges it).
+NOT_SECRET = {
+    "allow_credentials": "a switch (CORS Access-Control-Allow-Credentials)",
+    "ssl_keyfile": "a path to the TLS key file, not the key",
+    "dbo_decode_token_threshold": "a count of tokens", "dbo_prefill_token_threshold": "a count of tokens",
+    "long_prefill_token_threshold": "a count of tokens", "long_prefill_token_threshold_adaptive": "a switch",
+    "max_num_batched_tokens": "a count", "max_num_queued_tokens": "a count", "max_num_scheduled_tokens": "a count",
+    "enable_prompt_tokens_details": "a switch", "return_tokens_as_token_ids": "a switch", "tokens_only": "a switch",
+    "spec_tokens": "a count of speculative tokens", "skip_tokenizer_init": "a switch",
+    "enable_tokenizer_info_endpoint": "a switch", "tokenizer": "a tokenizer name or path",
+    "tokenizer_mode": "a mode", "tokenizer_revision": "a git revision",
+}
+_SECRET_LOOKING = __import__("re").compile(r"token|key|secret|passw|credential|auth", __import__("re").I)
+
+
+def test_every_secret_looking_dest_is_judged() -> None:
+    looking = {o.dest for o in TABLE.options.values() if _SECRET_LOOKING.search(o.dest)}
+    assert looking == set(SECRET_DESTS) | set(NOT_SECRET)
+
+
+def _secret_forms() -> list[tuple[str, str]]:
+    """(form, knob): every option string of a secret dest, and every prefix argparse expands to it alone."""
+    forms = []
+    for name, opt in TABLE.options.items():
+        if opt.dest in SECRET_DESTS and name.startswith("--"):
+            forms += [(name[:n], SECRET_DESTS[opt.dest]) for n in range(3, len(name) + 1)
+                      if {o.dest for o in TABLE.resolve(name[:n])} == {opt.dest}]
+    return sorted(set(forms))
+
+
+def test_the_secret_forms_include_the_abbreviations() -> None:
+    forms = dict(_secret_forms())
+    assert {"--api-key", "--api-k", "--hf-token", "--hf-t"} <= set(forms)
+    assert "--hf" not in forms  # ambiguous (--hf-config-path, --hf-overrides): refused as such
+
+
+@pytest.mark.parametrize(("flag", "knob"), _secret_forms())
+def test_a_flag_that_carries_a_secret_is_refused_in_every_form_naming_the_knob(flag: str, knob: str) -> None:
+    secret = "s3cr3t-VALUE"
+    for text in (f"{flag} {secret}", f"{flag}={secret}", f"--enforce-eager {flag} {secret}", flag):
+        msg = _refused(text)
+        assert knob in msg and secret not in msg and "\n" not in msg, (text, msg)
+
+
+@pytest.mark.parametrize("text", ["--hf-token hf_LEAKq1", "--api-key=sk-LEAKq1 --enforce-eager",
+                                  "--swap-space 4 --hf-token hf_LEAKq1", "--api-k 'sk-LEAKq1"])
+def test_a_refused_value_that_holds_a_secret_flag_is_never_shown(clean_env: dict[str, str], text: str) -> None:
+    from sparkctl.errors import UsageError
+    from sparkctl.settings import load_settings
+
+    with pytest.raises(UsageError) as exc:
+        load_settings(environ={"NODES": "a b c d", "MODEL": "/m", "VLLM_EXTRA_ARGS": text})
+    assert "LEAKq1" not in exc.value.message and "VLLM_EXTRA_ARGS=[REDACTED]" in exc.value.message
+
+
+@pytest.mark.parametrize("args", ['["--hf-token", "hf_LEAKq1"]', '["--api-key=sk-LEAKq1"]', '["--hf-tok", "hf_LEAKq1"]'])
+def test_a_recipe_whose_extra_args_carry_a_secret_is_refused(clean_env: dict[str, str], tmp_path: Path,
+                                                            args: str) -> None:
+    from sparkctl.errors import UsageError
+    from sparkctl.recipes import load_recipe
+
+    shipped = Path(load_recipe("lab").path).read_text()
+    start = shipped.index("extra_args = [")
+    bad = tmp_path / "bad.toml"
+    bad.write_text(shipped[:start] + f"extra_args = {args}" + shipped[shipped.index("\n", start):])
+    with pytest.raises(UsageError) as exc:
+        load_recipe(str(bad))
+    assert "LEAKq1" not in exc.value.message and "in the env file" in exc.value.message

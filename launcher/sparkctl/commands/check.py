@@ -22,7 +22,7 @@ from ..options import Globals
 from ..orchestrate.check import CheckReport, run_check
 from ..orchestrate.fabric_test import FabricReport
 from ..output import console, emit_json, warn
-from ..render import env_tp4_path, render_all, resolve_pins, write_private
+from ..render import OUT_FIX, env_tp4_path, render_all, resolve_pins, write_env_tp4
 
 DEFAULT_OUT = Path("env/env.tp4")
 STYLE = {OK: "green", FAIL: "bold red", WARN: "yellow"}
@@ -72,7 +72,7 @@ def command(
         emit_json(_as_json(report, env_path, render_error) | ({"fabric": fabric_report.to_dict()}
                                                                if fabric_report else {}))
     else:
-        _print(report, env_path, render_error, g.verbosity)
+        _print(report, env_path, render_error, g.verbosity, tried=report.ok or force_render)
         if fabric_report:
             _print_fabric(fabric_report)
     if not report.ok:
@@ -126,9 +126,9 @@ def _write_env(s: Any, report: CheckReport, out: Path) -> tuple[Path | None, str
             texts.append((env_tp4_path(out, view.replica_index), rendered.env_tp4))
     except UsageError as exc:
         return None, exc.message
-    for path, text in texts:
-        write_private(path, text)
-    return out, None
+    kept = {path: note for path, text in texts if (note := write_env_tp4(path, text, s, fix=OUT_FIX))}
+    warn(list(kept.values()))
+    return (None if out in kept else out), None
 
 
 def _as_json(report: CheckReport, env_path: Path | None, render_error: str | None) -> dict[str, Any]:
@@ -153,7 +153,8 @@ def _as_json(report: CheckReport, env_path: Path | None, render_error: str | Non
     }
 
 
-def _print(report: CheckReport, env_path: Path | None, render_error: str | None, verbosity: int) -> None:
+def _print(report: CheckReport, env_path: Path | None, render_error: str | None, verbosity: int, *,
+           tried: bool) -> None:
     c = console(False)
     rows = [*report.nodes, *([CLUSTER_ROW] if any(f.node == CLUSTER_ROW for f in report.findings) else [])]
     columns = [*CHECKS, *(c for c in ("base", "versions", "pin-env", "image-pin", "checkpoint", "api", "collective", "identity") if any(f.check == c for f in report.findings))]
@@ -193,7 +194,7 @@ def _print(report: CheckReport, env_path: Path | None, render_error: str | None,
         )
     elif render_error:
         c.print(f"\n[yellow]env.tp4 not written:[/] {_esc(render_error)}")
-    elif not report.ok:
+    elif not tried:  # tried and not written: it is the env file in use, and a warning said so
         c.print("\nenv.tp4 not written (a check failed; --render writes it anyway)")
 
 

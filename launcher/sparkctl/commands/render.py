@@ -12,7 +12,7 @@ import click
 from .. import lws
 from ..output import console, emit_json, warn
 from ..plan import make_plan, require_fit
-from ..render import Rendered, env_tp4_path, render_all, resolve_pins, write_private
+from ..render import OUT_FIX, Rendered, env_tp4_path, render_all, resolve_pins, write_env_tp4, write_private
 from ..settings import REDACTED, Settings, is_secret
 from ._checkpoint import checkpoint_for
 
@@ -52,7 +52,8 @@ def command(g: object, target: str, out: Path | None, print_env: bool, local_onl
     for view in s.replicas():  # one replica: the settings themselves, rendered as always
         rendered = render_all(view, plan, resolve_pins(view))
         path = env_tp4_path(out, view.replica_index)
-        write_private(path, rendered.env_tp4)
+        kept = write_env_tp4(path, rendered.env_tp4, s, fix=OUT_FIX)
+        warn([kept] if kept else [])
         texts.append(rendered.env_tp4)
         ranks: list[dict[str, Any]] = [
             {
@@ -63,7 +64,7 @@ def command(g: object, target: str, out: Path | None, print_env: bool, local_onl
             }
             for spec, argv in zip(rendered.specs, rendered.docker_argv, strict=True)
         ]
-        replicas.append({"replica": view.replica_index, "head": view.head, "env_tp4": str(path),
+        replicas.append({"replica": view.replica_index, "head": view.head, "env_tp4": None if kept else str(path),
                          "config_hash": rendered.config_hash, "ranks": ranks})
     first = replicas[0]
     if g.json:  # the top-level keys are replica 0's, as before replicas existed
@@ -75,7 +76,10 @@ def command(g: object, target: str, out: Path | None, print_env: bool, local_onl
     for rep, text in zip(replicas, texts, strict=True):
         if many:
             c.print(f"{'' if rep is first else chr(10)}## replica {rep['replica']} (head {rep['head']})", markup=False)
-        c.print(f"wrote {rep['env_tp4']} (mode 0600, config hash {rep['config_hash']})", markup=False)
+        if rep["env_tp4"]:
+            c.print(f"wrote {rep['env_tp4']} (mode 0600, config hash {rep['config_hash']})", markup=False)
+        else:
+            c.print(f"config hash {rep['config_hash']} (env.tp4 not written: see the warning)", markup=False)
         for r in rep["ranks"]:
             role = "head" if r["rank"] == 0 else "worker"
             c.print(f"\n# rank {r['rank']} on {r['node']} ({role})", markup=False)

@@ -46,7 +46,7 @@ from ..plan import (
     nodes_compute_capability,
     require_fit,
 )
-from ..render import Rendered, env_tp4_path, render_all, write_private
+from ..render import Rendered, env_tp4_path, render_all, write_env_tp4
 from ..settings import Settings
 from . import require_all
 from .checkpoint import read_checkpoint_on
@@ -156,9 +156,10 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
         before_start(pins, {n: r[1][0] for n, r in ok.items()})
     env_tp4 = env_tp4_path(ENV_TP4, s.replica_index)  # one file per replica (one replica: env/env.tp4)
     try:
-        write_private(env_tp4, rendered.env_tp4)
+        kept = write_env_tp4(env_tp4, rendered.env_tp4, s, fix="the service starts from what it says")
     except OSError as exc:
-        warn([f"could not write {env_tp4}: {exc}"])
+        kept = f"could not write {env_tp4}: {exc}"
+    warn([kept] if kept else [])
     outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
                          gathered={n: r[1] for n, r in ok.items()}, memory=node_memory(s, plan, ok),
                          look=lambda node: probe_node(node, s))
