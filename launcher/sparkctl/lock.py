@@ -15,11 +15,23 @@ other is refused there (at the latest) -- never both refused, never both holding
 waits for a lock, so nothing can deadlock.
 
 A holder that crashed cannot release it. The owner file says which process holds it: the machine
-(machine-id, hostname, pid namespace), its boot id, the pid and the process's start time. A holder on
-this very machine whose pid is gone, or now belongs to another process, or whose machine has rebooted
-since, is provably dead: the lock is broken automatically, with an audit line on the head. A holder
-elsewhere cannot be checked; when its heartbeat is older than its lease it is reported as stale, with
-its age and the one command that breaks it. The audit log is one line per action on every node,
+(machine-id, hostname, pid namespace), its boot id, the pid and the process's start time. The lock is
+broken automatically (with an audit line on the node) only on positive evidence that its holder is
+dead, and only by a command on the holder's own machine and boot:
+
+- the owner's machine-id, boot id, hostname and pid namespace are all this process's, and
+- the kernel says its pid is gone (kill(PID, 0) fails with ESRCH) or now another process
+  (/proc/PID/stat readable, with another start time).
+
+Nothing else is evidence. Another boot id is not: a cloned VM (a copied jump host) keeps the
+original's /etc/machine-id and hostname, and every machine's initial pid namespace has the same
+inode, so a clone differs from its original only by boot id -- exactly as a rebooted machine does.
+A holder on another boot may be alive on the clone, so it is never judged. A pid that /proc does not
+show (`hidepid=2`: another user's process) and that kill answers with EPERM exists: alive. A holder
+that cannot be judged is reported as held -- its owner, host, pid, heartbeat age and the command
+that breaks it -- and, when its heartbeat is older than its lease, as stale.
+
+The audit log is one line per action on every node,
 `~/.sparkctl/<cluster>/audit.log`, which `sparkctl audit` merges.
 
 Remote commands are fixed `sh -c` scripts that take every value as a positional argument, so no
@@ -180,12 +192,25 @@ def _read(path: str) -> str:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (proc(5), stat field 22); None if no such pid."""
+    """The process's start time in clock ticks since boot (proc(5), stat field 22); None when /proc/PID
+    cannot be read: no such pid, or one this user may not see (hidepid)."""
     stat = _read(f"/proc/{pid}/stat")
     try:  # the command name (field 2) may hold spaces and parentheses: split after the last ')'
         return int(stat.rsplit(")", 1)[1].split()[19])
     except (IndexError, ValueError):
         return None
+
+
+def _no_such_pid(pid: int) -> bool:
+    """True only when the kernel says there is no process `pid` in this pid namespace (ESRCH). EPERM
+    means it exists and belongs to another user; anything else says nothing."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _pidns() -> str:
@@ -196,20 +221,25 @@ def _pidns() -> str:
 
 
 def holder_verdict(owner: LockOwner) -> str | None:
-    """Why the holder is provably dead ("pid 123 is gone", ...), or None: alive, or not ours to judge
-    (another machine, another pid namespace, or an owner file without the identity fields)."""
-    me = new_owner("check")
-    if not owner.machine_id or not owner.boot_id or owner.start_ticks < 0:
+    """Why the holder is provably dead ("pid 123 on HOST is gone", ...), or None: alive, or no proof.
+
+    Proof needs the holder's whole identity to be this process's -- machine-id, boot id, hostname and
+    pid namespace -- and then the kernel's word about its pid: /proc/PID/stat readable with another
+    start time (the pid was reused), or kill(PID, 0) failing with ESRCH (no such process). A pid whose
+    /proc entry cannot be read (hidepid) and that kill answers with EPERM exists: alive. Another boot id
+    is no proof (lock.py's docstring says why)."""
+    if owner.pid <= 0 or owner.start_ticks < 0:
         return None
-    if (owner.machine_id, owner.host, owner.pidns) != (me.machine_id, me.host, me.pidns) or not me.boot_id:
+    mine = (_read("/etc/machine-id"), _read("/proc/sys/kernel/random/boot_id"), socket.gethostname(), _pidns())
+    theirs = (owner.machine_id, owner.boot_id, owner.host, owner.pidns)
+    if not all(theirs) or theirs != mine:
         return None
-    if owner.boot_id != me.boot_id:
-        return f"{owner.host} has rebooted since pid {owner.pid} took the lock"
     ticks = _start_ticks(owner.pid)
-    if ticks is None:
+    if ticks is not None:
+        return None if ticks == owner.start_ticks else \
+            f"pid {owner.pid} on {owner.host} is now another process (started later)"
+    if _no_such_pid(owner.pid):
         return f"pid {owner.pid} on {owner.host} is gone"
-    if ticks != owner.start_ticks:
-        return f"pid {owner.pid} on {owner.host} is now another process (started later)"
     return None
 
 

@@ -154,7 +154,7 @@ def test_holder_verdicts() -> None:
     assert lock.holder_verdict(me) is None  # this very process: alive
     assert "is gone" in str(lock.holder_verdict(replace(me, pid=_dead_pid())))
     assert "another process" in str(lock.holder_verdict(replace(me, start_ticks=me.start_ticks - 1)))
-    assert "rebooted" in str(lock.holder_verdict(replace(me, boot_id="0" * 36)))
+    assert lock.holder_verdict(replace(me, boot_id="0" * 36)) is None  # a clone, or a reboot: no proof either way
     assert lock.holder_verdict(replace(me, machine_id="f" * 32, pid=_dead_pid())) is None  # not ours to judge
     assert lock.holder_verdict(replace(me, pidns="pid:[1]", pid=_dead_pid())) is None
     assert lock.holder_verdict(lock.LockOwner("old", _dead_pid(), "s", "up", "t")) is None  # old owner file
@@ -181,6 +181,22 @@ def test_a_live_holder_is_not_broken(tmp_path: Path) -> None:
             pass
     assert "locked" in exc.value.message and "stale" not in exc.value.message
     assert lock.lock_state(head, "c").owner.token == alive.token  # type: ignore[union-attr]
+
+
+def test_a_live_holder_on_a_cloned_jump_host_keeps_its_lock_and_is_named(tmp_path: Path) -> None:
+    """A clone of this machine (same machine-id, hostname and pid namespace, another boot) holds the lock:
+    it is refused, not broken, naming the holder, its host, pid and heartbeat age and the break command."""
+    head = LocalHead(tmp_path)
+    clone = replace(lock.new_owner("up"), who="bob@jump", boot_id="0" * 36)
+    assert head.run(lock.acquire_argv("c", clone)).exit_code == 0
+    with pytest.raises(CheckFailed) as exc:
+        with lock.cluster_lock(head, "h", "c", "down"):
+            pass
+    said = f"{exc.value.message}\n{exc.value.fix}"
+    assert f"is locked on h by bob@jump (pid {clone.pid} on {clone.host})" in said, said
+    assert "last heartbeat 0s ago" in said and lock.FORCE_UNLOCK in said and "dead" not in said, said
+    assert lock.lock_state(head, "c").owner.token == clone.token  # type: ignore[union-attr]
+    assert not (tmp_path / ".sparkctl" / "c" / "audit.log").exists()  # nothing was broken
 
 
 def test_a_remote_holder_without_heartbeat_is_stale_with_age_and_the_command(tmp_path: Path) -> None:
