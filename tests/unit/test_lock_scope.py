@@ -306,10 +306,12 @@ class _User:
 
     def __init__(self, home: Path, uid: int | None) -> None:
         self.home, self.uid = home, uid
+        self.scripts: list[str] = []  # each script's $0 (sparkctl-lock, sparkctl-unlock, sparkctl-audit, ...)
 
     def run(self, argv: list[str], *, timeout: float | None = None) -> Any:
         import subprocess
 
+        self.scripts.append(argv[3])
         from sparkctl.cluster.channel import RunResult
 
         pre = [] if self.uid is None else ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
@@ -373,6 +375,7 @@ def test_a_dead_holders_lock_of_another_ssh_user_is_named_not_half_broken(
     with pytest.raises(CheckFailed) as exc:
         lock._acquire(other, "spark1", "t", lock.new_owner("down"))
     assert "its holder is dead" in exc.value.message and "only SSH user nobody" in str(exc.value.fix)
+    assert other.scripts == ["sparkctl-lock", "sparkctl-unlock"]  # one try, no audit line saying it was broken
     assert lock.lock_state(root, "t").owner.token == dead.token  # type: ignore[union-attr]
     with lock.cluster_lock(root, "spark1", "t", "down") as mine:  # root breaks it: the dead holder's lock goes
         assert lock.lock_state(root, "t").owner.token == mine.token  # type: ignore[union-attr]
