@@ -52,6 +52,18 @@ if "SPARKCTL_TEST_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, _cache, True)
 
 @pytest.fixture(autouse=True)
+def _lock_root_of_each_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared cluster lock (sparkctl.lock.LOCK_ROOT, /var/tmp on a node) in a folder of each test
+    node's own: relative, so it is made in the working directory of the command (a test node's home),
+    never in this machine's /var/tmp, where tests running side by side would meet."""
+    try:
+        from sparkctl import lock as _lock
+    except ImportError:  # the fidelity venv without sparkctl's dependencies
+        return
+    monkeypatch.setattr(_lock, "LOCK_ROOT", "var-tmp")
+
+
+@pytest.fixture(autouse=True)
 def _signal_handlers_restored() -> object:
     """Each test starts with the signal handlers and sparkctl.signals' state it found, whatever the
     previous test ran in-process: a CLI run installs sparkctl's handler, and one that reached its point

@@ -1,6 +1,6 @@
 """The cluster lock and the audit trail (Kamal's idea: `mkdir` on the primary host is atomic).
 
-The lock is a directory on every node of the cluster, `~/.sparkctl/<cluster>/lock/`, holding an
+The lock is a directory on every node of the cluster (where: below), holding an
 `owner` file (who, where, when, what) and a `heartbeat` file the holder touches every LEASE_S/4
 seconds. Every mutating command takes it on every node it changes and always releases it (signals
 included: signals.py); a second command meanwhile is refused with the holder's name and node.
@@ -15,11 +15,32 @@ other is refused there (at the latest) -- never both refused, never both holding
 waits for a lock, so nothing can deadlock.
 
 A holder that crashed cannot release it. The owner file says which process holds it: the machine
-(machine-id, hostname, pid namespace), its boot id, the pid and the process's start time. A holder on
-this very machine whose pid is gone, or now belongs to another process, or whose machine has rebooted
-since, is provably dead: the lock is broken automatically, with an audit line on the head. A holder
-elsewhere cannot be checked; when its heartbeat is older than its lease it is reported as stale, with
-its age and the one command that breaks it. The audit log is one line per action on every node,
+(machine-id, hostname, pid namespace), its boot id, the pid and the process's start time. The lock is
+broken automatically (with an audit line on the node) only on positive evidence that its holder is
+dead, and only by a command on the holder's own machine and boot:
+
+- the owner's machine-id, boot id, hostname and pid namespace are all this process's, and
+- the kernel says its pid is gone (kill(PID, 0) fails with ESRCH) or now another process
+  (/proc/PID/stat readable, with another start time).
+
+Nothing else is evidence. Another boot id is not: a cloned VM (a copied jump host) keeps the
+original's /etc/machine-id and hostname, and every machine's initial pid namespace has the same
+inode, so a clone differs from its original only by boot id -- exactly as a rebooted machine does.
+A holder on another boot may be alive on the clone, so it is never judged. A pid that /proc does not
+show (`hidepid=2`: another user's process) and that kill answers with EPERM exists: alive. A holder
+that cannot be judged is reported as held -- its owner, host, pid, heartbeat age and the command
+that breaks it -- and, when its heartbeat is older than its lease, as stale.
+
+Where the lock lives: one per cluster per node, whoever logs in. `LOCK_ROOT/sparkctl-<cluster>.lock`
+(/var/tmp: on every Linux a sticky, world-writable directory, root's, that survives a reboot),
+made with `mkdir` (atomic) and mode 0755, its files 0644: every SSH user of that node meets the same
+lock and can read who holds it; the sticky bit keeps any other user from removing or renaming it,
+and the mode from writing into it. Only the SSH user who took it (or root) can break it: a break by
+another user is refused, naming that user. The lock directory's owner is the SSH user that holds it,
+which `lock status` shows. Older sparkctl took the lock in the SSH user's home,
+`~/.sparkctl/<cluster>/lock/`; every command still takes that one too (after the shared one, with
+the same owner), so an older sparkctl of the same SSH user is excluded both ways, and `lock status`
+shows a lock found only there. The audit log is one line per action on every node,
 `~/.sparkctl/<cluster>/audit.log`, which `sparkctl audit` merges.
 
 Remote commands are fixed `sh -c` scripts that take every value as a positional argument, so no
@@ -47,28 +68,59 @@ from .errors import CheckFailed
 from .parsing import ParseError, parse_json
 from .threads import spawn, wait_bounded
 
-_ACQUIRE = r'''
-d="$1"; owner="$2"
-umask 077
-mkdir -p "$(dirname "$d")" || exit 3
-if mkdir "$d" 2>/dev/null; then
-  printf '%s\n' "$owner" > "$d/owner"; : > "$d/heartbeat"; exit 0
+# `show DIR WHERE`: the owner file, the heartbeat's age by the node's clock, and who owns the lock
+# directory (the SSH user that took it) beside who is looking (this SSH user).
+_SHOW_FN = r'''show() {
+cat -- "$1/owner" 2>/dev/null
+echo "@@sparkctl-lock-age $(date +%s) $(stat -c %Y -- "$1/heartbeat" "$1/owner" 2>/dev/null | head -n 1)"
+echo "@@sparkctl-lock-user $2 $(stat -c %U -- "$1" 2>/dev/null || echo '?') $(id -un 2>/dev/null || echo '?')"
+}
+there() { [ -e "$1" ] || [ -L "$1" ]; }
+'''
+# The shared lock first (mode 0755, files 0644: every SSH user reads it, none but its own writes it),
+# then the one in the SSH user's home that older sparkctl takes; either held: nothing is kept, exit 1.
+# Exit 3: the lock could not be made at all (no LOCK_ROOT, a full disk), said on stderr.
+_ACQUIRE = _SHOW_FN + r'''d="$1"; home="$2"; owner="$3"
+root=$(dirname -- "$d")
+[ -d "$root" ] || mkdir -p -m 1777 -- "$root" 2>/dev/null
+umask 022
+if ! mkdir -- "$d" 2>/dev/null; then
+  if there "$d"; then show "$d" shared; exit 1; fi
+  echo "cannot make $d: $(mkdir -- "$d" 2>&1)" >&2; exit 3
 fi
-cat "$d/owner" 2>/dev/null
-echo "@@sparkctl-lock-age $(date +%s) $(stat -c %Y "$d/heartbeat" "$d/owner" 2>/dev/null | head -n 1)"
-exit 1
-'''
-_RELEASE = r'''
-d="$1"; me="$2"
-[ -d "$d" ] || exit 0
-if [ -n "$me" ] && ! grep -qF -- "$me" "$d/owner" 2>/dev/null; then cat "$d/owner" 2>/dev/null; exit 1; fi
+if ! { printf '%s\n' "$owner" > "$d/owner" && : > "$d/heartbeat"; }; then rm -rf -- "$d"; echo "cannot write in $d" >&2; exit 3; fi
+umask 077
+if mkdir -p -- "$(dirname -- "$home")" && mkdir -- "$home" 2>/dev/null; then
+  printf '%s\n' "$owner" > "$home/owner" && : > "$home/heartbeat" && exit 0
+  rm -rf -- "$home"
+fi
 rm -rf -- "$d"
+if there "$home"; then show "$home" home; exit 1; fi
+echo "cannot make $home" >&2; exit 3
 '''
-_SHOW = r'''d="$1"; [ -d "$d" ] || exit 0; cat "$d/owner" 2>/dev/null || echo '{}'
-echo "@@sparkctl-lock-age $(date +%s) $(stat -c %Y "$d/heartbeat" "$d/owner" 2>/dev/null | head -n 1)"
-exit 1'''
+# Remove each lock whose owner file holds the token (every lock with an empty token: --force-unlock).
+# Exit 1: a lock is someone else's (its owner printed); 2: one could not be removed (another SSH user's:
+# the sticky LOCK_ROOT keeps it), with a @@sparkctl-lock-kept line naming its owner.
+_RELEASE = r'''d="$1"; home="$2"; me="$3"; rc=0
+for x in "$d" "$home"; do
+  [ -e "$x" ] || [ -L "$x" ] || continue
+  if [ -n "$me" ] && ! grep -qF -- "$me" "$x/owner" 2>/dev/null; then
+    cat -- "$x/owner" 2>/dev/null; [ "$rc" = 2 ] || rc=1; continue
+  fi
+  rm -rf -- "$x" 2>/dev/null
+  if [ -e "$x" ] || [ -L "$x" ]; then
+    echo "@@sparkctl-lock-kept $(stat -c %U -- "$x" 2>/dev/null || echo '?') $x"; rc=2
+  fi
+done
+exit $rc
+'''
+_SHOW = _SHOW_FN + r'''if there "$1"; then show "$1" shared; exit 1; fi
+if there "$2"; then show "$2" home; exit 1; fi
+exit 0'''
 # Touch the heartbeat only while the lock is still ours (someone may have broken it).
-_HEARTBEAT = r'''d="$1"; me="$2"; grep -qF -- "$me" "$d/owner" 2>/dev/null && touch -- "$d/heartbeat"'''
+_HEARTBEAT = r'''me="$3"; rc=1
+for x in "$1" "$2"; do grep -qF -- "$me" "$x/owner" 2>/dev/null && touch -- "$x/heartbeat" && rc=0; done
+exit $rc'''
 _AUDIT_APPEND = r'''f="$1"; shift; umask 077 && mkdir -p "$(dirname "$f")" && printf '%s\n' "$@" >> "$f"'''
 _AUDIT_TAIL = r'''f="$1"; n="$2"; [ -f "$f" ] && tail -n "$n" -- "$f" || true'''
 
@@ -76,6 +128,11 @@ _AUDIT_TAIL = r'''f="$1"; n="$2"; [ -f "$f" ] && tail -n "$n" -- "$f" || true'''
 MAX_OWNER_CHARS = 4096  # an owner line is ~200 characters; more is not ours
 LEASE_S = 60  # a holder that has not touched its heartbeat for this long is stale
 AGE_MARK = "@@sparkctl-lock-age"
+USER_MARK = "@@sparkctl-lock-user"
+KEPT_MARK = "@@sparkctl-lock-kept"
+# Where every SSH user of a node meets the cluster's lock: sticky and world-writable on every Linux, kept
+# across reboots. (The unit tests point it at a folder of each test node's own.)
+LOCK_ROOT = "/var/tmp"
 
 
 class Runner(Protocol):
@@ -89,6 +146,12 @@ def state_dir(cluster: str) -> str:
 
 
 def lock_dir(cluster: str) -> str:
+    """The cluster's lock on a node, the same path for every SSH user."""
+    return f"{LOCK_ROOT}/sparkctl-{cluster}.lock"
+
+
+def home_lock_dir(cluster: str) -> str:
+    """Where sparkctl before the shared lock took it (relative to the SSH user's home); still taken too."""
     return f"{state_dir(cluster)}/lock"
 
 
@@ -181,12 +244,25 @@ def _read(path: str) -> str:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (proc(5), stat field 22); None if no such pid."""
+    """The process's start time in clock ticks since boot (proc(5), stat field 22); None when /proc/PID
+    cannot be read: no such pid, or one this user may not see (hidepid)."""
     stat = _read(f"/proc/{pid}/stat")
     try:  # the command name (field 2) may hold spaces and parentheses: split after the last ')'
         return int(stat.rsplit(")", 1)[1].split()[19])
     except (IndexError, ValueError):
         return None
+
+
+def _no_such_pid(pid: int) -> bool:
+    """True only when the kernel says there is no process `pid` in this pid namespace (ESRCH). EPERM
+    means it exists and belongs to another user; anything else says nothing."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _pidns() -> str:
@@ -197,37 +273,42 @@ def _pidns() -> str:
 
 
 def holder_verdict(owner: LockOwner) -> str | None:
-    """Why the holder is provably dead ("pid 123 is gone", ...), or None: alive, or not ours to judge
-    (another machine, another pid namespace, or an owner file without the identity fields)."""
-    me = new_owner("check")
-    if not owner.machine_id or not owner.boot_id or owner.start_ticks < 0:
+    """Why the holder is provably dead ("pid 123 on HOST is gone", ...), or None: alive, or no proof.
+
+    Proof needs the holder's whole identity to be this process's -- machine-id, boot id, hostname and
+    pid namespace -- and then the kernel's word about its pid: /proc/PID/stat readable with another
+    start time (the pid was reused), or kill(PID, 0) failing with ESRCH (no such process). A pid whose
+    /proc entry cannot be read (hidepid) and that kill answers with EPERM exists: alive. Another boot id
+    is no proof (lock.py's docstring says why)."""
+    if owner.pid <= 0 or owner.start_ticks < 0:
         return None
-    if (owner.machine_id, owner.host, owner.pidns) != (me.machine_id, me.host, me.pidns) or not me.boot_id:
+    mine = (_read("/etc/machine-id"), _read("/proc/sys/kernel/random/boot_id"), socket.gethostname(), _pidns())
+    theirs = (owner.machine_id, owner.boot_id, owner.host, owner.pidns)
+    if not all(theirs) or theirs != mine:
         return None
-    if owner.boot_id != me.boot_id:
-        return f"{owner.host} has rebooted since pid {owner.pid} took the lock"
     ticks = _start_ticks(owner.pid)
-    if ticks is None:
+    if ticks is not None:
+        return None if ticks == owner.start_ticks else \
+            f"pid {owner.pid} on {owner.host} is now another process (started later)"
+    if _no_such_pid(owner.pid):
         return f"pid {owner.pid} on {owner.host} is gone"
-    if ticks != owner.start_ticks:
-        return f"pid {owner.pid} on {owner.host} is now another process (started later)"
     return None
 
 
 def acquire_argv(cluster: str, owner: LockOwner) -> list[str]:
-    return ["sh", "-c", _ACQUIRE, "sparkctl-lock", lock_dir(cluster), owner.to_json()]
+    return ["sh", "-c", _ACQUIRE, "sparkctl-lock", lock_dir(cluster), home_lock_dir(cluster), owner.to_json()]
 
 
 def heartbeat_argv(cluster: str, token: str) -> list[str]:
-    return ["sh", "-c", _HEARTBEAT, "sparkctl-lock-heartbeat", lock_dir(cluster), token]
+    return ["sh", "-c", _HEARTBEAT, "sparkctl-lock-heartbeat", lock_dir(cluster), home_lock_dir(cluster), token]
 
 
 def release_argv(cluster: str, token: str) -> list[str]:
-    return ["sh", "-c", _RELEASE, "sparkctl-unlock", lock_dir(cluster), token]
+    return ["sh", "-c", _RELEASE, "sparkctl-unlock", lock_dir(cluster), home_lock_dir(cluster), token]
 
 
 def show_argv(cluster: str) -> list[str]:
-    return ["sh", "-c", _SHOW, "sparkctl-lock-status", lock_dir(cluster)]
+    return ["sh", "-c", _SHOW, "sparkctl-lock-status", lock_dir(cluster), home_lock_dir(cluster)]
 
 
 def audit_append_argv(cluster: str, lines: list[str]) -> list[str]:
@@ -263,20 +344,43 @@ def new_owner(command: str) -> LockOwner:
                      start_ticks=_start_ticks(pid) or -1)
 
 
+def _names(text: str, mark: str, n: int) -> list[str] | None:
+    """The `n` words after `mark` on its own line (the node's, untrusted: short printable words only)."""
+    for line in text[-4096:].splitlines():
+        parts = line.split()
+        if len(parts) >= n + 1 and parts[0] == mark:
+            return [p[:64] if p.isprintable() else "?" for p in parts[1:n + 1]]
+    return None
+
+
 @dataclass(frozen=True)
 class LockState:
-    """The lock as the head shows it: its holder, the heartbeat's age, and whether the holder is gone."""
+    """The lock as a node shows it: its holder, the heartbeat's age, whether the holder is provably dead,
+    the SSH user that owns the lock (who took it there), who is looking, and where it was found: the
+    shared lock, or only in the SSH user's home (taken by an older sparkctl)."""
 
     owner: LockOwner
     age_s: int | None
     dead: str | None  # why the holder is provably dead (same machine), else None
+    ssh_user: str = ""
+    viewer: str = ""
+    where: str = "shared"
 
     @property
     def stale(self) -> bool:
         return self.dead is None and self.age_s is not None and self.age_s > self.owner.lease_s
 
+    @property
+    def others(self) -> bool:
+        """Held by another SSH user than the one looking: only that user (or root) can remove it."""
+        return bool(self.ssh_user and self.viewer and self.ssh_user != self.viewer and self.viewer != "root")
+
     def describe(self) -> str:
         text = self.owner.describe()
+        if self.ssh_user:
+            text += f", as SSH user {self.ssh_user}"
+        if self.where == "home":
+            text += " (in that user's home: taken by an older sparkctl)"
         if self.dead:
             return f"{text}; its holder is dead ({self.dead})"
         if self.age_s is not None:
@@ -286,12 +390,15 @@ class LockState:
         return text
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.owner.public(), "heartbeat_age_s": self.age_s, "stale": self.stale, "dead": self.dead}
+        return {**self.owner.public(), "heartbeat_age_s": self.age_s, "stale": self.stale, "dead": self.dead,
+                "ssh_user": self.ssh_user or None, "where": self.where}
 
 
 def _state_from(text: str) -> LockState:
     owner = LockOwner.parse(text) or LockOwner("unknown", 0, "unknown", "unknown", "")
-    return LockState(owner, heartbeat_age(text), holder_verdict(owner))
+    where, ssh_user, viewer = _names(text, USER_MARK, 3) or ["shared", "", ""]
+    return LockState(owner, heartbeat_age(text), holder_verdict(owner), "" if ssh_user == "?" else ssh_user,
+                     "" if viewer == "?" else viewer, "home" if where == "home" else "shared")
 
 
 def lock_state(head: Runner, cluster: str) -> LockState | None:
@@ -304,13 +411,29 @@ def lock_status(head: Runner, cluster: str) -> LockOwner | None:
     return st.owner if st else None
 
 
-def force_unlock(head: Runner, cluster: str) -> LockOwner | None:
-    held = lock_status(head, cluster)
-    head.run(release_argv(cluster, ""), timeout=20)
-    return held
+def kept_by(text: str) -> str | None:
+    """The SSH user whose lock a release could not remove (`@@sparkctl-lock-kept USER PATH`), or None."""
+    got = _names(text, KEPT_MARK, 1)
+    return got[0] if got else None
+
+
+def force_unlock(head: Runner, cluster: str) -> tuple[LockState | None, str | None]:
+    """Break the lock on this node, whoever holds it: (what was held, the SSH user whose lock stayed
+    because this SSH user may not remove it -- None when it is gone)."""
+    held = lock_state(head, cluster)
+    if held is None:
+        return None, None
+    r = head.run(release_argv(cluster, ""), timeout=20)
+    return held, (kept_by(r.stdout) or held.ssh_user or "another user") if r.exit_code == 2 else None
 
 
 FORCE_UNLOCK = "sparkctl lock --force-unlock"
+
+
+def only_its_user(node: str, user: str, cluster: str) -> str:
+    """The fix for a lock another SSH user owns: only that user, or root, can remove it."""
+    return (f"only SSH user {user} (or root) can remove it: run `{FORCE_UNLOCK}` as {user} (User {user} "
+            f"for {node} in the ssh config), or as root on {node}: `rm -rf -- {lock_dir(cluster)}`")
 
 
 def _acquire(head: Runner, head_name: str, cluster: str, owner: LockOwner) -> None:
@@ -319,20 +442,32 @@ def _acquire(head: Runner, head_name: str, cluster: str, owner: LockOwner) -> No
         r = head.run(acquire_argv(cluster, owner), timeout=20)
         if r.exit_code == 0:
             return
+        if r.exit_code == 3:
+            raise CheckFailed(f"cannot take the cluster lock on {head_name}: "
+                              f"{(r.stderr.strip() or r.stdout.strip())[:300] or 'no reason given'}",
+                              fix=f"on {head_name}, {LOCK_ROOT} must be a directory every user may write "
+                                  "(mode 1777, as Linux makes it), and the SSH user's home writable")
         held = _state_from(r.stdout)
         if not held.dead or not held.owner.token:
             break
         # Only that holder's token matches, so two commands breaking it at once cannot both win.
-        head.run(release_argv(cluster, held.owner.token), timeout=20)
+        gone = head.run(release_argv(cluster, held.owner.token), timeout=20)
+        if gone.exit_code == 2:
+            user = kept_by(gone.stdout) or held.ssh_user or "another user"
+            raise CheckFailed(f"the cluster {cluster!r} is locked on {head_name} by {held.describe()}",
+                              fix=only_its_user(head_name, user, cluster))
         head.run(audit_append_argv(cluster, [audit_line(
             action="lock-broken", detail=f"{held.owner.describe()}: {held.dead}; broken by pid {owner.pid}")]),
             timeout=20)
-    who = held.describe() if LockOwner.parse(r.stdout) else "an unknown holder (no owner file)"
+    made = f", made by SSH user {held.ssh_user}" if held.ssh_user else ""
+    who = held.describe() if LockOwner.parse(r.stdout) else f"an unknown holder (no owner file{made})"
     if held.stale:
         fix = f"if that run is really gone, break the lock: `{FORCE_UNLOCK}`"
     else:
         fix = (f"wait for it to finish, check with `sparkctl lock status`, or if that process is gone: "
                f"`{FORCE_UNLOCK}`")
+    if held.others:
+        fix += f"; {only_its_user(head_name, held.ssh_user, cluster)}"
     raise CheckFailed(f"the cluster {cluster!r} is locked on {head_name} by {who}", fix=fix)
 
 

@@ -9,6 +9,8 @@
   address, so each connection still verifies against the real host's key): `status` names it and
   exits 1, `down` refuses without --force, `down --force` removes the service.
 - Two aliases of one machine: every command says so once.
+- The lock is one per machine outside any home (each host's /var/tmp): another user reads it, cannot
+  remove it or write into it.
 
 Its own cluster name and ports, so it never touches another test's service.
 """
@@ -145,6 +147,37 @@ def test_a_cluster_sharing_one_node_is_refused_there(clean: Lab) -> None:
     assert c["spark3"] == ["sparkctl-lockscope-rank0"] and c["spark4"] == ["sparkctl-lockscope-rank1"], c
     assert c["spark1"] == c["spark2"] == []
     assert sk(lab, "down", env=first, timeout=60).returncode == 0
+
+
+LOCK = "/var/tmp/sparkctl-lockscope.lock"
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+# The lock is one per cluster per machine, whoever logs in: outside the SSH user's home, in each host's own
+# /var/tmp, root's (the SSH user), 0755 with a 0644 owner file. Another user of the host reads who holds
+# it but can neither remove it nor write into it; `lock status` names the SSH user.
+def test_the_lock_is_one_per_machine_and_another_user_reads_it_but_cannot_tamper(clean: Lab) -> None:
+    lab = clean
+    proc = _up_stopped_holding_the_lock(lab)
+    try:
+        seen = set()
+        for n in NODES:
+            r = lab.ssh(n, "stat", "-c", "%a %U %d:%i", LOCK, f"{LOCK}/owner")
+            modes = [ln.split()[:2] for ln in r.stdout.splitlines()]
+            assert modes == [["755", "root"], ["644", "root"]], (n, r.stdout + r.stderr)
+            seen.add(r.stdout.splitlines()[0].split()[2])
+            r = lab.ssh(n, *NOBODY, "sh", "-c", 'cat "$1/owner"; rm -rf "$1" 2>/dev/null; '
+                        'touch "$1/heartbeat" 2>/dev/null && echo touched; test -d "$1" && echo kept', "sh", LOCK)
+            assert f'"pid": {proc.pid}' in r.stdout and "kept" in r.stdout and "touched" not in r.stdout, r.stdout
+        assert len(seen) == len(NODES)  # each host its own /var/tmp: four machines, four locks
+        r = sk(lab, "--json", "lock", "status", timeout=30)
+        holders = json.loads(r.stdout)["nodes"]
+        assert sorted(holders) == NODES and all(h["ssh_user"] == "root" and h["where"] == "shared"
+                                                for h in holders.values()), r.stdout
+    finally:
+        code, said = _finish(proc)
+    assert code == 0, said
+    assert all(lab.ssh(n, "test", "-e", LOCK).returncode == 1 for n in NODES)  # released on every host
 
 
 def _swapped_config(lab: Lab, tmp_path: Path, a: str, b: str) -> Path:

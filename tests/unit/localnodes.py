@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 
 STUB_DOCKER = Path(__file__).resolve().parent / "stub_docker.py"
+# Each node's /var/tmp (sparkctl.lock.LOCK_ROOT): a folder of the node's, relative to the login directory.
+MACHINE_TMP = "var-tmp"
 
 
 @dataclass
@@ -42,9 +44,25 @@ class LocalNodes:
     names: list[str]
     sent: list[Sent] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    user: str | None = None  # another SSH user of the same machines (login_as); None: the nodes' own
 
     def home(self, name: str) -> Path:
+        """The node's folder: its own user's home, and the machine (its MACHINE_TMP is the node's /var/tmp)."""
         return self.root / "nodes" / name
+
+    def login_as(self, user: str | None) -> None:
+        """From now on log in as another SSH user (None: the nodes' own): another home on each node, the
+        same machine -- the same MACHINE_TMP (a link to the node's) -- and the same uid."""
+        self.user = user
+
+    def login_home(self, name: str) -> Path:
+        if self.user is None:
+            return self.home(name)
+        home = self.root / "users" / self.user / name
+        if not home.exists():
+            home.mkdir(parents=True)
+            (home / MACHINE_TMP).symlink_to(self.home(name) / MACHINE_TMP)
+        return home
 
     def docker_calls(self, name: str | None = None) -> list[dict[str, Any]]:
         """Every `docker` invocation, in order: {"node", "argv", "seq"}."""
@@ -55,7 +73,7 @@ class LocalNodes:
 
     def env_for(self, name: str) -> dict[str, str]:
         own, stubs = self.root / "hw" / name / "bin", self.root / "bin"
-        return {"HOME": str(self.home(name)), "PATH": f"{own}:{stubs}:/usr/local/bin:/usr/bin:/bin",
+        return {"HOME": str(self.login_home(name)), "PATH": f"{own}:{stubs}:/usr/local/bin:/usr/bin:/bin",
                 "LANG": "C.UTF-8", "STUB_NODE": name, "STUB_ROOT": str(self.root),
                 "SPARKCTL_SYSFS_ROOT": str(self.root / "hw" / name / "infiniband")}
 
@@ -111,7 +129,7 @@ class _Channel:
         self._sent = Sent(self.name, command)
         with self.nodes.lock:
             self.nodes.sent.append(self._sent)
-        home = self.nodes.home(self.name)
+        home = self.nodes.login_home(self.name)
         self.proc = subprocess.Popen(["sh", "-c", command], cwd=home, env=self.nodes.env_for(self.name),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -263,7 +281,7 @@ class _Sftp:
         self.nodes, self.name = nodes, name
 
     def _path(self, p: str) -> Path:
-        return self.nodes.home(self.name) / p  # relative to the home, as SFTP is; absolute stays absolute
+        return self.nodes.login_home(self.name) / p  # relative to the home, as SFTP is; absolute stays absolute
 
     def open(self, path: str, mode: str) -> _SftpFile:
         return _SftpFile(self.nodes, self.name, self._path(path))
@@ -315,9 +333,11 @@ def _hardware(where: Path, index: int) -> None:
 @contextmanager
 def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -> Iterator[LocalNodes]:
     """Patch sparkctl.cluster so that nodes `names` are local folders under root/nodes/."""
+    from sparkctl import lock
     from sparkctl.cluster import fanout  # Cluster.connect calls fanout.connect: patched where it is used
 
     nodes = LocalNodes(root, list(names))
+    monkeypatch.setattr(lock, "LOCK_ROOT", MACHINE_TMP)  # in-process runs have it from conftest; a subprocess not
     bin_dir = root / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     docker = bin_dir / "docker"
@@ -327,6 +347,8 @@ def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -
     ssh_config.write_text("".join(f"Host {n}\n  HostName 127.0.0.1\n  User root\n" for n in names))
     for i, n in enumerate(names, start=1):
         nodes.home(n).mkdir(parents=True, exist_ok=True)
+        (nodes.home(n) / MACHINE_TMP).mkdir(exist_ok=True)
+        (nodes.home(n) / MACHINE_TMP).chmod(0o1777)  # as /var/tmp is
         _hardware(root / "hw" / n, i)
     monkeypatch.setattr(fanout, "connect", lambda target, **kw: _Transport(nodes, target.alias))
     monkeypatch.setenv("SPARKCTL_SSH_CONFIG", str(ssh_config))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def test_holder_verdicts() -> None:
     assert lock.holder_verdict(me) is None  # this very process: alive
     assert "is gone" in str(lock.holder_verdict(replace(me, pid=_dead_pid())))
     assert "another process" in str(lock.holder_verdict(replace(me, start_ticks=me.start_ticks - 1)))
-    assert "rebooted" in str(lock.holder_verdict(replace(me, boot_id="0" * 36)))
+    assert lock.holder_verdict(replace(me, boot_id="0" * 36)) is None  # a clone, or a reboot: no proof either way
     assert lock.holder_verdict(replace(me, machine_id="f" * 32, pid=_dead_pid())) is None  # not ours to judge
     assert lock.holder_verdict(replace(me, pidns="pid:[1]", pid=_dead_pid())) is None
     assert lock.holder_verdict(lock.LockOwner("old", _dead_pid(), "s", "up", "t")) is None  # old owner file
@@ -183,11 +184,27 @@ def test_a_live_holder_is_not_broken(tmp_path: Path) -> None:
     assert lock.lock_state(head, "c").owner.token == alive.token  # type: ignore[union-attr]
 
 
+def test_a_live_holder_on_a_cloned_jump_host_keeps_its_lock_and_is_named(tmp_path: Path) -> None:
+    """A clone of this machine (same machine-id, hostname and pid namespace, another boot) holds the lock:
+    it is refused, not broken, naming the holder, its host, pid and heartbeat age and the break command."""
+    head = LocalHead(tmp_path)
+    clone = replace(lock.new_owner("up"), who="bob@jump", boot_id="0" * 36)
+    assert head.run(lock.acquire_argv("c", clone)).exit_code == 0
+    with pytest.raises(CheckFailed) as exc:
+        with lock.cluster_lock(head, "h", "c", "down"):
+            pass
+    said = f"{exc.value.message}\n{exc.value.fix}"
+    assert f"is locked on h by bob@jump (pid {clone.pid} on {clone.host})" in said, said
+    assert re.search(r"last heartbeat \d+s ago", said) and lock.FORCE_UNLOCK in said and "dead" not in said, said
+    assert lock.lock_state(head, "c").owner.token == clone.token  # type: ignore[union-attr]
+    assert not (tmp_path / ".sparkctl" / "c" / "audit.log").exists()  # nothing was broken
+
+
 def test_a_remote_holder_without_heartbeat_is_stale_with_age_and_the_command(tmp_path: Path) -> None:
     head = LocalHead(tmp_path)
     remote = replace(lock.new_owner("up"), machine_id="e" * 32, host="elsewhere")
     head.run(lock.acquire_argv("c", remote))
-    beat = tmp_path / ".sparkctl" / "c" / "lock" / "heartbeat"
+    beat = tmp_path / lock.lock_dir("c") / "heartbeat"  # the shared lock, what `lock status` reads
     old = beat.stat().st_mtime - 600
     os.utime(beat, (old, old))
     st = lock.lock_state(head, "c")
@@ -203,7 +220,7 @@ def test_the_holder_heartbeats_only_its_own_lock(tmp_path: Path) -> None:
     head = LocalHead(tmp_path)
     me = lock.new_owner("up")
     head.run(lock.acquire_argv("c", me))
-    beat = tmp_path / ".sparkctl" / "c" / "lock" / "heartbeat"
+    beat = tmp_path / lock.lock_dir("c") / "heartbeat"  # the shared lock, what `lock status` reads
     os.utime(beat, (0, 0))
     assert head.run(lock.heartbeat_argv("c", "not-the-token")).exit_code != 0 and beat.stat().st_mtime == 0
     assert head.run(lock.heartbeat_argv("c", me.token)).exit_code == 0 and beat.stat().st_mtime > 0

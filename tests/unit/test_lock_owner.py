@@ -151,3 +151,98 @@ def test_an_unreadable_start_time_is_unknown_and_an_unreadable_owner_is_pid_0(mo
     monkeypatch.setattr(lock, "_start_ticks", lambda pid: None)
     assert lock.new_owner("up").start_ticks == -1  # never 0: a real start time to compare with later
     assert lock._state_from("not an owner file").owner.pid == 0
+
+
+# ------------------------------------------------------------------ breaking only on positive evidence
+
+
+def _live_pid() -> Any:
+    import subprocess
+
+    return subprocess.Popen(["sleep", "60"])
+
+
+def _owner_of(pid: int) -> lock.LockOwner:
+    """An owner file for `pid` as this machine, this boot and this pid namespace would write it."""
+    import dataclasses
+
+    me = lock.new_owner("up")
+    assert me.machine_id and me.boot_id and me.pidns, "this test needs /etc/machine-id, a boot_id and /proc"
+    ticks = lock._start_ticks(pid)
+    assert ticks is not None
+    return dataclasses.replace(me, pid=pid, start_ticks=ticks)
+
+
+def test_a_holder_from_another_boot_of_a_cloned_host_is_never_broken() -> None:
+    """A cloned VM shares /etc/machine-id, the hostname and the initial pid namespace's inode with its
+    original; only its boot_id differs, exactly as after a reboot: that is no evidence the holder died."""
+    import dataclasses
+
+    proc = _live_pid()
+    try:
+        live = _owner_of(proc.pid)
+        assert lock.holder_verdict(live) is None  # the control: same boot, alive
+        clone = dataclasses.replace(live, boot_id="0" * 8 + live.boot_id[8:])
+        assert lock.holder_verdict(clone) is None
+        # Whatever the pid is on this boot: a pid of another boot says nothing about this one.
+        assert lock.holder_verdict(dataclasses.replace(clone, pid=2**31 - 1)) is None
+        assert lock.holder_verdict(dataclasses.replace(clone, start_ticks=clone.start_ticks + 1)) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_pid_this_user_cannot_see_or_signal_is_alive(monkeypatch: Any) -> None:
+    """Under hidepid=2 another user's /proc/PID is invisible; kill(PID, 0) then fails with EPERM, which
+    means the process exists: never a reason to break its lock."""
+    import errno
+
+    proc = _live_pid()
+    try:
+        owner = _owner_of(proc.pid)
+        monkeypatch.setattr(lock, "_start_ticks", lambda pid: None)  # /proc/PID invisible (hidepid=2)
+
+        def eperm(pid: int, sig: int) -> None:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(lock.os, "kill", eperm)
+        assert lock.holder_verdict(owner) is None
+
+        def other(pid: int, sig: int) -> None:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+        monkeypatch.setattr(lock.os, "kill", other)  # any answer but "no such process": not evidence
+        assert lock.holder_verdict(owner) is None
+    finally:
+        monkeypatch.undo()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_dead_or_replaced_pid_on_this_very_boot_is_broken() -> None:
+    import dataclasses
+    import subprocess
+
+    proc = _live_pid()
+    owner = _owner_of(proc.pid)
+    try:
+        assert lock.holder_verdict(owner) is None
+        replaced = dataclasses.replace(owner, start_ticks=owner.start_ticks - 1)
+        assert lock.holder_verdict(replaced) == f"pid {proc.pid} on {owner.host} is now another process (started later)"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert lock.holder_verdict(owner) == f"pid {proc.pid} on {owner.host} is gone"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert lock.holder_verdict(dataclasses.replace(owner, pid=gone.pid)) == f"pid {gone.pid} on {owner.host} is gone"
+
+
+def test_pid_0_and_a_missing_identity_are_never_judged() -> None:
+    import dataclasses
+
+    me = _owner_of(__import__("os").getpid())
+    assert lock.holder_verdict(dataclasses.replace(me, pid=0, start_ticks=1)) is None  # kill(0) is a process group
+    assert lock.holder_verdict(dataclasses.replace(me, pid=-1, start_ticks=1)) is None
+    for field in ("machine_id", "boot_id", "host", "pidns"):
+        assert lock.holder_verdict(dataclasses.replace(me, **{field: ""}, pid=2**31 - 1)) is None, field

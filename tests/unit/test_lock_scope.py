@@ -14,6 +14,7 @@ Each node gets its own machine-id (a file in its home, read in place of /etc/mac
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -185,3 +186,196 @@ def test_a_machine_new_to_the_cluster_is_named_too() -> None:
     for text in ("", "@@sparkctl-identity-record\n{", "x\n@@sparkctl-identity-record\n[1]",
                  "@@sparkctl-identity-record\n" + json.dumps({"nodes": {"a": 3, "b": {"machine_id": 5}}})):
         identity.parse_whoami(me, text)
+
+
+# ------------------------------------------------------------- every command that changes nodes, every user
+
+
+def _changes(ln: LocalNodes, since: int) -> list[str]:
+    """What reached the nodes after `since` that changes them: a docker call that makes or removes an
+    image or a container, rsync, a pull (the head's python running hf_pull.py), a systemd unit."""
+    made = [" ".join(c["argv"][:2]) for c in ln.docker_calls()
+            if c["argv"][:1] and c["argv"][0] in ("build", "load", "tag", "rmi", "pull", "run", "rm", "create")]
+    with ln.lock:
+        sent = [s.command for s in ln.sent[since:]]
+    return made + [c[:80] for c in sent if "rsync" in c or "hf_pull.py" in c or "sparkctl-export" in c
+                   or "authorized_keys" in c]
+
+
+def _systemd_seam(ln: LocalNodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`export systemd` installs into a folder of the head's, with a systemctl that does nothing."""
+    from sparkctl import systemd_unit
+
+    monkeypatch.setattr(systemd_unit, "UNIT_DIR", "units")
+    stub = ln.root / "hw" / "spark1" / "bin" / "systemctl"
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+
+
+CHANGERS = {
+    "build": ["build"],
+    "build --ship": ["build", "--ship"],
+    "model sync": ["model", "sync"],
+    "model pull": ["model", "pull"],
+    "export systemd": ["export", "systemd"],
+}
+
+
+@pytest.mark.parametrize("name", list(CHANGERS))
+def test_every_command_that_changes_nodes_is_refused_while_another_holds_the_lock(
+        name: str, nodes: LocalNodes, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODEL_REPO", "org/model")
+    monkeypatch.setenv("MODEL_REVISION", "0" * 40)
+    _systemd_seam(nodes, monkeypatch)
+    docker_log = nodes.root / "docker-calls.jsonl"
+    with Cluster(A) as c, lock_cluster(c, A, "t", "up"):  # another operator's `up`, in flight
+        docker_log.unlink(missing_ok=True)
+        since = len(nodes.sent)
+        code, out, err = run(CHANGERS[name], capsys)
+        assert code == 1, (name, out + err)
+        assert "is locked on spark1 by" in err and "running `up`" in err, (name, err)
+        assert err.count("error:") == 1, err
+        assert _changes(nodes, since) == [], name  # refused before it changed anything
+        assert _locked(A) == dict.fromkeys(A, "up")  # the holder's lock is whole
+    assert not (nodes.home("spark1") / "units").exists()
+
+
+def test_the_newly_locked_commands_release_the_lock_and_still_run(nodes: LocalNodes, capsys: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _systemd_seam(nodes, monkeypatch)
+    for argv in (["build"], ["export", "systemd"]):
+        code, out, err = run(argv, capsys)
+        assert code == 0, (argv, out + err)
+        assert _locked(A) == {}, argv
+    assert (nodes.home("spark1") / "units" / "sparkctl-watch-t.service").is_file()
+    audit = (nodes.home("spark1") / ".sparkctl" / "t" / "audit.log")
+    assert not audit.exists() or "lock-broken" not in audit.read_text()
+
+
+def test_two_ssh_users_of_one_node_meet_on_one_lock(nodes: LocalNodes, capsys: Any) -> None:
+    """The lock is one per cluster per node, whoever logs in: another SSH user (another home on the
+    same machines) is refused while the first holds it, and `lock status` names the SSH user."""
+    import pwd
+
+    me = pwd.getpwuid(os.getuid()).pw_name  # the local nodes run as this uid, whatever the home
+    with Cluster(A) as c, lock_cluster(c, A, "t", "up"):
+        nodes.login_as("bob")
+        try:
+            for argv in (["down"], ["up"], ["build"]):
+                code, out, err = run(argv, capsys)
+                assert code == 1, (argv, out + err)
+                assert "is locked on spark1 by" in err and f"as SSH user {me}" in err, (argv, err)
+            code, out, err = run(["lock", "status"], capsys)
+            assert code == 0 and f"running `up`, as SSH user {me}" in out, out + err
+            code, out, err = run(["--json", "lock", "status"], capsys)
+            assert json.loads(out)["holder"]["ssh_user"] == me and json.loads(out)["holder"]["where"] == "shared"
+            assert not (nodes.login_home("spark1") / ".sparkctl" / "t" / "lock").exists()  # nothing in bob's home
+        finally:
+            nodes.login_as(None)
+    nodes.login_as("bob")
+    assert run(["up"], capsys)[0] == 0  # free again: bob's `up` runs
+    assert run(["down"], capsys)[0] == 0
+    assert _locked(A) == {}
+
+
+def test_a_lock_an_older_sparkctl_took_in_the_home_is_still_seen(nodes: LocalNodes, capsys: Any) -> None:
+    """Before the shared lock, sparkctl took it in the SSH user's home: such a lock still refuses every
+    command, and `lock status` shows it (and says where it is)."""
+    old = lock.new_owner("up")  # alive: this process
+    where = nodes.home("spark2") / ".sparkctl" / "t" / "lock"
+    where.mkdir(parents=True)
+    (where / "owner").write_text(old.to_json() + "\n")
+    (where / "heartbeat").write_text("")
+    for argv in (["down"], ["build"]):
+        code, out, err = run(argv, capsys)
+        assert code == 1, (argv, out + err)
+        assert "is locked on spark2 by" in err and "taken by an older sparkctl" in err, err
+    assert not any((nodes.home(n) / lock.lock_dir("t")).exists() for n in A)  # what it took, given back
+    code, out, err = run(["lock", "status"], capsys)
+    assert "locked on spark2 by" in out and "in that user's home" in out, out + err
+    assert run(["lock", "--force-unlock"], capsys)[0] == 0
+    assert not where.exists() and _locked(A) == {}
+
+
+# ------------------------------------------------------------------ two real users (root and nobody)
+
+
+class _User:
+    """A node's shell as one user (setpriv to that uid when not root), logged in to its home: the lock
+    scripts really run with that user's permissions."""
+
+    def __init__(self, home: Path, uid: int | None) -> None:
+        self.home, self.uid = home, uid
+        self.scripts: list[str] = []  # each script's $0 (sparkctl-lock, sparkctl-unlock, sparkctl-audit, ...)
+
+    def run(self, argv: list[str], *, timeout: float | None = None) -> Any:
+        import subprocess
+
+        self.scripts.append(argv[3])
+        from sparkctl.cluster.channel import RunResult
+
+        pre = [] if self.uid is None else ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
+        r = subprocess.run([*pre, *argv], cwd=self.home, capture_output=True, text=True, timeout=timeout or 20,
+                           env={"PATH": "/usr/bin:/bin", "HOME": str(self.home), "LANG": "C.UTF-8"}, check=False)
+        return RunResult(r.stdout, r.stderr, r.returncode, 0.0)
+
+
+@pytest.fixture
+def two_users() -> Iterator[tuple[_User, _User, Path]]:
+    """One machine, two SSH users: root (its home is the machine's folder) and nobody (another home),
+    both seeing the machine's sticky LOCK_ROOT."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv (util-linux) to run the scripts as a second user")
+    base = Path(tempfile.mkdtemp(prefix="sparkctl-lock-users-", dir="/tmp"))  # pytest's tmp is 0700
+    try:
+        base.chmod(0o755)
+        machine, bob = base / "machine", base / "bob"
+        (machine / "var-tmp").mkdir(parents=True)
+        (machine / "var-tmp").chmod(0o1777)
+        bob.mkdir()
+        (bob / "var-tmp").symlink_to(machine / "var-tmp")
+        os.chown(bob, 65534, 65534)
+        yield _User(machine, None), _User(bob, 65534), machine / lock.lock_dir("t")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_another_ssh_user_sees_the_lock_and_cannot_remove_or_touch_it(two_users: tuple[_User, _User, Path]) -> None:
+    root, nobody, shared = two_users
+    theirs = lock.new_owner("up")
+    assert root.run(lock.acquire_argv("t", theirs)).exit_code == 0
+    assert oct(shared.stat().st_mode & 0o7777) == "0o755" and oct((shared / "owner").stat().st_mode & 0o777) == "0o644"
+    st = lock.lock_state(nobody, "t")
+    assert st is not None and st.owner.token == theirs.token and (st.ssh_user, st.viewer) == ("root", "nobody")
+    with pytest.raises(CheckFailed) as exc:
+        lock._acquire(nobody, "spark1", "t", lock.new_owner("down"))
+    assert "as SSH user root" in exc.value.message and "only SSH user root (or root) can remove it" in str(exc.value.fix)
+    held, kept = lock.force_unlock(nobody, "t")  # --force-unlock as the other user: refused by the kernel
+    assert held is not None and kept == "root"
+    assert nobody.run(lock.heartbeat_argv("t", theirs.token)).exit_code != 0  # cannot even touch it
+    assert lock.lock_state(root, "t").owner.token == theirs.token  # type: ignore[union-attr]
+    # The holder's own user (root here) breaks it.
+    assert lock.force_unlock(root, "t")[1] is None and lock.lock_state(root, "t") is None
+
+
+def test_a_dead_holders_lock_of_another_ssh_user_is_named_not_half_broken(
+        two_users: tuple[_User, _User, Path]) -> None:
+    from dataclasses import replace as _replace
+
+    from tests.unit.test_crash_safety import _dead_pid
+
+    root, nobody, shared = two_users
+    dead = _replace(lock.new_owner("up"), pid=_dead_pid())
+    assert nobody.run(lock.acquire_argv("t", dead)).exit_code == 0  # nobody's, and its holder is gone
+    # As a third user, neither root nor nobody, the break is refused and says whose it is.
+    other = _User(nobody.home, 65533)
+    with pytest.raises(CheckFailed) as exc:
+        lock._acquire(other, "spark1", "t", lock.new_owner("down"))
+    assert "its holder is dead" in exc.value.message and "only SSH user nobody" in str(exc.value.fix)
+    assert other.scripts == ["sparkctl-lock", "sparkctl-unlock"]  # one try, no audit line saying it was broken
+    assert lock.lock_state(root, "t").owner.token == dead.token  # type: ignore[union-attr]
+    with lock.cluster_lock(root, "spark1", "t", "down") as mine:  # root breaks it: the dead holder's lock goes
+        assert lock.lock_state(root, "t").owner.token == mine.token  # type: ignore[union-attr]

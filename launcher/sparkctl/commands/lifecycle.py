@@ -3,8 +3,8 @@
 These parse flags and print; each command's flow is in `sparkctl.orchestrate` (`up`, `down`,
 `status`, `wait` (→ `readiness.wait_ready`), `locking.read_locks` / `break_locks` (`lock`), `audit`);
 `logs` is `service.stream_logs`. Each command opens one Cluster (one SSH connection per
-node) for its whole run. Mutating commands (`up`, `down`) hold the cluster lock on the head and
-write one audit line per action on every node.
+node) for its whole run. Mutating commands (`up`, `down`) hold the cluster lock on every node they
+change (lock.py) and write one audit line per action on every node.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ..errors import CheckFailed, UsageError
 from ..lock import (
     FORCE_UNLOCK,
     LockState,
+    only_its_user,
 )
 from ..options import Globals
 from ..orchestrate.audit import read_audit
@@ -386,13 +387,20 @@ def lock_cmd(ctx: click.Context, force_unlock: bool) -> None:
     if not force:
         _show_lock(g, s, read_locks(s, g.ssh_config_path()))
         return
-    broken, unreachable = break_locks(s, g.ssh_config_path())
+    res = break_locks(s, g.ssh_config_path())
+    broken = res.broken
     warn([f"lock broken on {', '.join(broken)}; it was held by "
-          + "; ".join(sorted({h.describe() for h in broken.values()}))] if broken else ["there was no lock"])
+          + "; ".join(sorted({h.describe() for h in broken.values()}))] if broken
+         else [] if res.kept else ["there was no lock"])
     if g.json:
         first = next(iter(broken.values()), None)
-        emit_json({"broken": first.public() if first else None, "nodes": sorted(broken)})
-    refuse_unreachable(unreachable)  # a node that did not answer keeps its lock: exit 1, naming it
+        emit_json({"broken": first.public() if first else None, "nodes": sorted(broken),
+                   "kept": {n: user for n, (_, user) in res.kept.items()}})
+    if res.kept:  # another SSH user's lock: this user may not remove it (exit 1, naming each)
+        node, (held, user) = next(iter(res.kept.items()))
+        raise CheckFailed(f"the lock stays on {', '.join(res.kept)}: held by {held.describe()}",
+                          fix=only_its_user(node, user, s.cluster_name))
+    refuse_unreachable(res.unreachable)  # a node that did not answer keeps its lock: exit 1, naming it
 
 
 def _show_lock(g: Globals, s: Settings, states: dict[str, LockState]) -> None:
@@ -410,8 +418,11 @@ def _show_lock(g: Globals, s: Settings, states: dict[str, LockState]) -> None:
         out.print(f"cluster {s.cluster_name}: not locked", markup=False)
     for st, nodes in holders.values():
         out.print(f"locked on {', '.join(nodes)} by {st.describe()}", markup=False)
-        if st.dead:
-            out.print("the next `up` or `down` breaks it automatically (audited)", markup=False)
+        if st.others and (st.dead or st.stale):
+            out.print(f"if that run is really gone: {only_its_user(nodes[0], st.ssh_user, s.cluster_name)}",
+                      markup=False)
+        elif st.dead:
+            out.print("the next command that takes the lock breaks it automatically (audited)", markup=False)
         elif st.stale:
             out.print(f"if that run is really gone: `{FORCE_UNLOCK}`", markup=False)
 

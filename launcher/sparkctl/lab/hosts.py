@@ -49,21 +49,28 @@ def release_ns_dir() -> None:
 
 
 def mntns_ok(paths: HostPaths) -> bool:
-    """The host's mount namespace exists and has its own folder at /models/lab."""
+    """The host's mount namespace exists and has its own folders at /models/lab, the sysfs seam and /var/tmp."""
     if not {str(paths.mntns), str(paths.utsns), str(paths.ipcns)} <= mountpoints():
         return False
-    want = os.stat(paths.models)
-    got = out(["nsenter", f"--mount={paths.mntns}", "--", "stat", "-c", "%d:%i", MODEL_PATH, CONTAINER_SYSFS],
-              check=False).split()
+    got = out(["nsenter", f"--mount={paths.mntns}", "--", "stat", "-c", "%d:%i", MODEL_PATH, CONTAINER_SYSFS,
+               "/var/tmp"], check=False).split()
     paths.sysfs.mkdir(parents=True, exist_ok=True)
-    sysfs = os.stat(paths.sysfs)
-    return got == [f"{want.st_dev}:{want.st_ino}", f"{sysfs.st_dev}:{sysfs.st_ino}"]
+    _own_var_tmp(paths)
+    want = [os.stat(p) for p in (paths.models, paths.sysfs, paths.var_tmp)]
+    return got == [f"{w.st_dev}:{w.st_ino}" for w in want]
+
+
+def _own_var_tmp(paths: HostPaths) -> None:
+    """The host's /var/tmp, as Linux makes it: sticky and world-writable."""
+    paths.var_tmp.mkdir(parents=True, exist_ok=True)
+    paths.var_tmp.chmod(0o1777)
 
 
 def create_mntns(paths: HostPaths) -> None:
     Path(MODEL_PATH).mkdir(parents=True, exist_ok=True)
     Path(CONTAINER_SYSFS).mkdir(parents=True, exist_ok=True)
     paths.sysfs.mkdir(parents=True, exist_ok=True)
+    _own_var_tmp(paths)
     if str(paths.utsns) not in mountpoints():  # its own hostname too (logs and prompts say sparkN)
         paths.utsns.touch()
         run(["unshare", f"--uts={paths.utsns}", "--", "hostname", paths.root.name], where=paths.root.name)
@@ -84,6 +91,9 @@ def create_mntns(paths: HostPaths) -> None:
         f"mount --bind {shlex.quote(str(paths.home))} /root && "
         f"mount --bind {shlex.quote(str(paths.sysfs))} {shlex.quote(CONTAINER_SYSFS)} && "
         f"mount --bind {shlex.quote(str(machine_id))} /etc/machine-id && "
+        # Its own /var/tmp: the cluster lock lives there, one per machine (with one for every host,
+        # a command's lock on its second host would meet its own lock on the first).
+        f"mount --bind {shlex.quote(str(paths.var_tmp))} /var/tmp && "
         "mount -t tmpfs -o mode=1777,nosuid,nodev sparkctl-lab-shm /dev/shm"
     )
     run(["unshare", f"--mount={paths.mntns}", "--propagation", "private", "--", "sh", "-c", script],

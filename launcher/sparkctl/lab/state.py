@@ -159,6 +159,12 @@ class HostPaths:
         return self.root / "home"
 
     @property
+    def var_tmp(self) -> Path:
+        """Bound at /var/tmp in the host's mount namespace: each host its own, as each machine has (sparkctl's
+        cluster lock lives there, one per cluster per machine)."""
+        return self.root / "var-tmp"
+
+    @property
     def docker_data(self) -> Path:
         return self.root / "docker"
 

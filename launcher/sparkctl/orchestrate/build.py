@@ -22,6 +22,7 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ from ..docker_parse import Image, normalize_image_ref, parse_image_inspect
 from ..errors import CheckFailed
 from ..parsing import ParseError
 from ..resources import probe_script
+from .locking import lock_cluster
 
 BUILD_TIMEOUT = 3 * 3600.0  # one layer (v145 compiles CUDA kernels on a real node)
 PULL_TIMEOUT = 3600.0
@@ -302,7 +304,7 @@ def build(settings: Any, ssh_config: Any, *, ship: bool, only: str | None, no_ca
     results = {n: RankResult(n, i) for i, n in enumerate(nodes)}
     out: dict[str, Any] = {"recipe": recipe.name, "mode": "ship" if ship else "build", "dry_run": dry_run,
                            "top": chain[-1].tag}
-    with Cluster(nodes, ssh_config) as cluster:
+    with Cluster(nodes, ssh_config) as cluster, _locked(cluster, settings, "build", dry_run):
         facts = probe_facts(cluster, chain, model, base_ref, results)
         chains: dict[str, list[im.LayerSpec]] = {}
         problems: dict[str, list[str]] = {}
@@ -352,6 +354,13 @@ def build(settings: Any, ssh_config: Any, *, ship: bool, only: str | None, no_ca
     return Outcome(out, results)
 
 
+def _locked(cluster: Cluster, settings: Any, command: str, dry_run: bool) -> AbstractContextManager[Any]:
+    """The cluster lock on every rank that answered (a plan only, --dry-run, changes nothing: no lock)."""
+    if dry_run:
+        return nullcontext()
+    return lock_cluster(cluster, settings.nodes, settings.cluster_name, command)
+
+
 def probe_facts(cluster: Cluster, chain: Sequence[im.LayerRef], model: str, ref: str,
                 results: dict[str, RankResult]) -> dict[str, im.RankFacts]:
     """Every rank's build facts; a rank that cannot answer, or whose engine is down, fails in `results`."""
@@ -394,7 +403,7 @@ def prebuilt(settings: Any, ssh_config: Any, *, ship: bool, dry_run: bool, progr
     results = {n: RankResult(n, i) for i, n in enumerate(nodes)}
     out: dict[str, Any] = {"recipe": recipe.name, "mode": "prebuilt", "dry_run": dry_run, "top": ref,
                            "source": recipe.prebuilt.source}
-    with Cluster(nodes, ssh_config) as cluster:
+    with Cluster(nodes, ssh_config) as cluster, _locked(cluster, settings, "build", dry_run):
         facts = probe_facts(cluster, [], str(settings.model), ref, results)
         head = nodes[0]
         head_img = facts[head].image(ref) if head in facts else None

@@ -8,15 +8,16 @@ from typing import Any
 from ..cluster import Cluster
 from ..errors import CheckFailed
 from ..systemd_unit import install_argv, install_recipe_argv
+from .locking import lock_cluster
 
 
 def install_unit(ssh_config: Any, target: str, cluster_name: str, name: str, text: str,
                  recipe: tuple[str, bytes]) -> None:
     """Write the recipe's copy (`recipe`: its path there and its bytes), then unit `name` (`text`) on
-    `target`, enable and start it; CheckFailed with the fix when it cannot. A unit already installed keeps
-    running its own copy until the new unit replaces it."""
+    `target`, enable and start it, under the cluster's lock on `target`; CheckFailed with the fix when it
+    cannot. A unit already installed keeps running its own copy until the new unit replaces it."""
     copy, content = recipe
-    with Cluster([target], ssh_config) as cluster:
+    with Cluster([target], ssh_config) as cluster, lock_cluster(cluster, [target], cluster_name, "export systemd"):
         node = cluster.node(target)
         r = node.run(install_recipe_argv(copy), stdin=content, timeout=60)
         if r.ok:

@@ -6,13 +6,15 @@
                                    lock.lock_order (by machine, not by NODES' order)
   record_identities(cluster, ...)  after `up` started a service: every node's identity, on every node
   read_locks(s, ssh_config)        `sparkctl lock status`: every node's lock state
-  break_locks(s, ssh_config)       `sparkctl lock --force-unlock`: break it on every node, audited
+  break_locks(s, ssh_config)       `sparkctl lock --force-unlock`: break it on every node, audited (a lock
+                                   another SSH user owns stays: `Broken.kept`)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..cluster import Cluster, NodeError, raise_failed
@@ -101,16 +103,29 @@ def read_locks(s: Settings, ssh_config: Any) -> dict[str, LockState]:
         return lock_states(cluster, s.nodes, s.cluster_name)
 
 
-def break_locks(s: Settings, ssh_config: Any) -> tuple[dict[str, LockOwner], dict[str, NodeError]]:
+@dataclass
+class Broken:
+    """What `lock --force-unlock` did: node -> the owner it broke, node -> the SSH user whose lock stayed
+    (this SSH user may not remove it), and the nodes that did not answer."""
+
+    broken: dict[str, LockOwner] = field(default_factory=dict)
+    kept: dict[str, tuple[LockState, str]] = field(default_factory=dict)
+    unreachable: dict[str, NodeError] = field(default_factory=dict)
+
+
+def break_locks(s: Settings, ssh_config: Any) -> Broken:
     """Break the lock on every node that answers (a lock is held on each node a command changes), with an
-    audit line where one was held: (node -> the owner it had, the nodes that did not answer)."""
-    broken: dict[str, LockOwner] = {}
+    audit line where one was broken."""
+    out = Broken()
     with Cluster(s.nodes, ssh_config) as cluster:
         for node in cluster.connected:
-            held = force_unlock(cluster.node(node), s.cluster_name)
-            if held:
-                broken[node] = held
+            held, kept = force_unlock(cluster.node(node), s.cluster_name)
+            if held is not None and kept is not None:
+                out.kept[node] = (held, kept)
+            elif held is not None:
+                out.broken[node] = held.owner
                 cluster.node(node).run(audit_append_argv(s.cluster_name, [audit_line(
                     action="lock-broken", detail=f"by --force-unlock; it was held by {held.describe()}")]),
                     timeout=20)
-    return broken, dict(cluster.errors)
+    out.unreachable = dict(cluster.errors)
+    return out

@@ -16,6 +16,7 @@ from ..errors import CheckFailed
 from ..parsing import ParseError, parse_json
 from ..resources import probe_script
 from ..verify_rules import Report
+from .locking import lock_cluster
 from .verify_model import verify_cluster
 
 PULL_TIMEOUT = 48 * 3600.0
@@ -40,14 +41,14 @@ def pull_on_head(s: Any, ssh_config: Any, repo: str, revision: str, *, started: 
         if head in cluster.errors:
             err = cluster.errors[head]
             raise CheckFailed(f"the head {head} is unreachable: {err.reason}", fix=err.fix)
-        node = cluster.node(head)
-        session = node.start([python, "-c", BOOT, str(len(script)), repo, revision, str(s.model)], env=env,
-                             timeout=PULL_TIMEOUT)
-        t0 = time.monotonic()
-        started(head)
-        # The script and the token go in; the script says @@ready once it has read the token.
-        session.read_until(b"@@ready\n", stdin=script + token.encode() + b"\n")
-        result = _drive(session, progress, t0)
+        with lock_cluster(cluster, [head], s.cluster_name, "model pull"):  # it writes MODEL on the head
+            session = cluster.node(head).start([python, "-c", BOOT, str(len(script)), repo, revision, str(s.model)],
+                                               env=env, timeout=PULL_TIMEOUT)
+            t0 = time.monotonic()
+            started(head)
+            # The script and the token go in; the script says @@ready once it has read the token.
+            session.read_until(b"@@ready\n", stdin=script + token.encode() + b"\n")
+            result = _drive(session, progress, t0)
     return answer_of(result, head, python)
 
 

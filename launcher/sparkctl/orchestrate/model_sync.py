@@ -11,6 +11,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 from ..cluster import Cluster, Node, NodeError
@@ -42,6 +43,7 @@ from ..resources import probe_script
 from ..threads import spawn, wait_all, wait_bounded
 from ..verify_nodes import compare_nodes
 from ..verify_rules import issue
+from .locking import lock_cluster
 
 
 def scan_node(node: Node, model: str) -> dict[str, Any]:
@@ -164,10 +166,12 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
         raise UsageError("only one node: nothing to sync to", fix="set NODES to the head and its ranks")
     model = str(settings.model)
     report = SyncReport(src, {t: RankSync(t) for t in targets}, [])
-    with Cluster(nodes, ssh_config) as cluster:
+    with Cluster(nodes, ssh_config) as cluster, ExitStack() as held:
         if src in cluster.errors:
             err = cluster.errors[src]
             raise CheckFailed(f"the source {src} is unreachable: {err.reason}", fix=err.fix)
+        # The cluster lock on the source and every target, for the whole sync (its plan included).
+        held.enter_context(lock_cluster(cluster, [src, *targets], settings.cluster_name, "model sync"))
 
         def look(node: Node) -> tuple[dict[str, Any], dict[str, Any]]:
             return scan_node(node, model), describe_node(node, model)
