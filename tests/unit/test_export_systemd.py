@@ -10,6 +10,7 @@ folder standing in for / (a fake `id` and `systemctl` on PATH): this machine's /
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -72,6 +73,8 @@ def scene(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Recorded:
             return FakeNode()
 
     monkeypatch.setattr(export_systemd, "Cluster", FakeCluster)
+    # The cluster lock the install takes is test_lock_scope.py's subject; here it takes nothing.
+    monkeypatch.setattr(export_systemd, "lock_cluster", lambda *a, **k: contextlib.nullcontext())
     return rec
 
 
