@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
 sys.path.insert(0, str(ROOT))  # tests.kit: the lab client and the loopback stand-in
 
+from sparkctl.facts.promtext import parse as parse_prometheus  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
-from sparkctl.promtext import parse as parse_prometheus  # noqa: E402
 from tests.kit.local import local_standin  # noqa: E402
 
 TOLERANCE = 0.05

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
 from sparkctl.lab import manage  # noqa: E402
-from sparkctl.recipes import load_recipe  # noqa: E402
+from sparkctl.spec.recipes import load_recipe  # noqa: E402
 from tests.kit.lab import Lab  # noqa: E402
 
 # SPARKCTL_BENCH_RANKS="spark1 spark2 spark5 spark6" picks other lab hosts (head first); default spark1..4.

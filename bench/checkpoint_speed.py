@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
 
 from sparkctl.lab import ckptgen  # noqa: E402
-from sparkctl.resources import probe_script  # noqa: E402
+from sparkctl.spec.resources import probe_script  # noqa: E402
 from tests.kit.lab import Lab  # noqa: E402
 
 SUB = "bench-full300"

@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
 sys.path.insert(0, str(ROOT))  # tests.kit: the lab client and the loopback stand-in
-from sparkctl import headapi  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.loadgen import inputs, level, request  # noqa: E402
+from sparkctl.remote import headapi  # noqa: E402
 from tests.kit.local import local_standin  # noqa: E402
 
 LEVELS = (1, 8, 32, 64)

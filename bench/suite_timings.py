@@ -46,10 +46,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from sparkctl import nccl, promtext
+    from sparkctl.facts import promtext
     from sparkctl.lab import ckptgen
     from sparkctl.orchestrate.status import metrics_summary
-    from sparkctl.readiness import phase_of
+    from sparkctl.remote.readiness import phase_of
+    from sparkctl.rules import nccl
 
     results: list[tuple[str, float, float, float]] = []  # name, seconds, low, high
 

@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
 
+from sparkctl.checkpoint.verify import verify_dir  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.probes.ckpt_scan import deep_hashes  # noqa: E402
-from sparkctl.recipes import load_layout  # noqa: E402
-from sparkctl.verify import verify_dir  # noqa: E402
+from sparkctl.spec.recipes import load_layout  # noqa: E402
 
 MB = 1_000_000
 

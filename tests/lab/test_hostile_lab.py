@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from sparkctl.lab.state import HostPaths
-from sparkctl.settings import parse_vllm_extra_args
+from sparkctl.spec.settings import parse_vllm_extra_args
 from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
-from sparkctl import headapi, vllmbench
 from sparkctl.loadgen import inputs, level
+from sparkctl.measure import vllm_bench as vllmbench
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.kit.lab import Lab
 from tests.lab.realengine import PAIR, START_S, chat, fresh, head_url, must, rank_containers, sk
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from sparkctl import engine_lines
+from sparkctl.facts import engine_lines
 from sparkctl.lab import standin_vllm
 
 pytestmark = pytest.mark.realengine

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from sparkctl import service
 from sparkctl.cluster import Results, RunResult
 from sparkctl.errors import CheckFailed
-from sparkctl.settings import load_settings
+from sparkctl.remote import service
+from sparkctl.spec.settings import load_settings
 
 
 class Node:

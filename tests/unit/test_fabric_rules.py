@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from sparkctl.builders import container_options
-from sparkctl.check import CLUSTER_ROW, FAIL, OK, WARN
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.orchestrate import fabric_test as fabric
 from sparkctl.probes import fabric_allreduce
+from sparkctl.rules.check_rules import CLUSTER_ROW, FAIL, OK, WARN
+from sparkctl.spec.builders import container_options
 from tests.unit.test_fabric import (
     FIX,
     GLOO,

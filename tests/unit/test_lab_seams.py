@@ -77,7 +77,7 @@ def test_the_lab_env_file_is_a_valid_cluster_input_with_replicas_where_hosts_spl
     runs them), else TP=N; the settings load it as that topology."""
     from sparkctl.lab.manage import write_client_files
     from sparkctl.lab.state import HostPaths, LabFiles
-    from sparkctl.settings import load_settings
+    from sparkctl.spec.settings import load_settings
 
     files = LabFiles.of(tmp_path)
     files.root.mkdir(parents=True, exist_ok=True)

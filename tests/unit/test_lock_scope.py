@@ -22,10 +22,11 @@ from typing import Any
 
 import pytest
 
-from sparkctl import identity, lock
 from sparkctl.cluster import Cluster
 from sparkctl.errors import CheckFailed
+from sparkctl.facts import machine_identity as identity
 from sparkctl.orchestrate.locking import lock_cluster, lock_states
+from sparkctl.remote import lockdir as lock
 from tests.conftest import run_cli as run
 from tests.unit.localnodes import LocalNodes, served_scene
 
@@ -204,7 +205,7 @@ def _changes(ln: LocalNodes, since: int) -> list[str]:
 
 def _systemd_seam(ln: LocalNodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """`export systemd` installs into a folder of the head's, with a systemctl that does nothing."""
-    from sparkctl import systemd_unit
+    from sparkctl.spec import systemd_unit
 
     monkeypatch.setattr(systemd_unit, "UNIT_DIR", "units")
     stub = ln.root / "hw" / "spark1" / "bin" / "systemctl"

@@ -16,14 +16,15 @@ from typing import Any
 
 import pytest
 
-from sparkctl import facts as F
-from sparkctl import memory, service
 from sparkctl.cluster import NodeError, Results, RunResult
 from sparkctl.errors import CheckFailed
+from sparkctl.facts import node_facts as F
 from sparkctl.orchestrate import up as orchestrate_up
-from sparkctl.plan import GB
-from sparkctl.resources import probe_script
-from sparkctl.settings import load_settings
+from sparkctl.remote import service
+from sparkctl.rules import memory
+from sparkctl.spec.planner import GB
+from sparkctl.spec.resources import probe_script
+from sparkctl.spec.settings import load_settings
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CID = "c0" * 32

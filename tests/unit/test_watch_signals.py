@@ -125,7 +125,7 @@ def _check(w: Watch, sig: signal.Signals, how: str) -> None:
     st = w.state()
     assert st["state"] == "stopped" and st["detail"] == f"stopped by {sig.name}", f"{how}: published {st}\n{err}"
     assert st["pid"] == w.proc.pid, f"{how}: the state is not this run's: {st}"
-    from sparkctl.watchstate import describe, parse_state
+    from sparkctl.remote.watchstate import describe, parse_state
 
     seen = parse_state(json.dumps(st))
     assert seen is not None and not seen["alive"]

@@ -8,7 +8,7 @@
   2. every node tries to reach every other rank's discovered fabric address (probes/reach.sh).
 Both rounds start as few processes per node as they can: on the lab all nodes share one machine.
 Then the `argv` row: every rank's argv judged on the head by the serving image's own vLLM (`judge_argv`).
-The rules themselves (pure) are `sparkctl.check`.
+The rules themselves (pure) are `sparkctl.rules.check_rules`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .. import facts as F
-from ..builders import open_api_warning
-from ..check import (
+from ..cluster import Cluster, Node, NodeError, Session, parallel
+from ..errors import SparkctlError
+from ..facts import node_facts as F
+from ..rules.check_rules import (
     CHECKS,
     DF_PATHS,
     REACH_BY_HAND,
@@ -38,11 +39,10 @@ from ..check import (
     rule_open_api,
     rule_reach,
 )
-from ..cluster import Cluster, Node, NodeError, Session, parallel
-from ..errors import SparkctlError
-from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding, Needs
-from ..findings import finding as _f
-from ..plan import (
+from ..rules.findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding, Needs
+from ..rules.findings import finding as _f
+from ..spec.builders import open_api_warning
+from ..spec.planner import (
     CheckpointInfo,
     Plan,
     checkpoint_from_scan,
@@ -50,9 +50,9 @@ from ..plan import (
     make_plan,
     nodes_compute_capability,
 )
-from ..resources import probe_script
-from ..settings import RankPins, Settings
-from .checkpoint import read_drafter_config_on, scan_on
+from ..spec.resources import probe_script
+from ..spec.settings import RankPins, Settings
+from .checkpoint_scan import read_drafter_config_on, scan_on
 
 
 @dataclass
@@ -214,7 +214,7 @@ def _verifier(settings: Settings, cluster: Cluster, head: str, model: str,
     """The checkpoint verdict from the head's scan: from its summaries, and when they show a problem,
     from the full headers (one more scan on the head) so the finding names the tensor and shard."""
     try:
-        from .. import verify as V
+        from ..checkpoint import verify as V
 
         layout = settings.recipe.checkpoint_layout
     except Exception:  # no verifier or no layout: the check says so instead of failing
@@ -341,8 +341,8 @@ def judge_argv(settings: Settings, cluster: Cluster, plan: Plan | None, pins: Ma
                unreached: set[str]) -> list[Finding]:
     """The `argv` row: every replica's every rank argv, rendered as `up` renders it, judged on the head by
     the serving image's own vLLM (argvjudge). What stops it is said on every rank's node, as a skip."""
-    from .. import argvjudge
-    from ..render import render_all, resolve_pins
+    from ..remote import argv_verdict as argvjudge
+    from ..spec.renderer import render_all, resolve_pins
 
     nodes = list(settings.topology.nodes)
     head = settings.topology.head

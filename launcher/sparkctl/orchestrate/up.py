@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import memory, service
 from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed, SparkctlError
-from ..nic_pins import pins_from_facts
 from ..output import warn
-from ..plan import (
+from ..remote import service
+from ..rules import memory
+from ..rules.nic_pins import pins_from_facts
+from ..spec.planner import (
     CheckpointInfo,
     Plan,
     drafter_dir,
@@ -46,10 +47,10 @@ from ..plan import (
     nodes_compute_capability,
     require_fit,
 )
-from ..render import Rendered, env_tp4_path, render_all, write_env_tp4
-from ..settings import Settings
+from ..spec.renderer import Rendered, env_tp4_path, render_all, write_env_tp4
+from ..spec.settings import Settings
 from . import require_all
-from .checkpoint import read_checkpoint_on
+from .checkpoint_scan import read_checkpoint_on
 from .locking import lock_cluster, record_identities
 from .node_probe import probe_node
 
@@ -164,7 +165,7 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
                          gathered={n: r[1] for n, r in ok.items()}, memory=node_memory(s, plan, ok),
                          look=lambda node: probe_node(node, s))
     if outcome.changed:
-        from ..history import record_release  # only a started service is recorded
+        from ..remote.releases import record_release  # only a started service is recorded
 
         try:
             record_release(cluster, s, rendered, source=source)
@@ -176,7 +177,7 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
 def judge_argv(cluster: Cluster, s: Settings, rendered: Rendered, say: Callable[[str], None]) -> None:
     """The serving image's own vLLM judges every rank's argv on the head (argvjudge) before anything starts:
     a refusal refuses `up` with vLLM's words; what it could not judge is a warning."""
-    from .. import argvjudge
+    from ..remote import argv_verdict as argvjudge
 
     j = argvjudge.judge(cluster.node(s.head), s, rendered.specs, say=say)
     refused = argvjudge.refusal(j, s)
@@ -267,7 +268,7 @@ def render_now(cluster: Cluster, s: Settings, source: str) -> Rendered:
 
 def render_now_and_master(cluster: Cluster, s: Settings, source: str) -> tuple[Rendered, str]:
     """render_now, and the master address the ranks meet at (the head's fabric address, or MASTER_ADDR)."""
-    from ..builders import master_addr
+    from ..spec.builders import master_addr
 
     facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
     pins = pins_from_facts(s, facts)
