@@ -31,7 +31,7 @@ from typing import Any
 
 from ..errors import CheckFailed
 from ..rules.findings import Finding
-from .verify_rules import finding_doc
+from .verify import finding_doc
 
 PARTIAL_DIR = ".sparkctl-partial"
 SCAN_TIMEOUT = 300.0

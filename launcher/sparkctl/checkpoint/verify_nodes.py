@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..rules.findings import FAIL, Finding
-from .verify_rules import issue
+from .verify import issue
 
 _FP_FIELDS = (("size", "size"), ("header_sha256", "header"), ("head_sha256", "first MiB"),
               ("tail_sha256", "last MiB"))

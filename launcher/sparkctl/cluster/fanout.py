@@ -14,7 +14,7 @@ from ..errors import CheckFailed, NodeError, UsageError
 from ..facts.machine_identity import refuse_duplicates
 from .channel import DEFAULT_COMMAND_TIMEOUT, Node, RunResult, remote_command
 from .sshconfig import SshTarget, load_ssh_config, resolve_target
-from .transport import DEFAULT_CONNECT_TIMEOUT, Jumps, _KeyCache, connect
+from .transport import DEFAULT_CONNECT_TIMEOUT, Jumps, KeyCache, connect
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ class Cluster:
         self._nodes: dict[str, Node] = {}
         self._targets: dict[str, SshTarget] = {}
         self.errors: dict[str, NodeError] = {}
-        self._keys = _KeyCache()
+        self._keys = KeyCache()
         self._jumps = Jumps()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(64, len(nodes)), thread_name_prefix="node"

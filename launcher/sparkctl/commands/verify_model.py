@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from ..checkpoint.verify_rules import Report, issue
+from ..checkpoint.verify import Report, issue
 from ..errors import UsageError
 from ..orchestrate import verify_model
 from ..orchestrate.verify_model import verify_local

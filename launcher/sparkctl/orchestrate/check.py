@@ -31,9 +31,9 @@ from ..rules.check_rules import (
     CHECKS,
     DF_PATHS,
     REACH_BY_HAND,
-    _compute_cap,
-    _parse_reach,
     evaluate,
+    node_compute_cap,
+    parse_reach,
     rule_gpu_memory_utilization,
     rule_identity,
     rule_open_api,
@@ -198,7 +198,7 @@ def reach(
             raise NodeError(name, "output", f"{name}: the reach test printed no result (exit {res.exit_code})",
                             f"run check again; if it repeats, run the reach test on {name} by hand: "
                             f"{REACH_BY_HAND}")  # fmt: skip
-        return _parse_reach(sec.stdout)
+        return parse_reach(sec.stdout)
 
     got: dict[str, dict[str, str] | NodeError | None] = cluster.run_all(one, nodes=list(sessions))
     for name in ips:  # its probe ended before round 2 (it printed no "ready"): say so, do not guess
@@ -282,7 +282,7 @@ def run_check(
             if facts.meminfo is None:
                 return None, "node memory unknown"
             try:
-                return make_plan(settings, ckpt, facts.meminfo.total_bytes, _compute_cap(facts)), ""
+                return make_plan(settings, ckpt, facts.meminfo.total_bytes, node_compute_cap(facts)), ""
             except Exception as exc:  # a config.json the planner cannot use: say so, keep checking
                 return None, str(exc)
 
@@ -308,7 +308,7 @@ def run_check(
     mems = [
         f.meminfo.total_bytes for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts) and f.meminfo
     ]
-    cc, cc_problem = nodes_compute_capability({n: _compute_cap(f) for n, f in facts_ok.items()})
+    cc, cc_problem = nodes_compute_capability({n: node_compute_cap(f) for n, f in facts_ok.items()})
     if cc_problem:
         findings.append(_f(CLUSTER_ROW, "plan", FAIL, "mixed GPUs", cc_problem,
                            "serve the model on nodes of one GPU generation"))

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint.verify_rules import Report
+from ..checkpoint.verify import Report
 from ..cluster import Cluster, RunResult
 from ..errors import CheckFailed
 from ..facts.parsing import ParseError, parse_json

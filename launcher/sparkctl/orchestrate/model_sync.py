@@ -35,8 +35,8 @@ from ..checkpoint.sync_plan import (
     state_dir,
     why,
 )
+from ..checkpoint.verify import issue
 from ..checkpoint.verify_nodes import compare_nodes
-from ..checkpoint.verify_rules import issue
 from ..cluster import Cluster, Node, NodeError
 from ..errors import CheckFailed, UsageError
 from ..facts.parsing import ParseError, parse_json

@@ -122,7 +122,7 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
 def master_paths(cluster: Cluster, s: Settings, addr: str, port: int) -> list[dict[str, Any]]:
     """From the node of every rank but the head's, whether a TCP connect reaches ADDR:PORT (reach.sh's
     test, as `check` runs it): one line per rank, ok or the reason."""
-    from ..rules.check_rules import _parse_reach
+    from ..rules.check_rules import parse_reach
     from ..spec.resources import probe_script
 
     ranks = [r for r in s.service.ranks if r.node != s.head and r.node in cluster.connected]
@@ -134,7 +134,7 @@ def master_paths(cluster: Cluster, s: Settings, addr: str, port: int) -> list[di
     out = []
     for r in ranks:
         got = res[r.node]
-        why = got.reason if isinstance(got, NodeError) else _parse_reach(got.stdout).get(addr, "no answer from the test")
+        why = got.reason if isinstance(got, NodeError) else parse_reach(got.stdout).get(addr, "no answer from the test")
         out.append({"rank": r.rank, "node": r.node, "head": s.head, "addr": addr, "port": port,
                     "ok": why == "ok", "reason": None if why == "ok" else why})
     return out

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.verify import verify_scan, verify_with
+from ..checkpoint.verify import NeedHeaders, Report, Summary, issue, verify_scan, verify_with
 from ..checkpoint.verify_nodes import compare_nodes
-from ..checkpoint.verify_rules import NeedHeaders, Report, Summary, issue
 from ..cluster import Cluster
 from ..facts.parsing import ParseError, parse_json
 from ..probes.ckpt_scan import scan

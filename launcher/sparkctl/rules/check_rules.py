@@ -706,7 +706,7 @@ def rule_open_api(warning: str | None) -> Finding | None:
 REACH_BY_HAND = "sh -c '. ./reach.sh; reach_test MASTER_PORT PEER_IP...' (sparkctl/probes/reach.sh)"
 
 
-def _parse_reach(text: str) -> dict[str, str]:
+def parse_reach(text: str) -> dict[str, str]:
     out = {}
     for line in text.splitlines():
         status, _, rest = line.partition(" ")
@@ -800,6 +800,6 @@ def evaluate(
     return findings, pins
 
 
-def _compute_cap(facts: F.NodeFacts) -> str | None:
+def node_compute_cap(facts: F.NodeFacts) -> str | None:
     """The node's GPU compute capability as nvidia-smi reports it (12.1 on GB10), None when unknown."""
     return facts.gpus[0].compute_cap if facts.gpus else None

@@ -13,9 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from sparkctl.checkpoint.safetensors import _validate, read_header
-from sparkctl.checkpoint.verify import verify_dir
-from sparkctl.checkpoint.verify_nodes import compare_nodes
-from sparkctl.checkpoint.verify_rules import (
+from sparkctl.checkpoint.verify import (
     _EXPERT_TAIL,
     Report,
     _exl3_groups,
@@ -23,7 +21,9 @@ from sparkctl.checkpoint.verify_rules import (
     _Issues,
     classify,
     ranges,
+    verify_dir,
 )
+from sparkctl.checkpoint.verify_nodes import compare_nodes
 from sparkctl.cli import cli
 from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
@@ -279,7 +279,7 @@ def test_lazy_offsets_match_the_json_reading(full300: Path) -> None:
 
 @pytest.mark.parametrize("name", ["glm53-3.00bpw", "glm53-2.75bpw", "tiny"])
 def test_every_layout_rule_says_where_its_value_comes_from(name: str) -> None:
-    from sparkctl.checkpoint.verify_rules import PROVENANCES
+    from sparkctl.checkpoint.verify import PROVENANCES
 
     layout = load_layout(name)
     rules = set(layout) - {"name", "description", "codebook_note", "provenance", "provenance_note"}

@@ -22,8 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparkctl.checkpoint.safetensors import DTYPE_BITS, TensorKind, nbytes, read_header
-from sparkctl.checkpoint.verify import verify_scan
-from sparkctl.checkpoint.verify_rules import NeedHeaders, Report
+from sparkctl.checkpoint.verify import NeedHeaders, Report, verify_scan
 from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
 from sparkctl.spec.recipes import load_layout

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from sparkctl.checkpoint.verify_rules import Report, Summary, issue
+from sparkctl.checkpoint.verify import Report, Summary, issue
 from sparkctl.cluster import NodeError
 from sparkctl.facts import node_facts as F
 from sparkctl.orchestrate.check import CheckReport
@@ -341,7 +341,7 @@ def test_reach_script_on_loopback() -> None:
         port = listener.getsockname()[1]
         r = subprocess.run(["sh", "-c", '. "$0"; reach_test "$@"', str(REACH), str(port), "127.0.0.1", "127.0.0.2",
                             "255.255.255.255"], capture_output=True, timeout=30)  # fmt: skip
-    got = C._parse_reach(r.stdout.decode())
+    got = C.parse_reach(r.stdout.decode())
     assert got == {"127.0.0.1": "ok", "127.0.0.2": "ok", "255.255.255.255": "Network is unreachable"}, r
 
 
@@ -378,7 +378,7 @@ def test_reach_script_without_mktemp_never_writes_through_a_planted_folder(tmp_p
     try:
         assert canary.read_bytes() == b"precious\n", r
         assert (evil / "127.0.0.1").is_symlink() and sorted(p.name for p in evil.iterdir()) == ["127.0.0.1"]
-        got = C._parse_reach(r.stdout.decode())
+        got = C.parse_reach(r.stdout.decode())
         assert list(got) == ["127.0.0.1"] and "temporary folder" in got["127.0.0.1"], r
     finally:
         for link in Path("/tmp").glob("sparkctl-reach.*"):
@@ -419,7 +419,7 @@ def test_probe_runs_the_reach_test_as_round_two_on_the_same_input(tmp_path: Path
                                        expect_listening=False, expect_model=False).meminfo  # fmt: skip
         rest, err = proc.communicate(b"127.0.0.1 255.255.255.255\n", timeout=30)
     sections = F.parse_probe_sections((first + rest).decode(), nonce, err.decode())
-    assert C._parse_reach(sections["reach"].stdout) == {"127.0.0.1": "ok", "255.255.255.255": "Network is unreachable"}
+    assert C.parse_reach(sections["reach"].stdout) == {"127.0.0.1": "ok", "255.255.255.255": "Network is unreachable"}
     assert proc.returncode == 0
 
 
@@ -432,7 +432,7 @@ def test_probe_round_two_reply_is_data_never_code(tmp_path: Path, reply: bytes) 
     assert proc.returncode == 0 and not (tmp_path / "canary").exists()
     sections = F.parse_probe_sections((first + rest).decode(), nonce, err.decode())
     if reply.strip():
-        assert all(v != "ok" for v in C._parse_reach(sections["reach"].stdout).values())
+        assert all(v != "ok" for v in C.parse_reach(sections["reach"].stdout).values())
     else:
         assert "reach" not in sections
 
