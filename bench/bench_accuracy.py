@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark `sparkctl bench` against issue 8's targets; prints the figures, exits 1 if one is missed.
+"""Benchmark `sparkctl bench` against its targets; prints the figures, exits 1 if one is missed.
 
 The lab's stand-in engine (launcher/sparkctl/lab/standin_vllm.py, a subprocess on 127.0.0.1,
 --nnodes 1, the tiny checkpoint) generates at known speeds, and the real CLI measures it

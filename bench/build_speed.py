@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark `sparkctl build` on the lab (4 hosts, the lab recipe's chain over the >= 100 MB lab base).
 
-Targets (issue 6):
+Targets:
   1. no-change `build` on 4 ranks: nothing rebuilt, <= 3 s wall
   2. no-change `build --ship`: 0 bytes sent
   3. one top-layer change with `--ship`: bytes sent <= 1.1 x (compressed size of the changed layers x 3)

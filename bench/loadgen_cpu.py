@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The load generator's own CPU per stream (issue 27): it must never be what it measures.
+"""The load generator's own CPU per stream: it must never be what it measures.
 
 The lab's stand-in engine serves on loopback (a subprocess: its CPU is not the client's) at
 STANDIN_DECODE_TOK_S per stream, one token per chunk (no speculation: the client's worst case, one

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Mutation testing of the safety-critical modules (issue 32): cosmic-ray breaks each line on purpose,
+"""Mutation testing of the safety-critical modules: cosmic-ray breaks each line on purpose,
 the tests that exercise the module run against every break, and a break that no test notices (a
 surviving mutant) is printed with its diff.
 
@@ -28,7 +28,7 @@ None` was the commonest survivor: 11 to 143 of a module's mutants).
 --check-floors is the shape for a gate: each module that has been run to its end has a floor (its
 score after its survivors were killed or explained), and the run exits 1 when a module scores below
 it or has mutants still to run. It is not a CI step: the whole list is hours to days of CPU here
-(docs/mutations.md, issue 32, has the measured rates), and CI's budget is 60 minutes.
+(docs/mutations.md has the measured rates), and CI's budget is 60 minutes.
 
 How it works: for each module, the selected tests first run once on the unchanged code (the baseline:
 it must pass, and its time sets the per-mutant timeout, 3x + 30 s); then `cosmic-ray init` lists the
@@ -85,7 +85,7 @@ class Module:
     floor: float | None = None  # --check-floors: the least score (percent) this module keeps; None: not yet measured
 
 
-# The safety-critical modules (issue 32) and the tests that exercise each one.
+# The safety-critical modules and the tests that exercise each one.
 MODULES: dict[str, Module] = {
     "cluster": Module((f"{PKG}/cluster",),
                       ("tests/unit/test_cluster_rules.py", "tests/unit/test_cluster.py", "tests/unit/test_hostkeys.py",
@@ -132,18 +132,18 @@ MODULES: dict[str, Module] = {
                         "tests/unit/test_hostile_values.py", "tests/unit/test_safety_offline.py"),
                        ("tests/lab/test_secrets_lab.py",), "redaction and strict keys"),
     "systemd_unit": Module((f"{PKG}/spec/systemd_unit.py",), ("tests/unit/test_watch.py",),
-                           ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; M62 equivalent
+                           ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; the survivor equivalent
     "fabric": Module((f"{PKG}/orchestrate/fabric_test.py",), ("tests/unit/test_fabric_rules.py", "tests/unit/test_fabric.py",
                                                             "tests/unit/test_safety_offline.py"),
                      ("tests/lab/test_fabric_lab.py",), "the fabric test and its sweep"),
     "memory": Module((f"{PKG}/rules/memory.py",), ("tests/unit/rules/test_memory.py", "tests/unit/test_memory_wait.py"),
                      ("tests/lab/test_memory_lab.py",),
                      "what `up` may wait for or drop: foreign GPU processes, memory not back, DROP_CACHES",
-                     floor=97.8),  # 133 of 136; M1663-M1665 equivalent
+                     floor=97.8),  # 133 of 136; 3 equivalent
     "nic_pins": Module((f"{PKG}/rules/nic_pins.py",),
                        ("tests/unit/rules/test_nic_pins_rules.py", "tests/unit/rules/test_nic_pins.py", "tests/unit/rules/test_check_rules.py"),
                        (), "the fabric discovery rule (netdev, RDMA device, GID index), for check and up",
-                       floor=96.3),  # 130 of 135; M1821 (4 mutants) and M1822 equivalent
+                       floor=96.3),  # 130 of 135; 5 equivalent
     "probes": Module((f"{PKG}/probes/ckpt_scan.py", f"{PKG}/probes/hf_pull.py", f"{PKG}/probes/model_node.py",
                       f"{PKG}/probes/save_filter.py"),
                      ("tests/unit/test_probes_rules.py", "tests/unit/spec/test_resources.py", "tests/unit/test_model_transfer.py",

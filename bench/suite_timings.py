@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The timing figures of the unit-tested paths (issue 21): printed here, exit 1 on a miss.
+"""The timing figures of the unit-tested paths: printed here, exit 1 on a miss.
 
 A unit test on a loaded 2-CPU machine cannot hold a wall-clock bound; a benchmark run on purpose can.
 Each figure is the best of --repeat runs (the least disturbed by other work on the machine).

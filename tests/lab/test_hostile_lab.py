@@ -1,4 +1,4 @@
-"""Hostile values never execute (issue 9), on real SSH and Docker.
+"""Hostile values never execute, on real SSH and Docker.
 
 Hypothesis builds node aliases, model paths, served names, env values (STANDIN_* passthrough, HF_TOKEN)
 and extra vLLM args out of shell syntax — spaces, quotes, newlines, `;`, `&&`, `$(touch CANARY)`,

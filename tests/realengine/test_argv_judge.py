@@ -1,4 +1,4 @@
-"""The argv judge (sparkctl/probes/argv_judge.py) run by the real vLLM for CPU, 0.32 (issue 25 §1).
+"""The argv judge (sparkctl/probes/argv_judge.py) run by the real vLLM for CPU, 0.32.
 
 `check` and `up` run the script inside the serving image on the head; here it runs in the real-engine venv
 directly (the venv the lab's sparkctl-lab/vllm:0.32.0-cpu image is made of), on lab-vllm's argv as

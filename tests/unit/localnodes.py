@@ -353,8 +353,8 @@ def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -
     monkeypatch.setattr(fanout, "connect", lambda target, **kw: _Transport(nodes, target.alias))
     monkeypatch.setenv("SPARKCTL_SSH_CONFIG", str(ssh_config))
     # Local nodes are this machine: its page cache is never dropped (DROP_CACHES would, as root), and
-    # `up` does not judge its memory (a verdict that would follow the machine's load; the lab's tests
-    # of issue 26 do that on purpose).
+    # `up` does not judge its memory (a verdict that would follow the machine's load; the lab's memory
+    # tests do that on purpose).
     monkeypatch.setenv("DROP_CACHES", "0")
     monkeypatch.setenv("MEMORY_WAIT_S", "0")
     # Every node holds the lab recipe's base (the same image everywhere, as `lab up` leaves it), so

@@ -1,6 +1,6 @@
-"""The SSH layer's rules that its own tests left unstated (issue 32: the survivors of its mutation run,
-M1750-M1799): HostKeyAlias and the ProxyJump bound of `ssh -G` resolution, what authentication failures
-say, each node through its own hop, host certificates judged by the CA known_hosts names, trust never
+"""The SSH layer's rules that its own tests left unstated (what its mutation run, bench/mutation.py, showed
+untested): HostKeyAlias and the ProxyJump bound of `ssh -G` resolution, what authentication failures say,
+each node through its own hop, host certificates judged by the CA known_hosts names, trust never
 writing through a planted file, a ProxyCommand's end and its last words, and the bounds of a Session
 and a Stream on real OpenSSH servers (test_cluster.py's sshlab)."""
 

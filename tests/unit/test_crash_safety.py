@@ -1,4 +1,4 @@
-"""Issue 19, offline: signals, the lock's dead/stale holders, orphans, the rollback report, identity,
+"""Crash safety, offline: signals, the lock's dead/stale holders, orphans, the rollback report, identity,
 strict env-file keys and the disk rule. The lab tests (tests/lab/test_signals_lab.py) run the same
 claims against real SSH and Docker."""
 
@@ -355,7 +355,7 @@ def test_cli_refuses_unknown_keys_for_commands_that_change_the_cluster(tmp_path:
 
 
 def test_a_key_set_twice_is_an_error_only_when_strict(tmp_path: Path) -> None:
-    """Issue 31: a second NODES= line (the last one won, silently) made two operators take two locks."""
+    """A second NODES= line (the last one won, silently) made two operators take two locks."""
     env = tmp_path / "env"
     env.write_text('NODES="a b c d"\nMODEL=/m\n# reordered\nNODES="b a c d"\nHF_TOKEN=hf_one\nHF_TOKEN=hf_two\n')
     s = load_settings(env_file=str(env), environ={})

@@ -1,4 +1,4 @@
-"""DROP_CACHES (issue 26): the real drop script, run here with `id` and `sudo` stand-ins on PATH (so
+"""DROP_CACHES: the real drop script, run here with `id` and `sudo` stand-ins on PATH (so
 this machine's page cache is never dropped): through `sudo -n` writing only drop_caches, or said and
 audited and the start refused when sparkctl has no right to; never forced."""
 

@@ -334,7 +334,7 @@ def _run_without_image(s: Any, lacking: set[str]) -> fabric.FabricReport:
 
 
 def test_a_lab_without_the_torch_image_is_told_to_run_lab_torch(clean_env: dict[str, str]) -> None:
-    """Issue 29: every lab host lacking sparkctl-lab/torch:latest said "check spark2 and its Docker engine"."""
+    """Every lab host lacking sparkctl-lab/torch:latest said "check spark2 and its Docker engine"."""
     report = _run_without_image(_settings("lab"), set(NODES))
     by_node = {f.node: f for f in report.findings if f.status == FAIL and f.node != CLUSTER_ROW}
     assert sorted(by_node) == NODES  # each rank names its own missing image (none reads as "stopped")

@@ -1,4 +1,4 @@
-"""The lifecycle paths nothing else tested (issue 21), on local nodes that really run every command.
+"""The lifecycle paths nothing else tested, on local nodes that really run every command.
 
 The nodes are local folders (tests/unit/localnodes.py) with a stateful `docker` stand-in that records
 every call in order, so the order of actions across nodes is observable: `up` starts the workers before

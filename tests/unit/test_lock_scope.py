@@ -1,4 +1,4 @@
-"""Issue 31: one lock per cluster, whoever's env file, and node names that reach another machine.
+"""One lock per cluster, whoever's env file, and node names that reach another machine.
 
 The lock is taken on every node a command changes, in one order set by what the machines are (their
 machine-id), so two env files that list the same nodes in another order, or share only one node, meet

@@ -1,4 +1,4 @@
-"""Issue 26, `up`'s side: who holds GPU memory (the probe's real shell on real /proc), the wait until a
+"""Memory, `up`'s side: who holds GPU memory (the probe's real shell on real /proc), the wait until a
 node's memory is back after a stop, DROP_CACHES=auto, and the refusal next to a foreign process.
 The numbers come from real captures: /proc/meminfo of a host with ~5 GB of page cache
 (tests/fixtures/host/proc-meminfo-cache.txt) and nvidia-smi's answers on an H200 with a process

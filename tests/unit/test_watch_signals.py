@@ -1,4 +1,4 @@
-"""`watch` stopped by SIGTERM, SIGHUP or SIGINT (issue 31): it ends with 128 + that signal's number,
+"""`watch` stopped by SIGTERM, SIGHUP or SIGINT: it ends with 128 + that signal's number,
 names that signal, and publishes "stopped" (the state file `status` reads) before it exits, every time.
 
 Each run is a real `sparkctl watch` process on local nodes (tests/unit/localnodes.py: every remote

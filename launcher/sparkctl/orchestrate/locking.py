@@ -1,4 +1,4 @@
-"""The cluster lock on every node a command changes, and who each node is (issue 31).
+"""The cluster lock on every node a command changes, and who each node is.
 
   who_is_who(cluster, names)       one round on those nodes: /etc/machine-id and the identity record
                                    the last `up` left there (identity.WHOAMI)

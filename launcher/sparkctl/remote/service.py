@@ -252,7 +252,7 @@ umask 077 && mkdir -p -- "$d" && chmod 700 -- "${d%/*}" "$d" && cat > "$f" || ex
 exec "$@"'''
 
 
-# DROP_CACHES (issue 26): a GB10's CUDA does not get the page cache back in time, so the KV cache
+# DROP_CACHES: a GB10's CUDA does not get the page cache back in time, so the KV cache
 # allocation fails after the weights load. Dropped as root, or through `sudo -n` writing only that
 # file; never otherwise. Prints "dropped HOW MEMFREE_KB_BEFORE MEMFREE_KB_AFTER"; exit 4: no right.
 _DROP_CACHES = r"""

@@ -1,4 +1,4 @@
-"""Memory rules for `up` (issue 26): who holds a node's GPU memory, whether the memory is back after
+"""Memory rules for `up`: who holds a node's GPU memory, whether the memory is back after
 a stop, whether to drop the page cache. Pure: facts (sparkctl.facts.node_facts) and numbers in, answers out.
 
 On a GB10 the GPU and the CPU share the node's memory: what an engine can get now is MemFree, plus

@@ -1,7 +1,7 @@
 """Kubernetes manifests for the service `up` runs over SSH: one LeaderWorkerSet and the API's Service.
 
 Pure: Settings and the per-rank `RankSpec`s (builders.rank_specs) in, plain dicts out; `manifests_yaml`
-serialises them. Issue 17. API: LeaderWorkerSet `leaderworkerset.x-k8s.io/v1`
+serialises them. API: LeaderWorkerSet `leaderworkerset.x-k8s.io/v1`
 (kubernetes-sigs/lws, api/leaderworkerset/v1/leaderworkerset_types.go).
 
 What maps to what (README, "Kubernetes (LeaderWorkerSet)"):

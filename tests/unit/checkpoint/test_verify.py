@@ -1,5 +1,5 @@
-"""verify-model's rules on generated packs: good packs pass with the right summary, every fault of
-issue 5 gives its finding and exit 1, never a traceback."""
+"""verify-model's rules on generated packs: good packs pass with the right summary, every fault
+ckptgen can make gives its finding and exit 1, never a traceback."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_meminfo_real() -> None:
 
 
 def test_meminfo_free_cache_and_swap_on_real_output() -> None:
-    """Issue 26: the page cache the kernel can drop is Cached − Shmem + Buffers + SReclaimable, apart
+    """The page cache the kernel can drop is Cached − Shmem + Buffers + SReclaimable, apart
     from MemFree (MemAvailable counts it as available; a GB10's CUDA does not get it back in time)."""
     mem = f.parse_meminfo(fixture("host/proc-meminfo-cache.txt"))
     assert mem.free_bytes == 18140048 * 1024

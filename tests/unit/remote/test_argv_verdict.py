@@ -1,4 +1,4 @@
-"""The serving image's own vLLM judges every rank's argv before any rank starts (argvjudge, issue 25 §1).
+"""The serving image's own vLLM judges every rank's argv before any rank starts (argv_verdict).
 
 Offline, on local nodes that really run every command (tests/unit/localnodes.py): the stub `docker`
 answers the judge's `docker run --rm ... --label sparkctl.purpose=argv-judge` with the verdicts that

@@ -1,5 +1,5 @@
 """cleanup.sweep without SSH or Docker: what it says and reports when a third signal aborts it (a
-mutant of that path survived tests/unit/test_crash_safety.py; bench/mutation.py cleanup, issue 32)."""
+mutant of that path survived tests/unit/test_crash_safety.py; bench/mutation.py cleanup)."""
 
 from __future__ import annotations
 

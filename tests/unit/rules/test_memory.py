@@ -1,4 +1,4 @@
-"""memory.py's pure rules at their edges (issue 32: the survivors of its mutation run, M1650-M1699).
+"""memory.py's pure rules at their edges (what its mutation run, bench/mutation.py, showed untested).
 
 Each test here was seen red on the one mutant it names in docs/mutations.md (issue-32m)."""
 

@@ -1,5 +1,5 @@
 """The fabric discovery rule's claims, stated exactly
-(issue 32: the survivors of its mutation run, M1800-M1849).
+(what its mutation run, bench/mutation.py, showed untested).
 
 Which netdev, RDMA device and RoCE v2 GID index each rank pins (`nic_pins.discover_fabric`, `check`'s `fabric`
 row) and what `up` says when a rank cannot be pinned (`nic_pins.pins_from_facts`). The node facts are built

@@ -1,5 +1,5 @@
-"""What `builders` promises about the command lines and environments it returns (issue 32: the
-survivors of `bench/mutation.py builders`, each claim asserted on the argv or env a node receives).
+"""What `builders` promises about the command lines and environments it returns (what
+`bench/mutation.py builders` showed untested, each claim asserted on the argv or env a node receives).
 """
 
 from __future__ import annotations

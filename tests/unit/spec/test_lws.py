@@ -1,4 +1,4 @@
-"""`render --target lws` (issue 17): the manifests parse, Kubernetes' own OpenAPI schemas accept the Service
+"""`render --target lws`: the manifests parse, Kubernetes' own OpenAPI schemas accept the Service
 and the pod templates, the LeaderWorkerSet matches tests/schemas/leaderworkerset-v1.json, each rank's
 container runs what `render` gives that rank's `docker run`, and no secret value is ever written."""
 

@@ -1,4 +1,4 @@
-"""One endpoint over the replicas (issue 17): the nginx.conf `sparkctl endpoint` renders.
+"""One endpoint over the replicas: the nginx.conf `sparkctl endpoint` renders.
 
 What it says (least_conn over every head, streaming unbuffered, long read timeouts, Authorization passed
 through), that no value can inject nginx syntax, which heads it takes from the settings, and the command

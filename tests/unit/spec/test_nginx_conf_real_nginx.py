@@ -1,4 +1,4 @@
-"""The real nginx judges the nginx.conf `sparkctl endpoint` renders (issue 17).
+"""The real nginx judges the nginx.conf `sparkctl endpoint` renders.
 
 `nginx -t` accepts it, and a running nginx (on loopback, as whoever runs the tests: every path under a
 temp dir) spreads requests over two stand-in heads, sends the next request to the head with fewer open

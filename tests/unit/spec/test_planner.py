@@ -229,7 +229,7 @@ def test_kv_per_rank_holds_every_full_sequence_at_lengths_dcp_does_not_divide(cl
 
 
 def test_plan_says_which_node_memory_figure_it_planned_against(clean_env, model_308):
-    """Issue 26: `plan` never reads a node's memory; it says whether the figure is --node-memory or
+    """`plan` never reads a node's memory; it says whether the figure is --node-memory or
     NODE_MEMORY_BYTES (and where that came from), in its text and its JSON."""
     import json
     import os

@@ -1,5 +1,5 @@
-"""The checkpoint reader the planner relies on, at its edges (issue 32: the survivors of its mutation run,
-M1850-M1899).
+"""The checkpoint reader the planner relies on, at its edges (what its mutation run,
+bench/mutation.py, showed untested).
 
 checkpoint_from_scan turns a checkpoint scan (probes/ckpt_scan.py: this machine's, or what a node printed)
 into the planner's input. A node's answer is untrusted: anything malformed is a UsageError or CheckFailed
@@ -249,7 +249,7 @@ def test_reading_a_checkpoint_here_opens_no_shard(tmp_path: Path, monkeypatch: p
 
 def test_reading_the_drafter_opens_none_of_its_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SPEC_METHOD=dspark: the drafter's config.json is read with the checkpoint, its shards are not opened
-    either (the second sample's survivor, M1876)."""
+    either."""
     m, drafter = _model(tmp_path), write_model(tmp_path / "drafter", 300, 3)
     read: list[str] = []
 

@@ -1,4 +1,4 @@
-"""The KV planner's rules, figure by figure (issue 32: the survivors of its mutation run, M1900-M1949).
+"""The KV planner's rules, figure by figure (what its mutation run, bench/mutation.py, showed untested).
 
 Exact bytes, blocks and GB text; _cfg_int's bounds; what the refusals and notes say; the order of the
 problems. The KV arithmetic itself is documented in planner.py's docstring and docs/sources.md and refereed by
@@ -266,7 +266,7 @@ def test_a_blank_spec_method_is_refused_not_read_as_off(clean_env, model_308):
         settings_for(model_308, SPEC_METHOD="")
 
 
-# --- the second sample after these tests (issue 32k, M1944-M1947) ------------------------------------------
+# --- what the second mutation sample after these tests showed untested -------------------------------------
 
 
 def test_an_unquantized_mla_latent_is_the_lora_rank_plus_the_rope_dim(tmp_path):

@@ -1,5 +1,5 @@
 """What `settings` promises: each knob's range to the unit, secrets never shown, unknown or doubled keys
-refused where the cluster changes (issue 32: the survivors of `bench/mutation.py settings`).
+refused where the cluster changes (what `bench/mutation.py settings` showed untested).
 """
 
 from __future__ import annotations
