@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark `sparkctl bench` against issue 8's targets; prints the figures, exits 1 if one is missed.
+"""Benchmark `sparkctl bench` against its targets; prints the figures, exits 1 if one is missed.
 
 The lab's stand-in engine (launcher/sparkctl/lab/standin_vllm.py, a subprocess on 127.0.0.1,
 --nnodes 1, the tiny checkpoint) generates at known speeds, and the real CLI measures it
@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
 sys.path.insert(0, str(ROOT))  # tests.kit: the lab client and the loopback stand-in
 
+from sparkctl.facts.promtext import parse as parse_prometheus  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
-from sparkctl.promtext import parse as parse_prometheus  # noqa: E402
 from tests.kit.local import local_standin  # noqa: E402
 
 TOLERANCE = 0.05

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 27's referee figures: `sparkctl bench` against vLLM's own `vllm bench serve`, on the same load, on the
+"""The referee figures: `sparkctl bench` against vLLM's own `vllm bench serve`, on the same load, on the
 lab's real engine (`sparkctl lab up --engine vllm`, recipe lab-vllm, TP 2 on spark1 + spark3).
 
 It runs what a user runs, `sparkctl --json bench --tool vllm --workload prose --concurrency C... --num-prompts N

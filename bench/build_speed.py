@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark `sparkctl build` on the lab (4 hosts, the lab recipe's chain over the >= 100 MB lab base).
 
-Targets (issue 6):
+Targets:
   1. no-change `build` on 4 ranks: nothing rebuilt, <= 3 s wall
   2. no-change `build --ship`: 0 bytes sent
   3. one top-layer change with `--ship`: bytes sent <= 1.1 x (compressed size of the changed layers x 3)
@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
 from sparkctl.lab import manage  # noqa: E402
-from sparkctl.recipes import load_recipe  # noqa: E402
+from sparkctl.spec.recipes import load_recipe  # noqa: E402
 from tests.kit.lab import Lab  # noqa: E402
 
 # SPARKCTL_BENCH_RANKS="spark1 spark2 spark5 spark6" picks other lab hosts (head first); default spark1..4.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark `sparkctl check` on the lab against issue 4's targets; prints the figures, exits 1 if
+"""Benchmark `sparkctl check` on the lab against its targets; prints the figures, exits 1 if
 one is missed (2 when the lab is not there to measure).
 
 1. Handshakes: one `check` opens exactly one SSH connection per node. Counted from each host's sshd

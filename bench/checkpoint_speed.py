@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The one checkpoint reader on the real size (issue 16 §3): prints the figures, exits 1 on a miss.
+"""The one checkpoint reader on the real size: prints the figures, exits 1 on a miss.
 
 A full-size sparse 3.00 bpw layout (41 shards, 308 GiB apparent, 232k tensors: real headers, the
 data a hole) is generated into every lab host's /models/lab/<sub> (~50 MB of disk each). Then:
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client and the loopback stand-in
 
 from sparkctl.lab import ckptgen  # noqa: E402
-from sparkctl.resources import probe_script  # noqa: E402
+from sparkctl.spec.resources import probe_script  # noqa: E402
 from tests.kit.lab import Lab  # noqa: E402
 
 SUB = "bench-full300"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark `sparkctl check --fabric` on 4 lab hosts against issue 18's targets; prints the figures,
+"""Benchmark `sparkctl check --fabric` on 4 lab hosts against its targets; prints the figures,
 exits 1 if one is missed (2 when the lab is not there to measure).
 
 Targets: the fabric test (every rank's container started, the gloo all-reduce at the lab recipe's

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the fidelity suite (issue 13 part 2); prints the figures, exits 1 if a target is missed.
+"""Benchmark the fidelity suite; prints the figures, exits 1 if a target is missed.
 
 1. Cold install of the fidelity venv (tests/fidelity/setup_venv.sh into an empty folder): torch CPU,
    vLLM 0.33.0 and the pinned requirements. Target: <= 600 s (it must fit in CI on a new machine).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 7's figures on the lab (4 hosts, stand-in engine with zero load delay), best of N runs:
+"""The lifecycle's figures on the lab (4 hosts, stand-in engine with zero load delay), best of N runs:
 
   up (nothing running → all ranks started)   ≤ 2.0 s   wall time of the real CLI
   wait notices readiness                     ≤ 1.0 s   after the head's /health first answers 200

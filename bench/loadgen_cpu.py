@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The load generator's own CPU per stream (issue 27): it must never be what it measures.
+"""The load generator's own CPU per stream: it must never be what it measures.
 
 The lab's stand-in engine serves on loopback (a subprocess: its CPU is not the client's) at
 STANDIN_DECODE_TOK_S per stream, one token per chunk (no speculation: the client's worst case, one
@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launcher"))
 sys.path.insert(0, str(ROOT))  # tests.kit: the lab client and the loopback stand-in
-from sparkctl import headapi  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.loadgen import inputs, level, request  # noqa: E402
+from sparkctl.remote import headapi  # noqa: E402
 from tests.kit.local import local_standin  # noqa: E402
 
 LEVELS = (1, 8, 32, 64)

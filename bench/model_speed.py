@@ -80,7 +80,7 @@ def main() -> int:
             print(f"[4] pull re-run: {again} bytes downloaded, {took:.2f}s, status {doc.get('status')}")
             if again != 0 or doc.get("status") != "up-to-date":
                 misses.append("pull re-run downloaded bytes")
-            if took > 2.0:  # issue 14: a re-run with nothing new says so in under 2 s
+            if took > 2.0:  # a re-run with nothing new says so in under 2 s
                 misses.append(f"pull re-run took {took:.2f}s (target < 2 s)")
         one_t, doc, r = run(env, "model", "sync", "--to", "spark2")
         if not doc.get("ok"):

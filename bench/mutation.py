@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Mutation testing of the safety-critical modules (issue 32): cosmic-ray breaks each line on purpose,
+"""Mutation testing of the safety-critical modules: cosmic-ray breaks each line on purpose,
 the tests that exercise the module run against every break, and a break that no test notices (a
 surviving mutant) is printed with its diff.
 
     .venv/bin/pip install -e '.[mutation]'                  # cosmic-ray, into the project's venv
     .venv/bin/python bench/mutation.py --list               # the modules and the tests each one runs
     .venv/bin/python bench/mutation.py systemd_unit lock    # score per module, and the survivors
-    .venv/bin/python bench/mutation.py plan --tests 'tests/unit/test_plan.py -k dcp'  # a narrower selection
+    .venv/bin/python bench/mutation.py plan --tests 'tests/unit/spec/test_planner.py -k dcp'  # a narrower selection
     .venv/bin/python bench/mutation.py cleanup --confirm    # survivors re-run against the whole unit suite
     .venv/bin/python bench/mutation.py fabric --lab         # ... and against the module's lab subset (root)
     nice -n 19 .venv/bin/python bench/mutation.py lock --budget 30   # 30 minutes of it; run again to go on
@@ -28,7 +28,7 @@ None` was the commonest survivor: 11 to 143 of a module's mutants).
 --check-floors is the shape for a gate: each module that has been run to its end has a floor (its
 score after its survivors were killed or explained), and the run exits 1 when a module scores below
 it or has mutants still to run. It is not a CI step: the whole list is hours to days of CPU here
-(docs/mutations.md, issue 32, has the measured rates), and CI's budget is 60 minutes.
+(docs/mutations.md has the measured rates), and CI's budget is 60 minutes.
 
 How it works: for each module, the selected tests first run once on the unchanged code (the baseline:
 it must pass, and its time sets the per-mutant timeout, 3x + 30 s); then `cosmic-ray init` lists the
@@ -85,7 +85,7 @@ class Module:
     floor: float | None = None  # --check-floors: the least score (percent) this module keeps; None: not yet measured
 
 
-# The safety-critical modules (issue 32) and the tests that exercise each one.
+# The safety-critical modules and the tests that exercise each one.
 MODULES: dict[str, Module] = {
     "cluster": Module((f"{PKG}/cluster",),
                       ("tests/unit/test_cluster_rules.py", "tests/unit/test_cluster.py", "tests/unit/test_hostkeys.py",
@@ -100,54 +100,54 @@ MODULES: dict[str, Module] = {
                         ("tests/unit/test_hostkeys.py", "tests/unit/test_cluster.py", "tests/unit/test_ssh_setups.py"),
                         ("tests/lab/test_connections_lab.py",), "ssh -G, Host patterns, Include (part of cluster)"),
     # The fast files first: with -x a killed mutant stops at the first red test.
-    "cleanup": Module((f"{PKG}/cleanup.py",),
-                      ("tests/unit/test_cleanup_sweep.py", "tests/unit/test_crash_safety.py",
+    "cleanup": Module((f"{PKG}/remote/cleanup.py",),
+                      ("tests/unit/remote/test_cleanup.py", "tests/unit/test_crash_safety.py",
                        "tests/unit/test_status_orphans.py", "tests/unit/test_safety_offline.py"),
                       ("tests/lab/test_foreign_lab.py", "tests/lab/test_lifecycle_lab.py")),
-    "service": Module((f"{PKG}/service.py",),
-                      ("tests/unit/test_service_rules.py", "tests/unit/test_memory_wait.py",
+    "service": Module((f"{PKG}/remote/service.py",),
+                      ("tests/unit/remote/test_service_rules.py", "tests/unit/test_memory_wait.py",
                        "tests/unit/test_drop_caches.py", "tests/unit/test_lifecycle_units.py",
                        "tests/unit/test_crash_safety.py", "tests/unit/test_lifecycle_paths.py",
                        "tests/unit/test_safety_offline.py"),
                       ("tests/lab/test_lifecycle_lab.py", "tests/lab/test_secrets_lab.py")),
-    "lock": Module((f"{PKG}/lock.py",),
-                   ("tests/unit/test_lock_owner.py", "tests/unit/test_lifecycle_units.py",
+    "lock": Module((f"{PKG}/remote/lockdir.py",),
+                   ("tests/unit/remote/test_lockdir.py", "tests/unit/test_lifecycle_units.py",
                     "tests/unit/test_crash_safety.py"),
                    ("tests/lab/test_lifecycle_lab.py",)),
     "signals": Module((f"{PKG}/signals.py",),
                       ("tests/unit/test_signals_states.py", "tests/unit/test_threads.py", "tests/unit/test_crash_safety.py"),
                       ("tests/lab/test_signals_lab.py",)),
-    "builders": Module((f"{PKG}/builders.py",),
-                       ("tests/unit/test_builders_argv.py", "tests/unit/test_lifecycle_units.py",
-                        "tests/unit/test_render.py", "tests/unit/test_lab_vllm.py", "tests/unit/test_render_command.py",
-                        "tests/unit/test_hostile_values.py", "tests/unit/test_lws.py", "tests/unit/test_fabric.py"),
+    "builders": Module((f"{PKG}/spec/builders.py",),
+                       ("tests/unit/spec/test_builders.py", "tests/unit/test_lifecycle_units.py",
+                        "tests/unit/spec/test_renderer.py", "tests/unit/test_lab_vllm.py", "tests/unit/test_render_command.py",
+                        "tests/unit/test_hostile_values.py", "tests/unit/spec/test_lws.py", "tests/unit/test_fabric.py"),
                        ("tests/lab/test_secrets_lab.py", "tests/lab/test_lifecycle_lab.py")),
-    "plan": Module((f"{PKG}/plan.py",),
-                   ("tests/unit/test_plan_kv_rules.py", "tests/unit/test_plan_checkpoint_rules.py",
-                    "tests/unit/test_plan.py", "tests/unit/test_render.py"),
+    "plan": Module((f"{PKG}/spec/planner.py",),
+                   ("tests/unit/spec/test_planner_kv_rules.py", "tests/unit/spec/test_planner_checkpoint_rules.py",
+                    "tests/unit/spec/test_planner.py", "tests/unit/spec/test_renderer.py"),
                    (), "the KV plan; vLLM's own planner judges it in tests/fidelity (its own venv)"),
-    "settings": Module((f"{PKG}/settings.py",),
-                       ("tests/unit/test_settings_rules.py", "tests/unit/test_settings.py", "tests/unit/test_env_example.py",
-                        "tests/unit/test_vllm_flags.py", "tests/unit/test_topology.py", "tests/unit/test_render.py",
+    "settings": Module((f"{PKG}/spec/settings.py",),
+                       ("tests/unit/spec/test_settings_rules.py", "tests/unit/spec/test_settings.py", "tests/unit/spec/test_env_example.py",
+                        "tests/unit/spec/test_vllm_flags.py", "tests/unit/spec/test_topology.py", "tests/unit/spec/test_renderer.py",
                         "tests/unit/test_hostile_values.py", "tests/unit/test_safety_offline.py"),
                        ("tests/lab/test_secrets_lab.py",), "redaction and strict keys"),
-    "systemd_unit": Module((f"{PKG}/systemd_unit.py",), ("tests/unit/test_watch.py",),
-                           ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; M62 equivalent
+    "systemd_unit": Module((f"{PKG}/spec/systemd_unit.py",), ("tests/unit/test_watch.py",),
+                           ("tests/lab/test_watch_lab.py",), floor=98.0),  # 49 of 50; the survivor equivalent
     "fabric": Module((f"{PKG}/orchestrate/fabric_test.py",), ("tests/unit/test_fabric_rules.py", "tests/unit/test_fabric.py",
                                                             "tests/unit/test_safety_offline.py"),
                      ("tests/lab/test_fabric_lab.py",), "the fabric test and its sweep"),
-    "memory": Module((f"{PKG}/memory.py",), ("tests/unit/test_memory_rules.py", "tests/unit/test_memory_wait.py"),
+    "memory": Module((f"{PKG}/rules/memory.py",), ("tests/unit/rules/test_memory.py", "tests/unit/test_memory_wait.py"),
                      ("tests/lab/test_memory_lab.py",),
                      "what `up` may wait for or drop: foreign GPU processes, memory not back, DROP_CACHES",
-                     floor=97.8),  # 133 of 136; M1663-M1665 equivalent
-    "nic_pins": Module((f"{PKG}/nic_pins.py",),
-                       ("tests/unit/test_nic_pins_rules.py", "tests/unit/test_nic_pins.py", "tests/unit/test_check.py"),
+                     floor=97.8),  # 133 of 136; 3 equivalent
+    "nic_pins": Module((f"{PKG}/rules/nic_pins.py",),
+                       ("tests/unit/rules/test_nic_pins_rules.py", "tests/unit/rules/test_nic_pins.py", "tests/unit/rules/test_check_rules.py"),
                        (), "the fabric discovery rule (netdev, RDMA device, GID index), for check and up",
-                       floor=96.3),  # 130 of 135; M1821 (4 mutants) and M1822 equivalent
+                       floor=96.3),  # 130 of 135; 5 equivalent
     "probes": Module((f"{PKG}/probes/ckpt_scan.py", f"{PKG}/probes/hf_pull.py", f"{PKG}/probes/model_node.py",
                       f"{PKG}/probes/save_filter.py"),
-                     ("tests/unit/test_probes_rules.py", "tests/unit/test_probe_bundle.py", "tests/unit/test_model_transfer.py",
-                      "tests/unit/test_ckpt_summary.py", "tests/unit/test_verify.py", "tests/unit/test_images.py"),
+                     ("tests/unit/test_probes_rules.py", "tests/unit/spec/test_resources.py", "tests/unit/test_model_transfer.py",
+                      "tests/unit/checkpoint/test_verify_summary.py", "tests/unit/checkpoint/test_verify.py", "tests/unit/image/test_chain.py"),
                      ("tests/lab/test_verify_lab.py", "tests/lab/test_model_lab.py"),
                      "the node-side probes' argument handling (they run as files, on argv and stdin)"),
 }
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the modules, their files and tests")
     p.add_argument("--tests", type=shlex.split, metavar="ARGS",
                    help="pytest arguments instead of the module's own selection, one quoted string\n"
-                        "(paths, node ids, -k EXPR): --tests 'tests/unit/test_plan.py -k dcp'")
+                        "(paths, node ids, -k EXPR): --tests 'tests/unit/spec/test_planner.py -k dcp'")
     p.add_argument("--exclude-operator", action="append", default=[], metavar="REGEX",
                    help="skip cosmic-ray operators matching REGEX (e.g. 'core/NumberReplacer')")
     p.add_argument("--confirm", action="store_true", help="re-run survivors against the whole unit suite")

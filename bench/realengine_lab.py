@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 25's figures on the lab's real engine (`sparkctl lab up --engine vllm`, recipe lab-vllm):
+"""The figures on the lab's real engine (`sparkctl lab up --engine vllm`, recipe lab-vllm):
 
   up -> ready (wait done: /health 200, /v1/models, a real completion), TP 2 (and TP 4 with --tp 4)
   sparkctl's own share of it                      <= 3 s   (after `check`, as the user's path runs them:

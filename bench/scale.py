@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 17's scale figures on the lab: 4, 8 and 16 hosts at TP=4 (1, 2 and 4 replicas).
+"""The scale figures on the lab: 4, 8 and 16 hosts at TP=4 (1, 2 and 4 replicas).
 
 For each size the real CLI runs `check`, `up`, `wait`, `down` (best of --repeat for the timings) and
 the script measures, per command:

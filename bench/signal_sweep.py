@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 19's signal sweep on the lab: SIGINT and SIGTERM sent to `up` and `down` at N evenly spaced
+"""The signal sweep on the lab: SIGINT and SIGTERM sent to `up` and `down` at N evenly spaced
 moments across their run (N=20 by default). After each run:
 
   - containers: the complete service (every rank running, nothing else) or none at all;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The timing figures of the unit-tested paths (issue 21): printed here, exit 1 on a miss.
+"""The timing figures of the unit-tested paths: printed here, exit 1 on a miss.
 
 A unit test on a loaded 2-CPU machine cannot hold a wall-clock bound; a benchmark run on purpose can.
 Each figure is the best of --repeat runs (the least disturbed by other work on the machine).
@@ -46,10 +46,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from sparkctl import nccl, promtext
+    from sparkctl.facts import promtext
     from sparkctl.lab import ckptgen
     from sparkctl.orchestrate.status import metrics_summary
-    from sparkctl.readiness import phase_of
+    from sparkctl.remote.readiness import phase_of
+    from sparkctl.rules import nccl
 
     results: list[tuple[str, float, float, float]] = []  # name, seconds, low, high
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark `verify-model` against issue 5's targets; prints the figures, exits 1 if one is missed.
+"""Benchmark `verify-model` against its targets; prints the figures, exits 1 if one is missed.
 
 1. Header-level verification of the full-size sparse packs (ckptgen): 3.00 bpw (41 shards, 58k+
    tensors) in <= 1.0 s and 2.75 bpw (81 shards) in <= 1.5 s, each reading < 64 MB
@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
 
+from sparkctl.checkpoint.verify import verify_dir  # noqa: E402
 from sparkctl.lab.ckptgen import make_checkpoint  # noqa: E402
 from sparkctl.probes.ckpt_scan import deep_hashes  # noqa: E402
-from sparkctl.recipes import load_layout  # noqa: E402
-from sparkctl.verify import verify_dir  # noqa: E402
+from sparkctl.spec.recipes import load_layout  # noqa: E402
 
 MB = 1_000_000
 

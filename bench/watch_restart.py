@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 15's figure on the lab (4 hosts, stand-in engine, zero load delay), best of N runs:
+"""`watch`'s restart figure on the lab (4 hosts, stand-in engine, zero load delay), best of N runs:
 
   kill rank 2's engine → a real completion again   ≤ 3.0 s + the lab engine's start time
 

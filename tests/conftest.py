@@ -53,11 +53,11 @@ if "SPARKCTL_TEST_CACHE" not in os.environ:
 
 @pytest.fixture(autouse=True)
 def _lock_root_of_each_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shared cluster lock (sparkctl.lock.LOCK_ROOT, /var/tmp on a node) in a folder of each test
+    """The shared cluster lock (sparkctl.remote.lockdir.LOCK_ROOT, /var/tmp on a node) in a folder of each test
     node's own: relative, so it is made in the working directory of the command (a test node's home),
     never in this machine's /var/tmp, where tests running side by side would meet."""
     try:
-        from sparkctl import lock as _lock
+        from sparkctl.remote import lockdir as _lock
     except ImportError:  # the fidelity venv without sparkctl's dependencies
         return
     monkeypatch.setattr(_lock, "LOCK_ROOT", "var-tmp")
@@ -146,7 +146,7 @@ def write_serving(model: Path) -> None:
 def prebuilt_recipe(dest: Path, name: str = "lab-prebuilt") -> Path:
     """The lab recipe with its chain replaced by [images.prebuilt] (everything else as the lab runs it):
     a recipe that runs a published image, as the 2.75 bpw recipe does."""
-    from sparkctl.recipes import recipes_dir
+    from sparkctl.spec.recipes import recipes_dir
 
     text = (recipes_dir() / "lab.toml").read_text()
     start, end = text.index("\n[images]"), text.index("\n[checkpoint]")

@@ -53,7 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _recipe_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
     """Shell completion for --recipe: the recipes sparkctl ships."""
-    from .resources import recipes_dir
+    from .spec.resources import recipes_dir
 
     return [n for n in sorted(p.stem for p in recipes_dir().glob("*.toml")) if n.startswith(incomplete)]
 

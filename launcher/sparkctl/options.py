@@ -41,7 +41,7 @@ class Globals:
         return out
 
     def settings(self, **kwargs: Any) -> Any:
-        from .settings import load_settings
+        from .spec.settings import load_settings
 
         # Commands that change the cluster refuse unknown env-file keys (exit 2); the others warn.
         ctx = click.get_current_context(silent=True)

@@ -30,8 +30,9 @@ vllm = pytest.importorskip("vllm")
 from vllm.benchmarks.lib import endpoint_request_func as erf  # noqa: E402
 from vllm.benchmarks.serve import calculate_metrics  # noqa: E402
 
-from sparkctl import benchmetrics, headapi  # noqa: E402
 from sparkctl.loadgen import request  # noqa: E402
+from sparkctl.measure import metrics as benchmetrics  # noqa: E402
+from sparkctl.remote import headapi  # noqa: E402
 
 pytestmark = pytest.mark.fidelity
 

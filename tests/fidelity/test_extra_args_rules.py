@@ -13,8 +13,8 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the CUDA wheel on a CPU-only host
 pytest.importorskip("vllm")
 
-from sparkctl.settings import parse_vllm_extra_args  # noqa: E402
-from sparkctl.vllm_flags import DATA_FILE, OWNED_FLAGS, SECRET_FLAGS, flag_table  # noqa: E402
+from sparkctl.spec.settings import parse_vllm_extra_args  # noqa: E402
+from sparkctl.spec.vllm_flags import DATA_FILE, OWNED_FLAGS, SECRET_FLAGS, flag_table  # noqa: E402
 from tests.fidelity import vllm_serve_flags  # noqa: E402
 
 pytestmark = pytest.mark.fidelity

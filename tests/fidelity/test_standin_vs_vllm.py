@@ -29,9 +29,9 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 vllm = pytest.importorskip("vllm")
 
-from sparkctl.engine_lines import FAILURE_MARKERS, METRIC_SOURCES, PHASE_MARKERS  # noqa: E402
+from sparkctl.facts.engine_lines import FAILURE_MARKERS, METRIC_SOURCES, PHASE_MARKERS  # noqa: E402
 from sparkctl.lab import standin_vllm as standin  # noqa: E402
-from sparkctl.readiness import HeadApi  # noqa: E402
+from sparkctl.remote.readiness import HeadApi  # noqa: E402
 from tests.fidelity import vllm_serve_flags  # noqa: E402
 from tests.unit.test_standin import free_port, wait_status, write_checkpoint  # noqa: E402
 

@@ -120,10 +120,10 @@ class Rendered:
 def render(recipe: str, knobs: dict[str, str], models: dict[str, Path],
            compute_capability: tuple[int, int] = GB10) -> Rendered:
     """sparkctl's own settings → plan → every rank's `vllm serve` argv, offline."""
-    from sparkctl import plan as planmod
-    from sparkctl.builders import vllm_serve_argv
-    from sparkctl.render import resolve_pins
-    from sparkctl.settings import load_settings
+    from sparkctl.spec import planner as planmod
+    from sparkctl.spec.builders import vllm_serve_argv
+    from sparkctl.spec.renderer import resolve_pins
+    from sparkctl.spec.settings import load_settings
 
     env = {"NODES": NODES, "MODEL": str(models[recipe]), "RECIPE": recipe, **PINS}
     env.update({k: str(models[v]) if v in models else v for k, v in knobs.items()})

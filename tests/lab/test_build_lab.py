@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from sparkctl import __version__
-from sparkctl.recipes import load_recipe
+from sparkctl.spec.recipes import load_recipe
 from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab

@@ -79,7 +79,7 @@ def test_rank_pinned_to_a_wrong_interface_is_named_within_the_bound(torch_lab: L
     from sparkctl.cluster import Cluster
     from sparkctl.orchestrate.fabric_test import run_fabric_test
     from sparkctl.orchestrate.node_probe import live_pins
-    from sparkctl.settings import load_settings
+    from sparkctl.spec.settings import load_settings
 
     env = _env(torch_lab, "fabricif", 29621)
     s = load_settings(cli={}, environ=env)

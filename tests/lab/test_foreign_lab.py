@@ -1,4 +1,4 @@
-"""Cleanup touches only what carries this cluster's labels (issue 9).
+"""Cleanup touches only what carries this cluster's labels.
 
 On each of the four lab hosts this plants what sparkctl must never touch: a running container of
 someone else, a running and a stopped container that look like sparkctl's but belong to another cluster

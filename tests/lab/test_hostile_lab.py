@@ -1,4 +1,4 @@
-"""Hostile values never execute (issue 9), on real SSH and Docker.
+"""Hostile values never execute, on real SSH and Docker.
 
 Hypothesis builds node aliases, model paths, served names, env values (STANDIN_* passthrough, HF_TOKEN)
 and extra vLLM args out of shell syntax — spaces, quotes, newlines, `;`, `&&`, `$(touch CANARY)`,
@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from sparkctl.lab.state import HostPaths
-from sparkctl.settings import parse_vllm_extra_args
+from sparkctl.spec.settings import parse_vllm_extra_args
 from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab

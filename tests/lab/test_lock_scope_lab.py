@@ -1,9 +1,9 @@
-"""Issue 31 on the lab: one lock per cluster whoever's env file, swapped node names, errors said once.
+"""On the lab: one lock per cluster whoever's env file, swapped node names, errors said once.
 
 - Two env files that name the same nodes in another order (so another head): while one's `up` holds
   the lock (stopped with SIGSTOP while it holds it: no timing involved), the other's `down` and `up`
-  are refused naming the node and the holder, and the service is whole after. Before issue 31 the
-  lock lived on each env file's head: the other `down` removed the ranks `up` had just started.
+  are refused naming the node and the holder, and the service is whole after. When the
+  lock lived on each env file's head: the other `down` could remove the ranks `up` had just started.
 - A cluster that shares only one node with another: refused on that node, holding nothing after.
 - Two node names whose HostNames were swapped in a copy of the ssh config (known_hosts is keyed by
   address, so each connection still verifies against the real host's key): `status` names it and
@@ -101,13 +101,13 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
-# 1. (issue 31) `down` with the other env file (head spark2) takes the same locks as `up` (every node's, in
+# 1. `down` with the other env file (head spark2) takes the same locks as `up` (every node's, in
 # one order), so the two exclude each other and `down` cannot remove the ranks a running `up` started.
 def test_two_env_files_naming_the_nodes_in_another_order_exclude_each_other(clean: Lab, tmp_path: Path) -> None:
     lab = clean
     other = tmp_path / "d.env"
     # The other operator's copy of the env file, its NODES in another order (a second NODES= line is
-    # refused since issue 31's first part, so the line is rewritten, as an operator would).
+    # refused, so the line is rewritten, as an operator would).
     other.write_text(re.sub(r'^NODES=.*$', 'NODES="spark2 spark1 spark4 spark3"', Path(lab.env_file).read_text(),
                             flags=re.M))
     theirs = {"SPARKCTL_ENV_FILE": str(other), "NODES": "spark2 spark1 spark4 spark3"}
@@ -128,7 +128,7 @@ def test_two_env_files_naming_the_nodes_in_another_order_exclude_each_other(clea
     assert containers(lab) == NONE
 
 
-# 2. (issue 31) the second cluster's `up` takes the lock on every node, so it is refused on the one node
+# 2. the second cluster's `up` takes the lock on every node, so it is refused on the one node
 # the two clusters share instead of replacing the first cluster's rank there.
 def test_a_cluster_sharing_one_node_is_refused_there(clean: Lab) -> None:
     lab = clean
@@ -196,7 +196,7 @@ def _swapped_config(lab: Lab, tmp_path: Path, a: str, b: str) -> Path:
     return cfg
 
 
-# 3. (issue 31) status names the swap (not only ranks "absent"/config "stale"), and down refuses to act
+# 3. status names the swap (not only ranks "absent"/config "stale"), and down refuses to act
 # on whatever the names reach.
 def test_swapped_node_names_are_named_by_status_and_refused_by_down(clean: Lab, tmp_path: Path) -> None:
     lab = clean
@@ -222,7 +222,7 @@ def test_swapped_node_names_are_named_by_status_and_refused_by_down(clean: Lab, 
     assert containers(lab) == NONE
 
 
-# 4. (issue 31) every command says "two node names reach the same machine" once.
+# 4. every command says "two node names reach the same machine" once.
 def test_two_aliases_of_one_machine_are_said_once_by_every_command(clean: Lab, tmp_path: Path) -> None:
     lab = clean
     text = Path(lab.ssh_config).read_text()
@@ -240,7 +240,7 @@ def test_two_aliases_of_one_machine_are_said_once_by_every_command(clean: Lab, t
     assert containers(lab) == NONE
 
 
-# 5. (issue 31) with the path from spark3 to the head's master cut after the rendezvous, `status` names
+# 5. with the path from spark3 to the head's master cut after the rendezvous, `status` names
 # it and exits 1, though every container runs and the head answers.
 def test_status_names_the_path_to_the_master_that_is_cut(clean: Lab) -> None:
     from tests.lab.faults import path_dropped

@@ -1,4 +1,4 @@
-"""Issue 26 on the lab: memory truth on unified-memory nodes, for real where this machine can show it.
+"""Memory truth on the lab: on unified-memory nodes, for real where this machine can show it.
 
 The lab hosts share this machine's kernel, so their /proc/meminfo, page cache and drop_caches are
 real: a large file read fills the cache, `check` warns, `up` drops it. What the machine cannot show

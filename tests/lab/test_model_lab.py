@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from sparkctl.checkpoint.verify_nodes import fingerprints
 from sparkctl.lab import ckptgen, hosts
 from sparkctl.lab.hfhub import StandinHub
 from sparkctl.lab.proc import read_pid, stop_pid
 from sparkctl.lab.state import MGMT_NET, HostPaths, HostSpec
 from sparkctl.probes.ckpt_scan import scan
-from sparkctl.verify_nodes import fingerprints
 from tests.kit.lab import Lab
 
 pytestmark = pytest.mark.lab

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.resources import recipes_dir
+from sparkctl.spec.resources import recipes_dir
 from tests.kit.lab import Lab
 from tests.lab.test_lifecycle_lab import clean, sk  # noqa: F401 - the fixture, and the CLI runner
 

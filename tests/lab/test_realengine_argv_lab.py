@@ -1,4 +1,4 @@
-"""The serving image's own vLLM judges the argv before any rank starts (issue 25 §1), on the real engine:
+"""The serving image's own vLLM judges the argv before any rank starts, on the real engine:
 the lab's image holds vLLM 0.32.0, sparkctl's flag table is 0.33's. Recipe lab-vllm, spark1 + spark3 (the kit
 in tests/lab/realengine.py).
 """

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sparkctl.lab.state import HostPaths
-from sparkctl.resources import recipes_dir
+from sparkctl.spec.resources import recipes_dir
 from tests.kit.lab import Lab
 from tests.lab.realengine import (
     PAIR,

@@ -1,4 +1,4 @@
-"""The operator's commands on the real engine (issue 25 §2): SIGTERM during `up`, `render --target lws` against
+"""The operator's commands on the real engine: SIGTERM during `up`, `render --target lws` against
 the argv that ran, `bench` with real tokens against vLLM's own `vllm bench serve` on the same engine at the
 same time, and `rollback` to the previous config. Recipe lab-vllm, TP 2 over spark1 and spark3 (the kit in
 tests/lab/realengine.py). Every wait is bounded; no assertion is about time.
@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
-from sparkctl import headapi, vllmbench
 from sparkctl.loadgen import inputs, level
+from sparkctl.measure import vllm_bench as vllmbench
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.kit.lab import Lab
 from tests.lab.realengine import PAIR, START_S, chat, fresh, head_url, must, rank_containers, sk
 

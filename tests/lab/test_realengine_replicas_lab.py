@@ -1,6 +1,6 @@
 """Two replicas of the real engine (TP 2 each) on the lab's four hosts, one OpenAI endpoint over both through
-the real nginx with the config `sparkctl endpoint` renders (issue 25 §2: "two replicas on 4 hosts behind
-sparkctl endpoint's nginx if memory allows").
+the real nginx with the config `sparkctl endpoint` renders (two replicas on 4 hosts behind
+`sparkctl endpoint`'s nginx, where memory allows).
 
 What fits: four real ranks hold about 2 GB each (the recipe's memory profile; 8 GB of this machine's 23 GB),
 so memory allows it; CPU is the limit: four ranks starting on 2 CPUs take 2-4 min, and the image must be in

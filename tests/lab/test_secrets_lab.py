@@ -1,4 +1,4 @@
-"""Secrets never leak (issue 9), and the API key is enforced and sent, on real SSH and Docker.
+"""Secrets never leak, and the API key is enforced and sent, on real SSH and Docker.
 
 A distinctive HF_TOKEN, VLLM_API_KEY and a STANDIN_*PASSWORD* live in an env file. Every command runs,
 in human and --json form, and each output is grepped for them; so are every file sparkctl wrote here

@@ -1,6 +1,6 @@
-"""Issue #19 on the lab: signals, crashes, one machine under two names, what a rollback leaves,
-misspelt keys, the disk the engine really uses. Each test reproduces a failure of the code before
-#19 (noted on each test) and passes now.
+"""On the lab: signals, crashes, one machine under two names, what a rollback leaves,
+misspelt keys, the disk the engine really uses. Each test reproduces a failure the code once had
+(noted on each test) and passes now.
 
 Its own cluster name and ports, so it never touches another test's service.
 """
@@ -91,7 +91,7 @@ def clean(chain: Lab) -> Iterator[Lab]:
         assert containers(lab) == NONE
 
 
-# 1. before #19: exit 143 with the lock held; `down` left all four containers running.
+# 1. before the fix: exit 143 with the lock held; `down` left all four containers running.
 def test_sigterm_during_up_rolls_back_and_frees_the_lock(clean: Lab) -> None:
     lab = clean
     proc = start(lab, "up")
@@ -118,7 +118,7 @@ def test_sigterm_during_down_finishes_it_and_frees_the_lock(clean: Lab) -> None:
     assert lock_free(lab)
 
 
-# 2. before #19: the lock stayed held by the dead pid (`lock status` did not say it was dead), and
+# 2. before the fix: the lock stayed held by the dead pid (`lock status` did not say it was dead), and
 # after a forced unlock `up` adopted the crashed run's containers with no audit line.
 def test_kill9_mid_up_dead_holder_broken_and_orphans_replaced(clean: Lab) -> None:
     lab = clean
@@ -139,7 +139,7 @@ def test_kill9_mid_up_dead_holder_broken_and_orphans_replaced(clean: Lab) -> Non
     assert "orphan" in up.stdout + up.stderr and "orphan-removed" in actions, up.stdout + up.stderr
 
 
-# 3. before #19: `check` was all ✓ and `up` ran ranks 1 and 2 both on spark2.
+# 3. before the fix: `check` was all ✓ and `up` ran ranks 1 and 2 both on spark2.
 def test_two_aliases_of_one_machine_are_refused(clean: Lab, tmp_path: Path) -> None:
     lab = clean
     text = Path(lab.ssh_config).read_text()
@@ -157,7 +157,7 @@ def test_two_aliases_of_one_machine_are_refused(clean: Lab, tmp_path: Path) -> N
     assert containers(lab) == NONE
 
 
-# 4. before #19: Ctrl-C during the start phase exited 1, and a second one could abort the rollback.
+# 4. before the fix: Ctrl-C during the start phase exited 1, and a second one could abort the rollback.
 def test_second_sigint_during_rollback_is_noted_and_the_rollback_finishes(clean: Lab) -> None:
     lab = clean
     proc = start(lab, "up")
@@ -172,7 +172,7 @@ def test_second_sigint_during_rollback_is_noted_and_the_rollback_finishes(clean:
     assert lock_free(lab)
 
 
-# 5. before #19: dockerd killed on spark3 mid-`up`: spark3 named, but not its rank-2 container.
+# 5. before the fix: dockerd killed on spark3 mid-`up`: spark3 named, but not its rank-2 container.
 def test_rollback_names_what_it_could_not_remove(clean: Lab) -> None:
     lab = clean
     paths, spec = HostPaths.of("spark3", lab.root), HostSpec.of(3)
@@ -196,7 +196,7 @@ def test_rollback_names_what_it_could_not_remove(clean: Lab) -> None:
         hosts.start_docker(paths, spec)
 
 
-# 6. before #19: MAX_MODEL_LENGTH=4096 was a warning and `up` deployed --max-model-len 32768.
+# 6. before the fix: MAX_MODEL_LENGTH=4096 was a warning and `up` deployed --max-model-len 32768.
 def test_misspelt_key_refused_by_up_and_down_warned_by_status(clean: Lab, tmp_path: Path) -> None:
     lab = clean
     env_file = tmp_path / "env"
@@ -212,7 +212,7 @@ def test_misspelt_key_refused_by_up_and_down_warned_by_status(clean: Lab, tmp_pa
     assert r.returncode == 0 and "MAX_MODEL_LENGTH" in r.stderr
 
 
-# 7. before #19: the disk check measured /var/lib/docker (walking up to /), not the engine's data root.
+# 7. before the fix: the disk check measured /var/lib/docker (walking up to /), not the engine's data root.
 def test_disk_check_measures_the_engines_data_root(clean: Lab) -> None:
     lab = clean
     r = sk(lab, "--json", "check", timeout=300)

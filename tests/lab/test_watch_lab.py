@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl.systemd_unit import unquote_exec
+from sparkctl.spec.systemd_unit import unquote_exec
 from tests.kit.lab import Lab
 from tests.lab.faults import docker_stopped
 

@@ -1,4 +1,4 @@
-"""The argv judge (sparkctl/probes/argv_judge.py) run by the real vLLM for CPU, 0.32 (issue 25 §1).
+"""The argv judge (sparkctl/probes/argv_judge.py) run by the real vLLM for CPU, 0.32.
 
 `check` and `up` run the script inside the serving image on the head; here it runs in the real-engine venv
 directly (the venv the lab's sparkctl-lab/vllm:0.32.0-cpu image is made of), on lab-vllm's argv as
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from sparkctl.argvjudge import SCRIPT, parse_output
-from sparkctl.resources import probe_script
+from sparkctl.remote.argv_verdict import SCRIPT, parse_output
+from sparkctl.spec.resources import probe_script
 from tests.realengine.test_conformance import model, real_venv  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.realengine
@@ -37,10 +37,10 @@ FIDELITY_VENV = Path(os.environ.get("SPARKCTL_FIDELITY_VENV", "/var/cache/sparkc
 
 def lab_vllm_argv(model_dir: Path, extra: str = "") -> list[list[str]]:
     """Every rank's `vllm serve` argv for recipe lab-vllm, as `up` renders it (settings → plan → builders)."""
-    from sparkctl import plan as planmod
-    from sparkctl.builders import vllm_serve_argv
-    from sparkctl.render import resolve_pins
-    from sparkctl.settings import load_settings
+    from sparkctl.spec import planner as planmod
+    from sparkctl.spec.builders import vllm_serve_argv
+    from sparkctl.spec.renderer import resolve_pins
+    from sparkctl.spec.settings import load_settings
 
     env = {"NODES": NODES, "MODEL": str(model_dir), "RECIPE": "lab-vllm", **PINS,
            **({"VLLM_EXTRA_ARGS": extra} if extra else {})}
@@ -152,7 +152,7 @@ def options(python: Path) -> dict[str, Any]:
 
 def rendered_flags(model_dir: Path) -> set[str]:
     """Every flag sparkctl renders for any recipe: builders' own and every recipe's extra_args."""
-    from sparkctl.recipes import available_recipes, load_recipe
+    from sparkctl.spec.recipes import available_recipes, load_recipe
 
     flags = {w for argv in lab_vllm_argv(model_dir) for w in argv if w.startswith("--")}
     flags |= {"--speculative-config"}  # rendered for MTP/DSpark recipes; lab-vllm has none
@@ -163,7 +163,7 @@ def rendered_flags(model_dir: Path) -> set[str]:
 
 def test_vllm_032_and_033_differ_on_one_rendered_flag_and_032_refuses_what_only_033_parses(
         real_venv: Path, fidelity_python: Path, model: Path) -> None:  # noqa: F811
-    from sparkctl.settings import KV_CACHE_DTYPES
+    from sparkctl.spec.settings import KV_CACHE_DTYPES
 
     old, new = options(real_venv / "bin" / "python"), options(fidelity_python)
     flags = rendered_flags(model)

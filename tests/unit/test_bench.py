@@ -21,11 +21,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkctl import headapi, promtext
 from sparkctl.errors import CheckFailed, UsageError
+from sparkctl.facts import promtext
 from sparkctl.loadgen import inputs, level, report, wire
 from sparkctl.loadgen import request as rq
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.conftest import run_cli
 from tests.kit.local import local_standin
 

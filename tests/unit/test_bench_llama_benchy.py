@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl import headapi, llamabenchy
 from sparkctl.loadgen import inputs, level
+from sparkctl.measure import llama_benchy as llamabenchy
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.conftest import run_cli
 from tests.unit.test_bench_load import fake_cluster
 from tests.unit.test_bench_load import standin as _standin

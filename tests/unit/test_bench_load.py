@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparkctl import benchmetrics, headapi
 from sparkctl.errors import CheckFailed
 from sparkctl.loadgen import inputs, level, request
+from sparkctl.measure import metrics as benchmetrics
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.conftest import run_cli
 from tests.kit.local import local_standin
 

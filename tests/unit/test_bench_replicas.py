@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 
-from sparkctl import headapi, promtext
 from sparkctl.errors import UsageError
+from sparkctl.facts import promtext
 from sparkctl.loadgen import inputs, level, replicas, report
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.conftest import run_cli
 from tests.kit.local import free_port, local_standin
 from tests.unit.test_bench import models_or, ok_stream, send_json, stream_app, tiny_server

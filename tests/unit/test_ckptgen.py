@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sparkctl.checkpoint.safetensors import read_header
 from sparkctl.lab import ckptgen
-from sparkctl.safetensors import read_header
 
 
 def test_tiny_pack_is_small_real_and_consistent(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from sparkctl.completion import ssh_host_aliases
-from sparkctl.recipes import load_recipe, recipes_dir
-from sparkctl.settings import KNOBS
+from sparkctl.spec.recipes import load_recipe, recipes_dir
+from sparkctl.spec.settings import KNOBS
 
 
 def _complete(line: str, cwd: Path, **env: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Command paths issue 21 found untested: `plan --node-memory` and `lab down --purge`.
+"""Command paths nothing else tested: `plan --node-memory` and `lab down --purge`.
 
 `lab down --purge` is tested here up to the cache it drops: the lab's image cache has one fixed place
 (/var/cache/sparkctl-lab, shared by everyone on the machine), so the real purge is not run by tests.

@@ -1,6 +1,6 @@
-"""The SSH layer's rules that its own tests left unstated (issue 32: the survivors of its mutation run,
-M1750-M1799): HostKeyAlias and the ProxyJump bound of `ssh -G` resolution, what authentication failures
-say, each node through its own hop, host certificates judged by the CA known_hosts names, trust never
+"""The SSH layer's rules that its own tests left unstated (what its mutation run, bench/mutation.py, showed
+untested): HostKeyAlias and the ProxyJump bound of `ssh -G` resolution, what authentication failures say,
+each node through its own hop, host certificates judged by the CA known_hosts names, trust never
 writing through a planted file, a ProxyCommand's end and its last words, and the bounds of a Session
 and a Stream on real OpenSSH servers (test_cluster.py's sshlab)."""
 
@@ -85,7 +85,7 @@ def no_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def _authenticate(target: SshTarget) -> NodeError:
     with pytest.raises(NodeError) as exc:
-        transport._authenticate(None, target, transport._KeyCache())  # type: ignore[arg-type]  # nothing to offer
+        transport._authenticate(None, target, transport.KeyCache())  # type: ignore[arg-type]  # nothing to offer
     return exc.value
 
 
@@ -130,7 +130,7 @@ def test_each_node_goes_through_its_own_jump_host(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(transport, "connect", lambda hop, **kw: f"connection to {hop.hostname}")
     jumps = transport.Jumps()
     hop_a, hop_b = _target(tmp_path, alias="ja", hostname="jump-a"), _target(tmp_path, alias="jb", hostname="jump-b")
-    keys = transport._KeyCache()
+    keys = transport.KeyCache()
     assert jumps.via([hop_a], timeout=1.0, keys=keys) == "connection to jump-a"
     assert jumps.via([hop_b], timeout=1.0, keys=keys) == "connection to jump-b"
     assert jumps.via([hop_a, hop_b], timeout=1.0, keys=keys) == "connection to jump-b"

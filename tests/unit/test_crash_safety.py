@@ -1,4 +1,4 @@
-"""Issue 19, offline: signals, the lock's dead/stale holders, orphans, the rollback report, identity,
+"""Crash safety, offline: signals, the lock's dead/stale holders, orphans, the rollback report, identity,
 strict env-file keys and the disk rule. The lab tests (tests/lab/test_signals_lab.py) run the same
 claims against real SSH and Docker."""
 
@@ -18,13 +18,15 @@ from typing import Any
 
 import pytest
 
-from sparkctl import check as C
-from sparkctl import cleanup, lock, signals
-from sparkctl import facts as F
+from sparkctl import signals
 from sparkctl.cluster import Cluster, NodeError
 from sparkctl.errors import CheckFailed, UsageError
-from sparkctl.identity import NodeIdentity, duplicates, parse_machine_id
-from sparkctl.settings import load_settings
+from sparkctl.facts import node_facts as F
+from sparkctl.facts.machine_identity import NodeIdentity, duplicates, parse_machine_id
+from sparkctl.remote import cleanup
+from sparkctl.remote import lockdir as lock
+from sparkctl.rules import check_rules as C
+from sparkctl.spec.settings import load_settings
 from tests.unit.test_cluster import sshlab  # noqa: F401  (the fixture: real OpenSSH servers)
 
 # --------------------------------------------------------------------------------------- signals
@@ -240,7 +242,7 @@ def test_heartbeat_age_and_owner_parsing_of_untrusted_text() -> None:
 
 
 def _state(cid: str, rank: int, cfg: str = "h1") -> Any:
-    from sparkctl.service import ContainerState
+    from sparkctl.remote.service import ContainerState
 
     return ContainerState(cid, f"sparkctl-c-rank{rank}", rank, cfg, "sha256:i", "running", True, 0, "", 0, "")
 
@@ -353,7 +355,7 @@ def test_cli_refuses_unknown_keys_for_commands_that_change_the_cluster(tmp_path:
 
 
 def test_a_key_set_twice_is_an_error_only_when_strict(tmp_path: Path) -> None:
-    """Issue 31: a second NODES= line (the last one won, silently) made two operators take two locks."""
+    """A second NODES= line (the last one won, silently) made two operators take two locks."""
     env = tmp_path / "env"
     env.write_text('NODES="a b c d"\nMODEL=/m\n# reordered\nNODES="b a c d"\nHF_TOKEN=hf_one\nHF_TOKEN=hf_two\n')
     s = load_settings(env_file=str(env), environ={})
@@ -405,7 +407,7 @@ def test_probe_asks_the_engine_for_its_data_root(tmp_path: Path) -> None:
     root.mkdir()
     (bin_dir / "docker").write_text(f"#!/bin/sh\n[ \"$1\" = info ] && echo {root}\n")
     (bin_dir / "docker").chmod(0o755)
-    script = (Path(F.__file__).parent / "probes" / "node_facts.sh").read_text()
+    script = (Path(F.__file__).parent.parent / "probes" / "node_facts.sh").read_text()
     body = script.split("\nfacts() {")[0]  # the definitions, not the run
     r = subprocess.run(["sh", "-c", body + "\ndisk_paths; df_paths", "probe", "nonce", "df=@docker-root",
                         f"df={tmp_path}/no/such/model"],

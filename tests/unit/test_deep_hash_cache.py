@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from sparkctl.resources import probe_script
+from sparkctl.spec.resources import probe_script
 
 SHARD = "model-00001-of-00001.safetensors"
 

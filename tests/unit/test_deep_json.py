@@ -19,13 +19,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkctl import argvjudge, docker_parse, images, nccl, parsing, vllmbench
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.cluster.channel import Node
 from sparkctl.errors import SparkctlError
+from sparkctl.facts import docker_parse, parsing
+from sparkctl.facts.parsing import ParseError, parse_json
+from sparkctl.image import chain as images
 from sparkctl.loadgen import inputs, report, request
+from sparkctl.measure import vllm_bench as vllmbench
 from sparkctl.orchestrate import model_pull, model_sync, verify_model
-from sparkctl.parsing import ParseError, parse_json
+from sparkctl.remote import argv_verdict as argvjudge
+from sparkctl.rules import nccl
 from tests.conftest import run_cli as run
 from tests.unit.localnodes import LocalNodes, served_scene
 
@@ -229,7 +233,7 @@ def test_local_json_files_deep_are_usage_errors(deep: str, tmp_path: Path) -> No
     prompts.write_text(f'"hello"\n{deep}\n')
     with pytest.raises(SparkctlError, match="line 2"):
         inputs.load_prompt_file(prompts)
-    from sparkctl import llamabenchy
+    from sparkctl.measure import llama_benchy as llamabenchy
 
     with pytest.raises(SparkctlError, match="not JSON"):
         llamabenchy.read_result(saved, "spark1")

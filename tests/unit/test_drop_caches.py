@@ -1,4 +1,4 @@
-"""DROP_CACHES (issue 26): the real drop script, run here with `id` and `sudo` stand-ins on PATH (so
+"""DROP_CACHES: the real drop script, run here with `id` and `sudo` stand-ins on PATH (so
 this machine's page cache is never dropped): through `sudo -n` writing only drop_caches, or said and
 audited and the start refused when sparkctl has no right to; never forced."""
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from sparkctl import service
 from sparkctl.cluster import Results, RunResult
 from sparkctl.errors import CheckFailed
-from sparkctl.settings import load_settings
+from sparkctl.remote import service
+from sparkctl.spec.settings import load_settings
 
 
 class Node:

@@ -131,9 +131,9 @@ def test_an_env_file_key_that_is_not_a_name_is_refused_naming_the_file_and_key(c
 
 
 def test_a_key_that_is_not_a_name_never_reaches_a_rank_env_file(clean_env: dict[str, str]) -> None:
-    from sparkctl.builders import env_file_text
     from sparkctl.errors import UsageError
-    from sparkctl.settings import known_key, load_settings
+    from sparkctl.spec.builders import env_file_text
+    from sparkctl.spec.settings import known_key, load_settings
 
     # the environment's odd keys are not sparkctl's: never known, never passed on
     s = load_settings(environ={"NODES": "a b c d", "MODEL": "/m", "CONTAINER_ENV_PREFIXES": "NCCL_",
@@ -149,7 +149,7 @@ def test_a_key_that_is_not_a_name_never_reaches_a_rank_env_file(clean_env: dict[
 
 def test_a_recipe_container_env_key_that_is_not_a_name_is_refused(clean_env: dict[str, str], tmp_path: Path) -> None:
     from sparkctl.errors import UsageError
-    from sparkctl.recipes import load_recipe
+    from sparkctl.spec.recipes import load_recipe
 
     shipped = Path(load_recipe("lab").path).read_text()
     bad = tmp_path / "bad.toml"

@@ -24,8 +24,8 @@ import pytest
 
 from sparkctl.cluster import RunResult
 from sparkctl.orchestrate import export_systemd
-from sparkctl.recipes import load_recipe
-from sparkctl.systemd_unit import RECIPE_DIR, UNIT_DIR, unquote_exec
+from sparkctl.spec.recipes import load_recipe
+from sparkctl.spec.systemd_unit import RECIPE_DIR, UNIT_DIR, unquote_exec
 from tests.conftest import run_cli
 
 TUNED_PORT = "8471"  # the file's recipe says 8471; the shipped `lab` says 8888

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from sparkctl.builders import rank_env
-from sparkctl.check import CLUSTER_ROW, FAIL, OK
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.orchestrate import fabric_test as fabric
 from sparkctl.probes import fabric_allreduce
-from sparkctl.recipes import FabricTest
-from sparkctl.settings import load_settings
+from sparkctl.rules.check_rules import CLUSTER_ROW, FAIL, OK
+from sparkctl.spec.builders import rank_env
+from sparkctl.spec.recipes import FabricTest
+from sparkctl.spec.settings import load_settings
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nccl"
 NODES = ["spark1", "spark2", "spark3", "spark4"]
@@ -334,7 +334,7 @@ def _run_without_image(s: Any, lacking: set[str]) -> fabric.FabricReport:
 
 
 def test_a_lab_without_the_torch_image_is_told_to_run_lab_torch(clean_env: dict[str, str]) -> None:
-    """Issue 29: every lab host lacking sparkctl-lab/torch:latest said "check spark2 and its Docker engine"."""
+    """Every lab host lacking sparkctl-lab/torch:latest said "check spark2 and its Docker engine"."""
     report = _run_without_image(_settings("lab"), set(NODES))
     by_node = {f.node: f for f in report.findings if f.status == FAIL and f.node != CLUSTER_ROW}
     assert sorted(by_node) == NODES  # each rank names its own missing image (none reads as "stopped")
@@ -347,7 +347,7 @@ def test_the_lab_image_the_hint_names_is_the_one_lab_torch_loads() -> None:
     """The fabric test names the lab's torch image itself (production code does not import the lab); it must
     stay the image `sparkctl lab torch` loads and the lab recipe's [fabric] image."""
     from sparkctl.lab.state import TORCH_IMAGE
-    from sparkctl.recipes import load_recipe
+    from sparkctl.spec.recipes import load_recipe
 
     assert fabric.LAB_TORCH_IMAGE == TORCH_IMAGE == load_recipe("lab").fabric.image
 
@@ -386,7 +386,7 @@ def test_a_recipes_own_fabric_image_missing_is_named_with_how_to_load_it() -> No
                                        ("iters = 0", "fabric"), ("speed = 1", "speed")])
 def test_recipe_fabric_section_is_validated(tmp_path: Path, body: str, key: str) -> None:
     from sparkctl.errors import UsageError
-    from sparkctl.recipes import load_recipe
+    from sparkctl.spec.recipes import load_recipe
 
     text = (Path(fabric.__file__).parent.parent / "recipes" / "lab.toml").read_text().partition("\n[fabric]")[0]
     bad = tmp_path / "bad.toml"

@@ -1,4 +1,4 @@
-"""The fabric test's rules, one claim each (issue 32: the survivors of its mutation runs, M1700-M1749 and M1791-M1799).
+"""The fabric test's rules, one claim each (what its mutation run, bench/mutation.py, showed untested).
 
 The fixtures and fakes are test_fabric.py's: the settings, the pins, the captured gloo run, FakeNode and
 FakeCluster.
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from sparkctl.builders import container_options
-from sparkctl.check import CLUSTER_ROW, FAIL, OK, WARN
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.orchestrate import fabric_test as fabric
 from sparkctl.probes import fabric_allreduce
+from sparkctl.rules.check_rules import CLUSTER_ROW, FAIL, OK, WARN
+from sparkctl.spec.builders import container_options
 from tests.unit.test_fabric import (
     FIX,
     GLOO,
@@ -149,7 +149,7 @@ def test_a_rank_that_measured_zero_busbw_makes_the_collectives_zero() -> None:
                                      '{"event":"result","rank":0,"bytes":"4194304","busbw_gbps":"fast"}'])
 def test_a_garbled_result_line_is_not_a_figure_and_no_crash(garbled: str) -> None:
     """A rank's output is untrusted: a result line without its figures is left out (as the floor's rule does),
-    never a KeyError or ValueError out of `check --fabric` (found through the survivor M1746)."""
+    never a KeyError or ValueError out of `check --fabric`."""
     parts = _split_ranks("h200x1-gloo-2rank.log")
     bad = _ok_run(fabric_allreduce.MARK + garbled + "\n" + parts[0])
     outcomes = [fabric.outcome_from_run(0, "n0", bad), fabric.outcome_from_run(1, "n1", _ok_run(parts[1]))]

@@ -22,10 +22,11 @@ from typing import Any
 
 import pytest
 
-from sparkctl import headapi, llamabenchy
 from sparkctl.loadgen import inputs, level
 from sparkctl.loadgen.request import Tokenizer, list_models
+from sparkctl.measure import llama_benchy as llamabenchy
 from sparkctl.orchestrate import bench as flow
+from sparkctl.remote import headapi
 from tests.unit.test_bench_load import standin as _standin
 
 standin = _standin  # test_bench_load's stand-in engine on loopback, a module fixture
@@ -203,7 +204,7 @@ def _proxy_env(listener: Listener) -> dict[str, str]:
 def test_the_lws_readiness_probe_asks_the_engine_directly_whatever_the_pods_proxy_variables(
         proxy: Listener, head: tuple[str, list[tuple[str, str | None]]]) -> None:
     """The probe runs in the leader's container, whose environment may name a proxy (for the hub)."""
-    from sparkctl import lws
+    from sparkctl.spec import lws
 
     url, seen = head
     done = subprocess.run([sys.executable, "-c", lws.READINESS_SCRIPT, "m", url], capture_output=True, timeout=60,
@@ -217,7 +218,7 @@ def test_vllm_bench_serve_runs_with_no_proxy_variable(proxy: Listener, tmp_path:
     """`bench --tool vllm` runs `vllm bench serve` in the head's container (the real sh runs the script here,
     the tool stands in as a command that writes its environment): vLLM's client honours the environment's
     proxies, so none reaches it."""
-    from sparkctl import vllmbench
+    from sparkctl.measure import vllm_bench as vllmbench
 
     out = tmp_path / "env.txt"
     argv = vllmbench.exec_argv("c", ["sh", "-c", 'env > "$0"', str(out)])[4:]  # the container's part dropped

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparkctl.builders import docker_run_argv, env_file_text, open_api_warning, rank_specs
 from sparkctl.cluster import remote_command
 from sparkctl.errors import UsageError
-from sparkctl.plan import make_plan, read_checkpoint
-from sparkctl.settings import REDACTED, load_settings, parse_vllm_extra_args
+from sparkctl.spec.builders import docker_run_argv, env_file_text, open_api_warning, rank_specs
+from sparkctl.spec.planner import make_plan, read_checkpoint
+from sparkctl.spec.settings import REDACTED, load_settings, parse_vllm_extra_args
 
 PINS = {f"RANK{r}_{k}": v for r in range(4) for k, v in
         (("FABRIC_IP", f"10.0.0.{r + 1}"), ("CX7_IF", "enp1s0f0np0"), ("CX7_IB", "rocep1s0f0"), ("GID_INDEX", "3"))}

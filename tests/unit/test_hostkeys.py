@@ -47,7 +47,7 @@ def test_another_hosts_key_beside_this_hosts_own_is_changed_not_trusted(tmp_path
     assert hostkeys.judge_host_key(_target(known, "hosta"), "ssh-ed25519", KEY_A).status == "trusted"
 
 
-# Killed mutants (bench/mutation.py hostkeys, issue 32; docs/mutations.md M800-M806). Fixed blobs: the
+# What `bench/mutation.py hostkeys` showed untested (docs/mutations.md keeps the runs). Fixed blobs: the
 # order of two random ones decided whether a `==` -> `>=` break was seen.
 LOW, HIGH = b"\x01" * 51, b"\xfe" * 51
 

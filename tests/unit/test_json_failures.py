@@ -1,4 +1,4 @@
-"""`--json` keeps its promise on failures too (issue 29): every exit of a command given --json prints
+"""`--json` keeps its promise on failures too: every exit of a command given --json prints
 exactly one JSON document on stdout. A command that fails before printing its own ends with the
 failure's: `ok: false`, the error, the node (when it is about one), the fix, the exit code. A command
 that printed its document and then fails (check's findings) prints no second one. Human text stays on

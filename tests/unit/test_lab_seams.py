@@ -77,7 +77,7 @@ def test_the_lab_env_file_is_a_valid_cluster_input_with_replicas_where_hosts_spl
     runs them), else TP=N; the settings load it as that topology."""
     from sparkctl.lab.manage import write_client_files
     from sparkctl.lab.state import HostPaths, LabFiles
-    from sparkctl.settings import load_settings
+    from sparkctl.spec.settings import load_settings
 
     files = LabFiles.of(tmp_path)
     files.root.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def test_the_lab_env_file_is_a_valid_cluster_input_with_replicas_where_hosts_spl
 
 
 def test_the_release_seam_lists_a_killed_engine_for_delay_s_after_its_container_stopped(tmp_path: Path) -> None:
-    """Issue 26's seam: the dead engine is listed only once a running container of the cluster was seen
+    """The memory seam: the dead engine is listed only once a running container of the cluster was seen
     and then none, for delay_s from the first look that found none, then never again until the next
     run-then-stop. `docker ps` is a stand-in on PATH that prints what the test says runs."""
     import json

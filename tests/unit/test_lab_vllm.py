@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sparkctl.builders import rank_specs
-from sparkctl.plan import make_plan, read_checkpoint
-from sparkctl.render import resolve_pins
-from sparkctl.settings import load_settings
+from sparkctl.spec.builders import rank_specs
+from sparkctl.spec.planner import make_plan, read_checkpoint
+from sparkctl.spec.renderer import resolve_pins
+from sparkctl.spec.settings import load_settings
 
 # tests/realengine/make_model.py's config (the fields the planner and vLLM read)
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "head_dim": 64,
@@ -51,7 +51,7 @@ def test_lab_vllm_renders_productions_shape_for_the_cpu_engine(clean_env, tmp_pa
 
 
 def test_the_docker_run_has_the_entrypoint_ulimits_ipc_and_a_read_only_model(clean_env, tmp_path: Path) -> None:
-    from sparkctl.builders import docker_run_argv
+    from sparkctl.spec.builders import docker_run_argv
 
     s, plan = _settings(tmp_path)
     spec = rank_specs(s, plan, resolve_pins(s))[1]
@@ -93,7 +93,7 @@ def test_the_env_file_names_recipe_lab_vllm_and_the_real_checkpoint(tmp_path: Pa
 def test_env_tp4_renders_without_a_speculator(clean_env, tmp_path: Path) -> None:
     from dotenv import dotenv_values
 
-    from sparkctl.render import render_all
+    from sparkctl.spec.renderer import render_all
 
     s, plan = _settings(tmp_path)
     text = render_all(s, plan, resolve_pins(s)).env_tp4
@@ -134,7 +134,7 @@ def test_wait_names_the_gloo_interface_each_rank_really_runs_with(clean_env, tmp
     container env, rank by rank: the pin, or the recipe's own value, which wins over every pin."""
     from dataclasses import replace
 
-    from sparkctl.readiness import gloo_ifname
+    from sparkctl.remote.readiness import gloo_ifname
 
     s, plan = _settings(tmp_path)
     for spec in rank_specs(s, plan, resolve_pins(s)):

@@ -1,4 +1,4 @@
-"""The lifecycle paths nothing else tested (issue 21), on local nodes that really run every command.
+"""The lifecycle paths nothing else tested, on local nodes that really run every command.
 
 The nodes are local folders (tests/unit/localnodes.py) with a stateful `docker` stand-in that records
 every call in order, so the order of actions across nodes is observable: `up` starts the workers before
@@ -256,7 +256,7 @@ def test_wait_names_a_missing_shard_in_vllms_words(nodes: LocalNodes, capsys: An
 def test_force_unlock_breaks_a_live_foreign_holder_and_audits_it(nodes: LocalNodes, capsys: Any) -> None:
     """A holder on another host that still renews its lease is neither dead nor stale: `up` refuses,
     naming it; `lock --force-unlock` breaks it, says whose it was, and the audit keeps who did."""
-    from sparkctl.lock import LockOwner, acquire_argv, new_owner
+    from sparkctl.remote.lockdir import LockOwner, acquire_argv, new_owner
 
     theirs = LockOwner(**{**new_owner("up").__dict__, "who": "alice@laptop", "host": "laptop", "pid": 4242,
                           "machine_id": "f" * 32, "boot_id": "b" * 32})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from sparkctl.builders import RankSpec
-from sparkctl.lock import (
+from sparkctl.orchestrate.status import metrics_summary
+from sparkctl.remote.lockdir import (
     LockOwner,
     acquire_argv,
     audit_append_argv,
@@ -15,10 +15,10 @@ from sparkctl.lock import (
     release_argv,
     show_argv,
 )
-from sparkctl.orchestrate.status import metrics_summary
-from sparkctl.readiness import phase_of
-from sparkctl.service import ContainerState, diff_running
-from sparkctl.settings import RankPins
+from sparkctl.remote.readiness import phase_of
+from sparkctl.remote.service import ContainerState, diff_running
+from sparkctl.spec.builders import RankSpec
+from sparkctl.spec.settings import RankPins
 
 
 def sh(argv: list[str], cwd) -> subprocess.CompletedProcess[str]:
@@ -86,7 +86,7 @@ def test_container_state_from_inspect_and_uptime():
 
 def test_phases_from_vllm_like_logs():
     assert phase_of([]) == "starting"
-    # vLLM 0.33's own lines (engine_lines.PHASE_MARKERS; tests/unit/test_engine_lines.py has more)
+    # vLLM 0.33's own lines (engine_lines.PHASE_MARKERS; tests/unit/facts/test_engine_lines.py has more)
     rdv = "world_size=4 rank=1 local_rank=0 distributed_init_method=tcp://10.0.0.1:29501 backend=nccl"
     assert phase_of([rdv]) == "rendezvous"
     assert phase_of([rdv, "Loading weights took 3.20 seconds"]) == "loading weights"

@@ -1,4 +1,4 @@
-"""Issue 31: one lock per cluster, whoever's env file, and node names that reach another machine.
+"""One lock per cluster, whoever's env file, and node names that reach another machine.
 
 The lock is taken on every node a command changes, in one order set by what the machines are (their
 machine-id), so two env files that list the same nodes in another order, or share only one node, meet
@@ -22,10 +22,11 @@ from typing import Any
 
 import pytest
 
-from sparkctl import identity, lock
 from sparkctl.cluster import Cluster
 from sparkctl.errors import CheckFailed
+from sparkctl.facts import machine_identity as identity
 from sparkctl.orchestrate.locking import lock_cluster, lock_states
+from sparkctl.remote import lockdir as lock
 from tests.conftest import run_cli as run
 from tests.unit.localnodes import LocalNodes, served_scene
 
@@ -204,7 +205,7 @@ def _changes(ln: LocalNodes, since: int) -> list[str]:
 
 def _systemd_seam(ln: LocalNodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """`export systemd` installs into a folder of the head's, with a systemctl that does nothing."""
-    from sparkctl import systemd_unit
+    from sparkctl.spec import systemd_unit
 
     monkeypatch.setattr(systemd_unit, "UNIT_DIR", "units")
     stub = ln.root / "hw" / "spark1" / "bin" / "systemctl"

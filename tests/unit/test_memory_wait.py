@@ -1,4 +1,4 @@
-"""Issue 26, `up`'s side: who holds GPU memory (the probe's real shell on real /proc), the wait until a
+"""Memory, `up`'s side: who holds GPU memory (the probe's real shell on real /proc), the wait until a
 node's memory is back after a stop, DROP_CACHES=auto, and the refusal next to a foreign process.
 The numbers come from real captures: /proc/meminfo of a host with ~5 GB of page cache
 (tests/fixtures/host/proc-meminfo-cache.txt) and nvidia-smi's answers on an H200 with a process
@@ -16,14 +16,15 @@ from typing import Any
 
 import pytest
 
-from sparkctl import facts as F
-from sparkctl import memory, service
 from sparkctl.cluster import NodeError, Results, RunResult
 from sparkctl.errors import CheckFailed
+from sparkctl.facts import node_facts as F
 from sparkctl.orchestrate import up as orchestrate_up
-from sparkctl.plan import GB
-from sparkctl.resources import probe_script
-from sparkctl.settings import load_settings
+from sparkctl.remote import service
+from sparkctl.rules import memory
+from sparkctl.spec.planner import GB
+from sparkctl.spec.resources import probe_script
+from sparkctl.spec.settings import load_settings
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CID = "c0" * 32
@@ -105,8 +106,9 @@ def test_up_refuses_next_to_a_foreign_process_naming_it_before_anything_changes(
     other = F.parse_compute_apps(f"446, python3, 10758\n@@cgroup 446 {CID}\n@@container {CID}\t/trainer\t\n")
     theirs = F.parse_compute_apps(f"9, VLLM::Worker_TP, 100\n@@cgroup 9 {CID}\n"
                                   f"@@container {CID}\t/sparkctl-prod-rank1\tprod\n")
-    ok: dict[str, Any] = {"spark1": (F.NodeFacts(gpu_apps=other), ([], "img"), None),
-                          "spark2": (F.NodeFacts(gpu_apps=theirs), ([], "img"), None)}
+    P = orchestrate_up.Preflight
+    ok: dict[str, Any] = {"spark1": P(F.NodeFacts(gpu_apps=other), ([], "img"), None),
+                          "spark2": P(F.NodeFacts(gpu_apps=theirs), ([], "img"), None)}
     with pytest.raises(CheckFailed) as exc:
         orchestrate_up.refuse_foreign_gpu_processes(s, ok)
     msg, fix = exc.value.message, exc.value.fix or ""
@@ -117,8 +119,8 @@ def test_up_refuses_next_to_a_foreign_process_naming_it_before_anything_changes(
     mine = F.parse_compute_apps(f"446, python3, 10758\n@@cgroup 446 {OURS}\n")
     state = [type("C", (), {"id": OURS})()]
     orchestrate_up.refuse_foreign_gpu_processes(
-        s, {"spark1": (F.NodeFacts(gpu_apps=mine), (state, "img"), None),
-            "spark2": (F.NodeFacts(gpu_apps=[]), ([], "img"), None)})
+        s, {"spark1": P(F.NodeFacts(gpu_apps=mine), (state, "img"), None),
+            "spark2": P(F.NodeFacts(gpu_apps=[]), ([], "img"), None)})
 
 
 # ------------------------------------------------------------------------------ memory back?
@@ -148,7 +150,8 @@ def test_drop_caches_auto_is_on_for_unified_memory_only() -> None:
     s = load_settings(environ={"NODES": "a b", "TP": "2", "DCP": "1", "MODEL": "/models/x"})
     assert s.get("DROP_CACHES", "auto") == "auto"
     plan = type("P", (), {"per_rank_total": 7})()
-    got = orchestrate_up.node_memory(s, plan, {"a": (gb10, None, None), "b": (h200, None, None)})
+    P = orchestrate_up.Preflight
+    got = orchestrate_up.node_memory(s, plan, {"a": P(gb10, None, None), "b": P(h200, None, None)})
     assert got == {"a": memory.NodeMemory(7, True, True), "b": memory.NodeMemory(7, False, False)}
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from sparkctl import modelsync
+from sparkctl.checkpoint import sync_plan as modelsync
 from sparkctl.errors import CheckFailed
 from sparkctl.lab import ckptgen
 from sparkctl.lab.hfhub import StandinHub
 from sparkctl.orchestrate.model_pull import BOOT
 from sparkctl.probes.ckpt_scan import scan
 from sparkctl.probes.model_node import describe, mount_of
-from sparkctl.resources import probe_script
+from sparkctl.spec.resources import probe_script
 
 hf = pytest.importorskip("huggingface_hub")
 REPO = "lab/tiny"

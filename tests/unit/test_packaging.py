@@ -54,9 +54,9 @@ def test_installed_wheel_renders_from_another_directory(wheel: Path, tmp_path: P
         r = subprocess.run([sys.executable, "-c", code, *args], cwd=elsewhere, env=env, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0, (args, r.stdout, r.stderr)
-    import sparkctl.resources as res
+    import sparkctl.spec.resources as res
 
-    r = subprocess.run([sys.executable, "-c", "import sparkctl.resources as r; print(r.data_dir('templates'))"],
+    r = subprocess.run([sys.executable, "-c", "import sparkctl.spec.resources as r; print(r.data_dir('templates'))"],
                        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
     assert r.stdout.strip().startswith(str(target)), r.stdout
     assert res.data_dir("templates").is_dir()

@@ -143,7 +143,7 @@ def test_without_image_every_image_command_says_what_to_set(nodes: LocalNodes, c
 
 
 def test_check_warns_when_a_published_image_is_named_by_a_tag() -> None:
-    from sparkctl.check import rule_prebuilt_pin
+    from sparkctl.rules.check_rules import rule_prebuilt_pin
 
     [tag] = rule_prebuilt_pin(TAG, "the serve recipe")
     assert tag.status == "warn" and "is a tag" in tag.reason and "the serve recipe" in tag.reason

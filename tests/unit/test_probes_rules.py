@@ -1,4 +1,4 @@
-"""The node-side probe scripts' rules (issue 32: the survivors of its mutation run, M1980-M1999).
+"""The node-side probe scripts' rules (what its mutation run, bench/mutation.py, showed untested).
 
 model_node.py reads /proc/self/mountinfo, text it does not control: a line cut short is skipped, never
 a crash that loses the whole description. hf_pull.py checks what the download left: a file missing

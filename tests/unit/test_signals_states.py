@@ -1,6 +1,6 @@
 """signals.py's states the crash-safety tests did not reach: the count it says, a fourth signal under
 nested cleanups, a signal noted after the point of no return raised by reopen() (mutants of these
-lines survived tests/unit/test_crash_safety.py and test_threads.py; bench/mutation.py signals, issue 32)."""
+lines survived tests/unit/test_crash_safety.py and test_threads.py; bench/mutation.py signals)."""
 
 from __future__ import annotations
 

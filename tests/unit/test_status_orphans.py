@@ -1,4 +1,4 @@
-"""`status` names orphan containers and exits 1 (issue 31): a container labelled for this cluster that no
+"""`status` names orphan containers and exits 1: a container labelled for this cluster that no
 successful `up` recorded (what a `kill -9` of `up` leaves), found with the same audit `up` and `down` use.
 
 Local nodes (tests/unit/localnodes.py): every remote command really runs, `docker` is the stand-in.

@@ -1,5 +1,5 @@
 """`status` checks, from each rank's node, that the head's master port can be reached, and names the
-path that is cut (issue 31): a partition after the rendezvous, which `wait` does not watch.
+path that is cut: a partition after the rendezvous, which `wait` does not watch.
 
 Local nodes (tests/unit/localnodes.py): the reach test (probes/reach.sh) really runs on each node. The
 master address is set with MASTER_ADDR: 127.0.0.1 (its closed port refuses: a refusal proves the path)

@@ -52,7 +52,7 @@ def test_a_thread_that_raises_is_ended_too(monkeypatch: pytest.MonkeyPatch) -> N
 
 # Where a module may start its own threads: threads.py (spawn), cluster/fanout.py (the fan-out's pool and
 # cluster.parallel), the probes (they run on a node, without sparkctl), and fabric.py until the flows
-# change moves its fan-out onto these (issue 28).
+# change moves its fan-out onto these.
 _MAY_START_THREADS = {"threads.py", "cluster/fanout.py"}
 
 

@@ -20,16 +20,16 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sparkctl import promtext
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.errors import SparkctlError
+from sparkctl.facts import promtext
 from sparkctl.loadgen import report, request
-from sparkctl.lock import LockOwner
 from sparkctl.orchestrate.status import metrics_summary
-from sparkctl.plan import CheckpointInfo, checkpoint_from_scan, kv_terms
 from sparkctl.probes.ckpt_scan import _encode
-from sparkctl.readiness import MAX_JSON_ANSWER, PHASES, BadAnswer, HeadApi, phase_of
-from sparkctl.service import ContainerState, inspect_cluster
+from sparkctl.remote.lockdir import LockOwner
+from sparkctl.remote.readiness import MAX_JSON_ANSWER, PHASES, BadAnswer, HeadApi, phase_of
+from sparkctl.remote.service import ContainerState, inspect_cluster
+from sparkctl.spec.planner import CheckpointInfo, checkpoint_from_scan, kv_terms
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from sparkctl.errors import UsageError
-from sparkctl.history import Release, hash_tag, parse_history, pick, rollback_overrides
-from sparkctl.supervisor import Budget, Observation, Policy, Supervisor, diagnose
-from sparkctl.systemd_unit import exec_line, unit_text, unquote_exec
-from sparkctl.watchstate import describe, parse_state
+from sparkctl.remote.releases import Release, hash_tag, parse_history, pick, rollback_overrides
+from sparkctl.remote.watchstate import describe, parse_state
+from sparkctl.rules.supervisor import Budget, Observation, Policy, Supervisor, diagnose
+from sparkctl.spec.systemd_unit import exec_line, unit_text, unquote_exec
 
 NODES = ["n1", "n2", "n3", "n4"]
 UP = {r: "running" for r in range(4)}
@@ -320,7 +320,7 @@ def test_the_state_is_replaced_only_by_a_whole_document_and_writers_do_not_share
     """A write whose input was cut short (the sender interrupted) keeps the last whole state, never an
     empty watch.json; two writers at once each use their own temporary file."""
 
-    from sparkctl.watchstate import _WRITE
+    from sparkctl.remote.watchstate import _WRITE
 
     f = tmp_path / "t" / "watch.json"
 

@@ -1,4 +1,4 @@
-"""`watch` stopped by SIGTERM, SIGHUP or SIGINT (issue 31): it ends with 128 + that signal's number,
+"""`watch` stopped by SIGTERM, SIGHUP or SIGINT: it ends with 128 + that signal's number,
 names that signal, and publishes "stopped" (the state file `status` reads) before it exits, every time.
 
 Each run is a real `sparkctl watch` process on local nodes (tests/unit/localnodes.py: every remote
@@ -125,7 +125,7 @@ def _check(w: Watch, sig: signal.Signals, how: str) -> None:
     st = w.state()
     assert st["state"] == "stopped" and st["detail"] == f"stopped by {sig.name}", f"{how}: published {st}\n{err}"
     assert st["pid"] == w.proc.pid, f"{how}: the state is not this run's: {st}"
-    from sparkctl.watchstate import describe, parse_state
+    from sparkctl.remote.watchstate import describe, parse_state
 
     seen = parse_state(json.dumps(st))
     assert seen is not None and not seen["alive"]

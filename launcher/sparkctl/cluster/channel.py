@@ -15,8 +15,8 @@ from typing import Any
 import paramiko
 
 from ..errors import NodeError, UsageError
-from ..identity import NodeIdentity
-from ..parsing import NotJson, ParseError, parse_json
+from ..facts.machine_identity import NodeIdentity
+from ..facts.parsing import NotJson, ParseError, parse_json
 from .hostkeys import fingerprint
 from .sshconfig import SshTarget
 

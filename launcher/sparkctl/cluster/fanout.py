@@ -11,10 +11,10 @@ from typing import Any, TypeVar, overload
 import paramiko
 
 from ..errors import CheckFailed, NodeError, UsageError
-from ..identity import refuse_duplicates
+from ..facts.machine_identity import refuse_duplicates
 from .channel import DEFAULT_COMMAND_TIMEOUT, Node, RunResult, remote_command
 from .sshconfig import SshTarget, load_ssh_config, resolve_target
-from .transport import DEFAULT_CONNECT_TIMEOUT, Jumps, _KeyCache, connect
+from .transport import DEFAULT_CONNECT_TIMEOUT, Jumps, KeyCache, connect
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ class Cluster:
         self._nodes: dict[str, Node] = {}
         self._targets: dict[str, SshTarget] = {}
         self.errors: dict[str, NodeError] = {}
-        self._keys = _KeyCache()
+        self._keys = KeyCache()
         self._jumps = Jumps()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(64, len(nodes)), thread_name_prefix="node"
@@ -130,7 +130,7 @@ class Cluster:
             else:
                 self._nodes[name] = result
         self.connect_seconds = time.monotonic() - start
-        # One machine reached under two names would run two ranks: refuse it (identity.py).
+        # One machine reached under two names would run two ranks: refuse it (facts/machine_identity.py).
         refuse_duplicates([n.identity() for n in self._nodes.values()], self.ssh_config_path)
 
     @property

@@ -27,7 +27,7 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _DEFAULT_IDENTITIES = ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
-_UNSUPPORTED = "unsupported: "  # a _KeyCache reason that names an option sparkctl cannot honour
+_UNSUPPORTED = "unsupported: "  # a KeyCache reason that names an option sparkctl cannot honour
 
 
 class _Retryable(Exception):
@@ -187,7 +187,7 @@ def _security_key_type(path: str) -> str | None:
     return key_type if key_type.startswith("sk-") else None
 
 
-class _KeyCache:
+class KeyCache:
     """Private keys loaded once per Cluster (the same key usually opens every node)."""
 
     def __init__(self) -> None:
@@ -250,7 +250,7 @@ def _with_certificates(label: str, key: paramiko.PKey, path: str | None, certs: 
     return [*out, (label, key)]
 
 
-def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: _KeyCache) -> None:
+def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: KeyCache) -> None:
     tried: list[str] = []
     paths = target.identity_files or tuple(
         p for p in (os.path.expanduser(d) for d in _DEFAULT_IDENTITIES) if os.path.exists(p)
@@ -348,7 +348,7 @@ class Jumps:
         self._lock = threading.Lock()
         self._open: dict[tuple[tuple[str, int, str, str | None], ...], paramiko.Transport | NodeError] = {}
 
-    def via(self, hops: Sequence[SshTarget], *, timeout: float, keys: _KeyCache) -> paramiko.Transport | None:
+    def via(self, hops: Sequence[SshTarget], *, timeout: float, keys: KeyCache) -> paramiko.Transport | None:
         """The transport of the last hop (None without hops); a hop that fails fails every node behind it."""
         via: paramiko.Transport | None = None
         for i, hop in enumerate(hops):
@@ -374,11 +374,11 @@ class Jumps:
             self._open.clear()
 
 
-def connect(target: SshTarget, *, timeout: float, keys: _KeyCache | None = None,
+def connect(target: SshTarget, *, timeout: float, keys: KeyCache | None = None,
             via: paramiko.Transport | None = None, jumps: Jumps | None = None) -> paramiko.Transport:
     """One verified, authenticated SSH transport to `target` (through its ProxyJump hops, each
     verified too), or a NodeError saying why not."""
-    keys = keys or _KeyCache()
+    keys = keys or KeyCache()
     if via is None and target.jumps:
         if jumps is None:
             raise NodeError(target.alias, "config", "ProxyJump needs the cluster's hop pool", "")
@@ -417,7 +417,7 @@ def fetch_host_key(target: SshTarget, *, timeout: float = DEFAULT_CONNECT_TIMEOU
                    jumps: Jumps | None = None) -> tuple[str, bytes]:
     """The (key type, key blob) a host offers, without trusting it and without logging in (its
     ProxyJump hops are connected as usual: verified and authenticated)."""
-    via = jumps.via(target.jumps, timeout=timeout, keys=_KeyCache()) if target.jumps and jumps else None
+    via = jumps.via(target.jumps, timeout=timeout, keys=KeyCache()) if target.jumps and jumps else None
     if target.jumps and via is None:
         raise NodeError(target.alias, "config", "ProxyJump needs the cluster's hop pool", "")
     transport = _handshake(target, timeout, attempts=1, via=via)

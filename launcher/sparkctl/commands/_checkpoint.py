@@ -10,10 +10,10 @@ from __future__ import annotations
 from ..cluster import Cluster
 from ..errors import CheckFailed
 from ..options import Globals
-from ..orchestrate.checkpoint import read_checkpoint_on
+from ..orchestrate.checkpoint_scan import read_checkpoint_on
 from ..output import warn_console
-from ..plan import CheckpointInfo, drafter_dir, read_checkpoint
-from ..settings import Settings
+from ..spec.planner import CheckpointInfo, drafter_dir, read_checkpoint
+from ..spec.settings import Settings
 
 
 def checkpoint_for(g: Globals, s: Settings, *, local_only: bool = False) -> CheckpointInfo:

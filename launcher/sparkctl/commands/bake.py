@@ -27,10 +27,10 @@ import click
 import jinja2
 
 from .. import __version__
-from .. import images as im
 from ..errors import UsageError
-from ..recipes import Recipe
-from ..resources import data_dir
+from ..image import chain as im
+from ..spec.recipes import Recipe
+from ..spec.resources import data_dir
 
 PLATFORMS = ("linux/arm64",)  # GB10 (Grace) nodes
 _REGISTRY_RE = re.compile(r"^[a-z0-9][a-z0-9._:/-]{0,200}$")

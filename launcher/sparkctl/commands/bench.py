@@ -5,7 +5,7 @@ HostName the ssh config gives the first node's alias, and the model is SERVED_MO
 With several replicas it measures every replica's head at once (one run per head, the same config,
 the levels in step) and adds the total; `--replica R` measures one of them.
 The flow is orchestrate.bench (run_bench, run_replicas, run_vllm_tool: `vllm bench serve` in the head's
-container); the measuring is sparkctl.loadgen (the metrics: sparkctl.benchmetrics). This module is input,
+container); the measuring is sparkctl.loadgen (the metrics: sparkctl.measure.metrics). This module is input,
 progress and output.
 """
 
@@ -23,9 +23,8 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import llamabenchy, signals, vllmbench
+from .. import signals
 from ..errors import CheckFailed, UsageError
-from ..headapi import Endpoint
 from ..loadgen.inputs import (
     DEFAULT_WORKLOADS,
     Workload,
@@ -49,8 +48,11 @@ from ..loadgen.report import (
     summarize_failures,
 )
 from ..loadgen.request import RequestResult, list_models
+from ..measure import llama_benchy as llamabenchy
+from ..measure import vllm_bench as vllmbench
 from ..orchestrate import bench as flow
 from ..output import emit_json, warn
+from ..remote.headapi import Endpoint
 
 MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summary counts them all
 
@@ -365,7 +367,7 @@ def _target(g: Any, url: str | None, model: str | None, api_key_env: str | None,
     warn(s.warnings)
     # Each head's address is its HostName in the ssh config, resolved as every other command does.
     from ..cluster import load_ssh_config, resolve_target
-    from ..service import api_base_url
+    from ..remote.service import api_base_url
 
     config, config_path = load_ssh_config(g.ssh_config_path())
     views = s.replicas() if replica is None else [s.replica(replica)]  # replica(R) checks the range (exit 2)

@@ -14,15 +14,15 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ..check import CHECKS
 from ..cluster import Cluster
 from ..errors import CheckFailed, UsageError
-from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
 from ..options import Globals
 from ..orchestrate.check import CheckReport, run_check
 from ..orchestrate.fabric_test import FabricReport
 from ..output import console, emit_json, warn
-from ..render import OUT_FIX, env_tp4_path, render_all, resolve_pins, write_env_tp4
+from ..rules.check_rules import CHECKS
+from ..rules.findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
+from ..spec.renderer import OUT_FIX, env_tp4_path, render_all, resolve_pins, write_env_tp4
 
 DEFAULT_OUT = Path("env/env.tp4")
 STYLE = {OK: "green", FAIL: "bold red", WARN: "yellow"}

@@ -8,7 +8,7 @@ from ..cluster import Cluster
 from ..errors import UsageError
 from ..options import Globals
 from ..output import warn
-from ..settings import Settings
+from ..spec.settings import Settings
 
 
 def globals_of(ctx: click.Context) -> Globals:

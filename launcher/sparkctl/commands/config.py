@@ -6,7 +6,7 @@ import click
 from rich.table import Table
 
 from ..output import console, emit_json, warn
-from ..settings import REDACTED, knob_doc
+from ..spec.settings import REDACTED, knob_doc
 
 
 @click.command("config")

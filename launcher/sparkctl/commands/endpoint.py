@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
-from ..endpoint import heads_of, nginx_config
 from ..output import console, emit_json, warn
-from ..settings import Settings
+from ..spec.nginx_conf import heads_of, nginx_config
+from ..spec.settings import Settings
 
 DEFAULT_OUT = Path("env/nginx.conf")
 

@@ -30,8 +30,8 @@ def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, p
     """A systemd unit that runs `sparkctl watch` for this cluster, after docker and the network, with the
     recipe that ran pinned: its copy installed beside the unit (`--print`: the file's absolute path, or
     the shipped recipe's name)."""
-    from ..recipes import is_recipe_file
-    from ..systemd_unit import pinned_environment, recipe_copy_path, unit_name, unit_text
+    from ..spec.recipes import is_recipe_file
+    from ..spec.systemd_unit import pinned_environment, recipe_copy_path, unit_name, unit_text
 
     g = globals_of(ctx)
     s = one_replica(settings_of(g), "export systemd")

@@ -11,7 +11,7 @@ import click
 from ..orchestrate import history
 from ..orchestrate.rollback import rollback
 from ..output import console, emit_json, warn
-from ..settings import Settings
+from ..spec.settings import Settings
 from .common import globals_of, one_replica, settings_of
 
 

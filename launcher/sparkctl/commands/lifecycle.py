@@ -4,7 +4,7 @@ These parse flags and print; each command's flow is in `sparkctl.orchestrate` (`
 `status`, `wait` (→ `readiness.wait_ready`), `locking.read_locks` / `break_locks` (`lock`), `audit`);
 `logs` is `service.stream_logs`. Each command opens one Cluster (one SSH connection per
 node) for its whole run. Mutating commands (`up`, `down`) hold the cluster lock on every node they
-change (lock.py) and write one audit line per action on every node.
+change (remote/lockdir.py) and write one audit line per action on every node.
 """
 
 from __future__ import annotations
@@ -21,16 +21,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .. import service, watchstate
-from ..builders import open_api_warning
 from ..cluster import Cluster, parallel
 from ..completion import rank_numbers
 from ..errors import CheckFailed, UsageError
-from ..lock import (
-    FORCE_UNLOCK,
-    LockState,
-    only_its_user,
-)
 from ..options import Globals
 from ..orchestrate.audit import read_audit
 from ..orchestrate.down import down
@@ -38,7 +31,14 @@ from ..orchestrate.locking import break_locks, read_locks, refuse_unreachable
 from ..orchestrate.status import collect_status
 from ..orchestrate.up import up, up_replicas
 from ..output import console, emit_json, emit_json_line, warn, warn_console
-from ..settings import Settings
+from ..remote import service, watchstate
+from ..remote.lockdir import (
+    FORCE_UNLOCK,
+    LockState,
+    only_its_user,
+)
+from ..spec.builders import open_api_warning
+from ..spec.settings import Settings
 from .common import globals_of, open_cluster, settings_of
 
 DEFAULT_WAIT_TIMEOUT = 3600  # a 308 GB checkpoint over NFS plus graph capture fits well inside an hour
@@ -58,7 +58,7 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
     """Start the service: workers, then the head. Changes nothing if an identical service runs."""
     g = globals_of(ctx)
     if image_ref:
-        from ..history import image_override
+        from ..remote.releases import image_override
 
         g.extra_overrides = {**g.extra_overrides, "IMAGE": image_override(g.settings(), image_ref)}
     s = settings_of(g)
@@ -140,8 +140,8 @@ def _up_replicas(g: Globals, s: Settings, *, recreate: bool, fabric_test: bool) 
 @click.pass_context
 def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -> None:
     """Wait until /health is 200, the model is listed and a real chat completion comes back."""
-    from .. import readiness  # the HTTP client is imported only by the commands that talk HTTP
     from ..orchestrate.wait import wait
+    from ..remote import readiness  # the HTTP client is imported only by the commands that talk HTTP
 
     g = globals_of(ctx)
     s = settings_of(g)
@@ -170,8 +170,8 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
 def _wait_replicas(g: Globals, s: Settings, timeout: float, prompt: str) -> None:
     """`wait` of several replicas (orchestrate.wait.wait_replicas): one line per rank's phase, then each
     replica's answer."""
-    from .. import readiness
     from ..orchestrate.wait import wait_replicas
+    from ..remote import readiness
 
     out = console(g.json)
     lock = threading.Lock()
@@ -225,7 +225,7 @@ def _status_view(doc: dict[str, Any]) -> Group:
 def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float) -> None:
     """Every rank's container (state, uptime, restarts, image, config), the head's health and metrics, and
     the supervisor's state. `--watch` keeps refreshing until Ctrl-C."""
-    from .. import readiness
+    from ..remote import readiness
 
     g = globals_of(ctx)
     s = settings_of(g)
@@ -252,7 +252,7 @@ def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float)
 def _status_replicas(g: Globals, s: Settings) -> None:
     """`status` of several replicas: each replica's document (its ranks, its head's health) and the total;
     exit 1 when any replica has a problem."""
-    from .. import readiness
+    from ..remote import readiness
 
     with open_cluster(g, s) as cluster:
         def one(view: Settings) -> dict[str, Any]:

@@ -6,7 +6,7 @@
 
 The flows: pull is orchestrate/model_pull.py (probes/hf_pull.py on the head with its own python,
 HF_PYTHON, which needs huggingface_hub; the token follows the script on stdin), sync is
-orchestrate/model_sync.py (its pure parts: sparkctl.modelsync). Here: the flags, the progress board, the report.
+orchestrate/model_sync.py (its pure parts: sparkctl.checkpoint.sync_plan). Here: the flags, the progress board, the report.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _verify_head(g: Any, s: Any, layout_name: str | None) -> Any:
 @click.pass_context
 def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...], as_json: bool) -> None:
     """Copy MODEL from the head to every rank that lacks it or differs, node to node over the fabric."""
-    from .. import modelsync
+    from ..checkpoint import sync_plan as modelsync
     from ..orchestrate.model_sync import sync
 
     g = ctx.obj

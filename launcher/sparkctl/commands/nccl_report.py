@@ -15,11 +15,11 @@ from typing import Any
 
 import click
 
-from .. import nccl
 from ..errors import CheckFailed, UsageError
-from ..findings import FAIL, OK, SYMBOL, WARN
 from ..options import Globals
 from ..output import console, emit_json
+from ..rules import nccl
+from ..rules.findings import FAIL, OK, SYMBOL, WARN
 
 MAX_BYTES = 256 * 1024 * 1024
 STYLE = {OK: "green", FAIL: "bold red", WARN: "yellow"}

@@ -7,14 +7,14 @@ from rich.table import Table
 
 from ..errors import CheckFailed
 from ..output import console, emit_json, warn
-from ..plan import GIB, gb, make_plan
+from ..spec.planner import GIB, gb, make_plan
 from ._checkpoint import checkpoint_for
 
 
 def memory_figure(s: object, node_memory: int | None) -> str:
     """Which node-memory figure the plan used, in words: --node-memory, or NODE_MEMORY_BYTES and where
     it came from. `plan` never reads a node's memory; `check` and `up` judge each node's own."""
-    from ..settings import Settings
+    from ..spec.settings import Settings
 
     assert isinstance(s, Settings)
     if node_memory:

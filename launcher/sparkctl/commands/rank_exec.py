@@ -7,11 +7,11 @@ import sys
 
 import click
 
-from ..builders import container_name
 from ..completion import rank_numbers
 from ..errors import UsageError
 from ..orchestrate.rank_exec import run_in_rank
 from ..output import emit_json
+from ..spec.builders import container_name
 from .common import globals_of, settings_of
 
 

@@ -9,11 +9,19 @@ from typing import Any
 
 import click
 
-from .. import lws
 from ..output import console, emit_json, warn
-from ..plan import make_plan, require_fit
-from ..render import OUT_FIX, Rendered, env_tp4_path, render_all, resolve_pins, write_env_tp4, write_private
-from ..settings import REDACTED, Settings, is_secret
+from ..spec import lws
+from ..spec.planner import make_plan, require_fit
+from ..spec.renderer import (
+    OUT_FIX,
+    Rendered,
+    env_tp4_path,
+    render_all,
+    resolve_pins,
+    write_env_tp4,
+    write_private,
+)
+from ..spec.settings import REDACTED, Settings, is_secret
 from ._checkpoint import checkpoint_for
 
 DEFAULT_OUT = Path("env/env.tp4")

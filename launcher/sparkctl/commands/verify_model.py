@@ -19,13 +19,13 @@ from typing import Any
 
 import click
 
+from ..checkpoint.verify import Report, issue
 from ..errors import UsageError
-from ..findings import INFO
 from ..orchestrate import verify_model
 from ..orchestrate.verify_model import verify_local
 from ..output import console, emit_json
-from ..recipes import load_layout
-from ..verify_rules import Report, issue
+from ..rules.findings import INFO
+from ..spec.recipes import load_layout
 
 
 def resolve_layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str, Any]:
@@ -44,7 +44,7 @@ def resolve_layout(g: Any, name: str | None) -> tuple[dict[str, Any] | None, str
     try:
         import os
 
-        from ..recipes import DEFAULT_RECIPE, load_recipe
+        from ..spec.recipes import DEFAULT_RECIPE, load_recipe
 
         recipe = load_recipe(g.recipe or os.environ.get("RECIPE") or DEFAULT_RECIPE)
         return dict(recipe.checkpoint_layout), f"recipe {recipe.name}", None

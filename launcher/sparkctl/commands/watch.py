@@ -1,6 +1,6 @@
 """`sparkctl watch`: supervise the service, restart the whole group when a rank, the head or a node fails.
 
-The policy is sparkctl.supervisor; its hands (SSH, Docker, the head's HTTP API) are
+The policy is sparkctl.rules.supervisor; its hands (SSH, Docker, the head's HTTP API) are
 `orchestrate.watch.WatchOps`. Here: the signals' handling, the end's report.
 """
 
@@ -14,7 +14,7 @@ import click
 from .. import signals
 from ..orchestrate.watch import WatchOps
 from ..output import console, emit_json
-from ..supervisor import STOPPED, Policy, Supervisor
+from ..rules.supervisor import STOPPED, Policy, Supervisor
 from .common import globals_of, one_replica, settings_of
 
 

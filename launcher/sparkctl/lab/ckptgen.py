@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..safetensors import encode_header, nbytes, read_header
+from ..checkpoint.safetensors import encode_header, nbytes, read_header
 
 INDEX = "model.safetensors.index.json"
 Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape)

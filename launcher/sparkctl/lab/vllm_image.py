@@ -5,9 +5,8 @@ pins of tests/realengine/requirements.txt), with vLLM's own ENTRYPOINT ["vllm", 
 base has. It is not installed a second way: it is the real-engine venv that tests/realengine/setup_venv.sh
 makes (cached under /var/cache/sparkctl, the same venv the conformance suite runs), its site-packages
 copied FROM the lab's base (Debian 12's python3.11, the venv's ABI) less what serving a text model on CPU
-never imports (LEAVE_OUT, measured: see the module's note in docs/CONTRACTS.md and the closing note of
-issue 25), plus the one shared library the base lacks (libnuma, which vLLM's CPU kernels link). Nothing
-is downloaded inside the lab.
+never imports (LEAVE_OUT, measured: see the module's note in docs/internals.md), plus the one shared
+library the base lacks (libnuma, which vLLM's CPU kernels link). Nothing is downloaded inside the lab.
 
 Built once on the first host (its Docker engine), `docker save`d into the lab's cache keyed by the hash
 of its inputs (the venv's stamp, LEAVE_OUT, the Dockerfile, the base's layers), and `docker load`ed into

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..parsing import ParseError, parse_json
+from ..facts.parsing import ParseError, parse_json
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 DEFAULT_WORKLOADS = ("prose", "code", "list")

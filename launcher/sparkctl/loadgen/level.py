@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import benchmetrics
-from ..headapi import Endpoint
+from ..measure import metrics as benchmetrics
+from ..remote.headapi import Endpoint
 from ..threads import spawn, wait_all, wait_bounded
 from .inputs import (
     DEFAULT_CONCURRENCY,

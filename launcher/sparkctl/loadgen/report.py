@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import benchmetrics
 from ..errors import UsageError
-from ..parsing import ParseError, parse_json
+from ..facts.parsing import ParseError, parse_json
+from ..measure import metrics as benchmetrics
 
-SCHEMA = "sparkctl-bench/2"  # /2: vLLM's metric definitions and names (issue 27)
+SCHEMA = "sparkctl-bench/2"  # /2: vLLM's metric definitions and names
 OLD_SCHEMAS = ("sparkctl-bench/1", "sparkctl-bench-replicas/1")  # read for --compare (their TTFT and tok/s were defined otherwise: noted)
 MULTI_SCHEMA = "sparkctl-bench-replicas/2"  # several replicas: {replicas: [{replica, head, url, ...SCHEMA doc}], total}
 

@@ -17,10 +17,11 @@ from typing import Any
 
 import requests
 
-from .. import benchmetrics, promtext
 from ..errors import CheckFailed
-from ..headapi import BadAnswer, Endpoint, HeadApi, reason
-from ..parsing import ParseError, parse_json
+from ..facts import promtext
+from ..facts.parsing import ParseError, parse_json
+from ..measure import metrics as benchmetrics
+from ..remote.headapi import BadAnswer, Endpoint, HeadApi, reason
 from .report import rounded
 from .wire import ChunkedDecoder, SpecCounters, SSEParser, spec_counters
 

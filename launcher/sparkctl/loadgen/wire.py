@@ -7,9 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import benchmetrics
-from ..engine_lines import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS  # vLLM's metric names, in one place
-from ..promtext import Sample, total
+from ..facts.engine_lines import (  # vLLM's metric names, in one place
+    SPEC_ACCEPTED,
+    SPEC_DRAFT_TOKENS,
+    SPEC_DRAFTS,
+)
+from ..facts.promtext import Sample, total
+from ..measure import metrics as benchmetrics
 
 
 class ChunkedDecoder:

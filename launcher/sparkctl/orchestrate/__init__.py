@@ -4,7 +4,7 @@
 plan, render, act); `builders` build the argv; `service`, `cluster` and `lock` run it on the nodes.
 `up.py` is `up` (and `start_service`, its body, which `watch` and `rollback` share), `down.py` is
 `down`, `status.py` is `status`'s document, `check.py` is `check`, `build.py` is `build`, ...:
-docs/CONTRACTS.md ("Where each command's flow lives") has one row per command.
+docs/internals.md ("Where each command's flow lives") has one row per command.
 """
 
 from __future__ import annotations

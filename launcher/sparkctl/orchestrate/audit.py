@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..cluster import Cluster
-from ..lock import audit_tail_argv
-from ..parsing import ParseError, parse_json
-from ..settings import Settings
+from ..facts.parsing import ParseError, parse_json
+from ..remote.lockdir import audit_tail_argv
+from ..spec.settings import Settings
 
 
 def read_audit(s: Settings, ssh_config: Any, tail: int) -> tuple[list[dict[str, Any]], list[str]]:

@@ -28,13 +28,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import llamabenchy, vllmbench
 from ..errors import CheckFailed
 from ..loadgen.inputs import WARMUP_PROMPT, Workload
 from ..loadgen.level import BenchConfig, BenchRun, ProgressSink, Sampling, level_bound_s, run_level
 from ..loadgen.replicas import LevelSync, SyncedSink
 from ..loadgen.request import Canceller, RequestResult
-from ..settings import Settings
+from ..measure import llama_benchy as llamabenchy
+from ..measure import vllm_bench as vllmbench
+from ..spec.settings import Settings
 from ..threads import spawn, wait_all, wait_bounded
 
 
@@ -146,8 +147,8 @@ def run_vllm_tool(s: Settings, ssh_config: str | Path | None, cfg: BenchConfig, 
     """`vllm bench serve` in the head's container of replica view `s`, one run per level of the first workload
     of `doc` (sparkctl's run, just measured), over one SSH connection to the head; its results (lists left
     out) and the side-by-side table."""
-    from ..builders import container_name
     from ..cluster import Cluster
+    from ..spec.builders import container_name
 
     head, container = s.head, container_name(s.cluster_name, 0)
     task, levels = next(iter(doc["workloads"].items()))

@@ -1,7 +1,7 @@
 """`sparkctl build`'s flow (`build`): the image chain on every rank (flags and printing: commands/build.py).
 
 Default: every rank builds the chain itself, all ranks at once (its build context is staged on the
-node from its own $MODEL/serving/, see sparkctl.images). A layer whose content hash matches the image
+node from its own $MODEL/serving/, see sparkctl.image.chain). A layer whose content hash matches the image
 already on the node is skipped, so a no-change build costs one probe per rank.
 
 --ship: only the head builds; every other rank is sent just the layers it lacks. The head saves the
@@ -26,13 +26,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from .. import base_identity
-from .. import images as im
 from ..cluster import Cluster, Node, NodeError, Results, Stream, StreamLost, parallel
-from ..docker_parse import Image, normalize_image_ref, parse_image_inspect
 from ..errors import CheckFailed
-from ..parsing import ParseError
-from ..resources import probe_script
+from ..facts.docker_parse import Image, normalize_image_ref, parse_image_inspect
+from ..facts.parsing import ParseError
+from ..image import base_image as base_identity
+from ..image import chain as im
+from ..spec.resources import probe_script
 from .locking import lock_cluster
 
 BUILD_TIMEOUT = 3 * 3600.0  # one layer (v145 compiles CUDA kernels on a real node)
@@ -455,7 +455,7 @@ def _prebuilt_versions(node: Node, ref: str) -> dict[str, str] | str:
 def _retain(cluster: Cluster, settings: Any, chain: list[im.LayerRef], results: dict[str, RankResult],
             out: dict[str, Any]) -> None:
     """Every rank that built (or was shipped) the chain: hash tags, the last BUILD_KEEP_CHAINS, no leftovers."""
-    from ..retention import DEFAULT_KEEP, retain
+    from ..remote.retention import DEFAULT_KEEP, retain
 
     keep = int(settings.get("BUILD_KEEP_CHAINS", DEFAULT_KEEP))
     tags = [layer.tag for layer in chain]

@@ -8,7 +8,7 @@
   2. every node tries to reach every other rank's discovered fabric address (probes/reach.sh).
 Both rounds start as few processes per node as they can: on the lab all nodes share one machine.
 Then the `argv` row: every rank's argv judged on the head by the serving image's own vLLM (`judge_argv`).
-The rules themselves (pure) are `sparkctl.check`.
+The rules themselves (pure) are `sparkctl.rules.check_rules`.
 """
 
 from __future__ import annotations
@@ -24,25 +24,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .. import facts as F
-from ..builders import open_api_warning
-from ..check import (
+from ..cluster import Cluster, Node, NodeError, Session, parallel
+from ..errors import SparkctlError
+from ..facts import node_facts as F
+from ..rules.check_rules import (
     CHECKS,
     DF_PATHS,
     REACH_BY_HAND,
-    _compute_cap,
-    _parse_reach,
     evaluate,
+    node_compute_cap,
+    parse_reach,
     rule_gpu_memory_utilization,
     rule_identity,
     rule_open_api,
     rule_reach,
 )
-from ..cluster import Cluster, Node, NodeError, Session, parallel
-from ..errors import SparkctlError
-from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding, Needs
-from ..findings import finding as _f
-from ..plan import (
+from ..rules.findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding, Needs
+from ..rules.findings import finding as _f
+from ..spec.builders import open_api_warning
+from ..spec.planner import (
     CheckpointInfo,
     Plan,
     checkpoint_from_scan,
@@ -50,9 +50,9 @@ from ..plan import (
     make_plan,
     nodes_compute_capability,
 )
-from ..resources import probe_script
-from ..settings import RankPins, Settings
-from .checkpoint import read_drafter_config_on, scan_on
+from ..spec.resources import probe_script
+from ..spec.settings import RankPins, Settings
+from .checkpoint_scan import read_drafter_config_on, scan_on
 
 
 @dataclass
@@ -198,7 +198,7 @@ def reach(
             raise NodeError(name, "output", f"{name}: the reach test printed no result (exit {res.exit_code})",
                             f"run check again; if it repeats, run the reach test on {name} by hand: "
                             f"{REACH_BY_HAND}")  # fmt: skip
-        return _parse_reach(sec.stdout)
+        return parse_reach(sec.stdout)
 
     got: dict[str, dict[str, str] | NodeError | None] = cluster.run_all(one, nodes=list(sessions))
     for name in ips:  # its probe ended before round 2 (it printed no "ready"): say so, do not guess
@@ -214,7 +214,7 @@ def _verifier(settings: Settings, cluster: Cluster, head: str, model: str,
     """The checkpoint verdict from the head's scan: from its summaries, and when they show a problem,
     from the full headers (one more scan on the head) so the finding names the tensor and shard."""
     try:
-        from .. import verify as V
+        from ..checkpoint import verify as V
 
         layout = settings.recipe.checkpoint_layout
     except Exception:  # no verifier or no layout: the check says so instead of failing
@@ -282,7 +282,7 @@ def run_check(
             if facts.meminfo is None:
                 return None, "node memory unknown"
             try:
-                return make_plan(settings, ckpt, facts.meminfo.total_bytes, _compute_cap(facts)), ""
+                return make_plan(settings, ckpt, facts.meminfo.total_bytes, node_compute_cap(facts)), ""
             except Exception as exc:  # a config.json the planner cannot use: say so, keep checking
                 return None, str(exc)
 
@@ -308,7 +308,7 @@ def run_check(
     mems = [
         f.meminfo.total_bytes for n, (f, _) in gathered.items() if isinstance(f, F.NodeFacts) and f.meminfo
     ]
-    cc, cc_problem = nodes_compute_capability({n: _compute_cap(f) for n, f in facts_ok.items()})
+    cc, cc_problem = nodes_compute_capability({n: node_compute_cap(f) for n, f in facts_ok.items()})
     if cc_problem:
         findings.append(_f(CLUSTER_ROW, "plan", FAIL, "mixed GPUs", cc_problem,
                            "serve the model on nodes of one GPU generation"))
@@ -341,8 +341,8 @@ def judge_argv(settings: Settings, cluster: Cluster, plan: Plan | None, pins: Ma
                unreached: set[str]) -> list[Finding]:
     """The `argv` row: every replica's every rank argv, rendered as `up` renders it, judged on the head by
     the serving image's own vLLM (argvjudge). What stops it is said on every rank's node, as a skip."""
-    from .. import argvjudge
-    from ..render import render_all, resolve_pins
+    from ..remote import argv_verdict as argvjudge
+    from ..spec.renderer import render_all, resolve_pins
 
     nodes = list(settings.topology.nodes)
     head = settings.topology.head

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import service
 from ..cluster import Cluster, NodeError
-from ..identity import refuse_swaps, swaps
+from ..facts.machine_identity import refuse_swaps, swaps
 from ..output import warn
-from ..settings import Settings
+from ..remote import service
+from ..spec.settings import Settings
 from .locking import lock_cluster
 
 
@@ -42,7 +42,7 @@ def down(s: Settings, ssh_config: str | Path | None, say: Callable[[str], None],
 
 def stop_supervisor_unit(cluster: Cluster, s: Settings) -> None:
     """A deliberate `down` stays down: the `export systemd` unit (if any) is stopped and disabled first."""
-    from ..systemd_unit import disable_argv, unit_name
+    from ..spec.systemd_unit import disable_argv, unit_name
 
     r = cluster.node(s.head).run(disable_argv(s.cluster_name), timeout=90)
     if not r.ok:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..cluster import Cluster
 from ..errors import CheckFailed
-from ..systemd_unit import install_argv, install_recipe_argv
+from ..spec.systemd_unit import install_argv, install_recipe_argv
 from .locking import lock_cluster
 
 

@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import nccl
-from ..builders import LABEL_CLUSTER, LABEL_RANK, LABEL_RECIPE, container_options, master_addr, rank_env
 from ..cluster import Cluster, Node, NodeError, RunResult
-from ..findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
-from ..recipes import FabricTest
-from ..resources import probe_script
-from ..settings import RankPins, Settings
+from ..rules import nccl
+from ..rules.findings import CLUSTER_ROW, FAIL, OK, SKIP, WARN, Finding
+from ..spec.builders import LABEL_CLUSTER, LABEL_RANK, LABEL_RECIPE, container_options, master_addr, rank_env
+from ..spec.recipes import FabricTest
+from ..spec.resources import probe_script
+from ..spec.settings import RankPins, Settings
 from ..threads import spawn, wait_all, wait_bounded
 
 CHECK = "collective"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..cluster import Cluster
-from ..history import Release, read_history
-from ..settings import Settings
+from ..remote.releases import Release, read_history
+from ..spec.settings import Settings
 
 
 def releases(s: Settings, ssh_config: Any, limit: int) -> list[Release]:

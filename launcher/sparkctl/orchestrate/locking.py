@@ -1,4 +1,4 @@
-"""The cluster lock on every node a command changes, and who each node is (issue 31).
+"""The cluster lock on every node a command changes, and who each node is.
 
   who_is_who(cluster, names)       one round on those nodes: /etc/machine-id and the identity record
                                    the last `up` left there (identity.WHOAMI)
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cluster import Cluster, NodeError, raise_failed
-from ..identity import (
+from ..facts.machine_identity import (
     RECORD_NAME,
     NodeIdentity,
     Seen,
@@ -27,7 +27,7 @@ from ..identity import (
     whoami_argv,
     write_record_argv,
 )
-from ..lock import (
+from ..remote.lockdir import (
     LockOwner,
     LockState,
     audit_append_argv,
@@ -39,7 +39,7 @@ from ..lock import (
     now_iso,
     state_dir,
 )
-from ..settings import Settings
+from ..spec.settings import Settings
 
 
 def record_path(cluster_name: str) -> str:
@@ -61,7 +61,7 @@ def who_is_who(cluster: Cluster, names: Sequence[str], cluster_name: str) -> dic
 @contextmanager
 def lock_cluster(cluster: Cluster, names: Sequence[str], cluster_name: str,
                  command: str) -> Iterator[tuple[LockOwner, dict[str, Seen]]]:
-    """The cluster lock on every connected node of `names`, taken in the one global order (lock.py);
+    """The cluster lock on every connected node of `names`, taken in the one global order (remote/lockdir.py);
     yields the owner and who each node is (read first, to order them)."""
     seen = who_is_who(cluster, names, cluster_name)
     order = lock_order(list(seen), {n: (s.identity.machine_id, s.identity.host_key) for n, s in seen.items()})

@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..checkpoint.verify import Report
 from ..cluster import Cluster, RunResult
 from ..errors import CheckFailed
-from ..parsing import ParseError, parse_json
-from ..resources import probe_script
-from ..verify_rules import Report
+from ..facts.parsing import ParseError, parse_json
+from ..spec.resources import probe_script
 from .locking import lock_cluster
 from .verify_model import verify_cluster
 

@@ -1,6 +1,6 @@
 """`sparkctl model sync`'s flow (`sync`): MODEL from one node to the ranks that lack it or differ, node to
 node, with rsync. The steps (scan, refuse a shared folder, plan and check space, node-to-node keys,
-one rsync per rank, compare) are in `sparkctl.modelsync`'s docstring, beside the pure parts they use
+one rsync per rank, compare) are in `sparkctl.checkpoint.sync_plan`'s docstring, beside the pure parts they use
 (the file plan, the authorized_keys line, the rsync argv, its output's parsers, the report types).
 """
 
@@ -14,10 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from ..cluster import Cluster, Node, NodeError
-from ..errors import CheckFailed, UsageError
-from ..findings import FAIL
-from ..modelsync import (
+from ..checkpoint.sync_plan import (
     INSTALL_KEY,
     LIFELINE,
     SCAN_TIMEOUT,
@@ -38,11 +35,14 @@ from ..modelsync import (
     state_dir,
     why,
 )
-from ..parsing import ParseError, parse_json
-from ..resources import probe_script
+from ..checkpoint.verify import issue
+from ..checkpoint.verify_nodes import compare_nodes
+from ..cluster import Cluster, Node, NodeError
+from ..errors import CheckFailed, UsageError
+from ..facts.parsing import ParseError, parse_json
+from ..rules.findings import FAIL
+from ..spec.resources import probe_script
 from ..threads import spawn, wait_all, wait_bounded
-from ..verify_nodes import compare_nodes
-from ..verify_rules import issue
 from .locking import lock_cluster
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import secrets
 
 from ..cluster import Cluster, Node
-from ..facts import NodeFacts, node_facts_from_probe, probe_args
-from ..nic_pins import pins_from_facts
-from ..resources import probe_script
-from ..settings import RankPins, Settings
+from ..facts.node_facts import NodeFacts, node_facts_from_probe, probe_args
+from ..rules.nic_pins import pins_from_facts
+from ..spec.resources import probe_script
+from ..spec.settings import RankPins, Settings
 
 
 def probe_node(node: Node, settings: Settings) -> NodeFacts:

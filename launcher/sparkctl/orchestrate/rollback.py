@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import service
 from ..cluster import Cluster
 from ..errors import UsageError
-from ..history import Release, content_hash_on, pick, read_history, rollback_overrides
-from ..settings import Settings
+from ..remote import service
+from ..remote.releases import Release, content_hash_on, pick, read_history, rollback_overrides
+from ..spec.settings import Settings
 from . import require_all
 from .locking import lock_cluster
 from .up import start_service

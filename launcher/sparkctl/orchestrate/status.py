@@ -5,19 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import cleanup, promtext, service, watchstate
-from ..check import REACH_BY_HAND
 from ..cluster import Cluster, NodeError
 from ..errors import CheckFailed, UsageError
-from ..identity import swaps
-from ..settings import Settings
+from ..facts import promtext
+from ..facts.machine_identity import swaps
+from ..remote import cleanup, service, watchstate
+from ..rules.check_rules import REACH_BY_HAND
+from ..spec.settings import Settings
 from .locking import who_is_who
 from .up import render_now_and_master
 
 
 def metrics_summary(text: str | None) -> dict[str, float]:
     """The head's load from its /metrics text (promtext: the first 20,000 lines), summed over label sets."""
-    from ..engine_lines import GENERATION_TOKENS, KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+    from ..facts.engine_lines import (
+        GENERATION_TOKENS,
+        KV_CACHE_USAGE,
+        NUM_REQUESTS_RUNNING,
+        NUM_REQUESTS_WAITING,
+    )
 
     wanted = {NUM_REQUESTS_RUNNING: "requests_running", NUM_REQUESTS_WAITING: "requests_waiting",
               KV_CACHE_USAGE: "kv_cache_usage", GENERATION_TOKENS: "generation_tokens"}
@@ -116,8 +122,8 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
 def master_paths(cluster: Cluster, s: Settings, addr: str, port: int) -> list[dict[str, Any]]:
     """From the node of every rank but the head's, whether a TCP connect reaches ADDR:PORT (reach.sh's
     test, as `check` runs it): one line per rank, ok or the reason."""
-    from ..check import _parse_reach
-    from ..resources import probe_script
+    from ..rules.check_rules import parse_reach
+    from ..spec.resources import probe_script
 
     ranks = [r for r in s.service.ranks if r.node != s.head and r.node in cluster.connected]
     if not ranks:
@@ -128,7 +134,7 @@ def master_paths(cluster: Cluster, s: Settings, addr: str, port: int) -> list[di
     out = []
     for r in ranks:
         got = res[r.node]
-        why = got.reason if isinstance(got, NodeError) else _parse_reach(got.stdout).get(addr, "no answer from the test")
+        why = got.reason if isinstance(got, NodeError) else parse_reach(got.stdout).get(addr, "no answer from the test")
         out.append({"rank": r.rank, "node": r.node, "head": s.head, "addr": addr, "port": port,
                     "ok": why == "ok", "reason": None if why == "ok" else why})
     return out

@@ -31,14 +31,15 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from .. import memory, service
 from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed, SparkctlError
-from ..nic_pins import pins_from_facts
 from ..output import warn
-from ..plan import (
+from ..remote import service
+from ..rules import memory
+from ..rules.nic_pins import pins_from_facts
+from ..spec.planner import (
     CheckpointInfo,
     Plan,
     drafter_dir,
@@ -46,10 +47,10 @@ from ..plan import (
     nodes_compute_capability,
     require_fit,
 )
-from ..render import Rendered, env_tp4_path, render_all, write_env_tp4
-from ..settings import Settings
+from ..spec.renderer import Rendered, env_tp4_path, render_all, write_env_tp4
+from ..spec.settings import Settings
 from . import require_all
-from .checkpoint import read_checkpoint_on
+from .checkpoint_scan import read_checkpoint_on
 from .locking import lock_cluster, record_identities
 from .node_probe import probe_node
 
@@ -148,12 +149,12 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
     gathered: every node's preflight_all round, when the caller (`up` of several replicas) read it."""
     ok = preflight_all(cluster, s) if gathered is None else {n: gathered[n] for n in s.nodes}
     refuse_foreign_gpu_processes(s, ok)
-    plan = plan_for(cluster, s, ok[s.head][2], {n: r[0] for n, r in ok.items()})
-    pins = pins_from_facts(s, {n: r[0] for n, r in ok.items()})
+    plan = plan_for(cluster, s, ok[s.head].checkpoint, {n: r.facts for n, r in ok.items()})
+    pins = pins_from_facts(s, {n: r.facts for n, r in ok.items()})
     rendered = render_all(s, plan, pins, source=source)
     judge_argv(cluster, s, rendered, say)
     if before_start is not None:
-        before_start(pins, {n: r[1][0] for n, r in ok.items()})
+        before_start(pins, {n: r.state[0] for n, r in ok.items()})
     env_tp4 = env_tp4_path(ENV_TP4, s.replica_index)  # one file per replica (one replica: env/env.tp4)
     try:
         kept = write_env_tp4(env_tp4, rendered.env_tp4, s, fix="the service starts from what it says")
@@ -161,10 +162,10 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
         kept = f"could not write {env_tp4}: {exc}"
     warn([kept] if kept else [])
     outcome = service.up(cluster, s, rendered.specs, rendered.config_hash, recreate=recreate, say=say,
-                         gathered={n: r[1] for n, r in ok.items()}, memory=node_memory(s, plan, ok),
+                         gathered={n: r.state for n, r in ok.items()}, memory=node_memory(s, plan, ok),
                          look=lambda node: probe_node(node, s))
     if outcome.changed:
-        from ..history import record_release  # only a started service is recorded
+        from ..remote.releases import record_release  # only a started service is recorded
 
         try:
             record_release(cluster, s, rendered, source=source)
@@ -176,7 +177,7 @@ def start_service(cluster: Cluster, s: Settings, *, recreate: bool, say: Any,
 def judge_argv(cluster: Cluster, s: Settings, rendered: Rendered, say: Callable[[str], None]) -> None:
     """The serving image's own vLLM judges every rank's argv on the head (argvjudge) before anything starts:
     a refusal refuses `up` with vLLM's words; what it could not judge is a warning."""
-    from .. import argvjudge
+    from ..remote import argv_verdict as argvjudge
 
     j = argvjudge.judge(cluster.node(s.head), s, rendered.specs, say=say)
     refused = argvjudge.refusal(j, s)
@@ -188,7 +189,12 @@ def judge_argv(cluster: Cluster, s: Settings, rendered: Rendered, say: Callable[
             f"({'cached' if j.cached else f'{j.seconds:.1f}s'})")
 
 
-Preflight = tuple[Any, Any, "CheckpointInfo | None"]  # a node's fabric facts, node_state, checkpoint (heads)
+class Preflight(NamedTuple):
+    """One node's preflight round (preflight_all)."""
+
+    facts: Any  # its fabric facts (probe_node)
+    state: Any  # its containers and image (service.node_state)
+    checkpoint: CheckpointInfo | None  # the checkpoint as it reads it (replica heads only)
 
 
 def refuse_foreign_gpu_processes(s: Settings, ok: dict[str, Preflight]) -> None:
@@ -196,7 +202,7 @@ def refuse_foreign_gpu_processes(s: Settings, ok: dict[str, Preflight]) -> None:
     before anything changes, naming it (its container, another sparkctl cluster's); never stops it."""
     problems, fixes = [], []
     for n in s.nodes:
-        facts, state = ok[n][0], ok[n][1]
+        facts, state = ok[n].facts, ok[n].state
         own = {c.id for c in (state[0] if state else [])}
         held = memory.foreign(getattr(facts, "gpu_apps", None) or [], s.cluster_name, own)
         if held:
@@ -216,7 +222,7 @@ def node_memory(s: Settings, plan: Plan, ok: dict[str, Preflight]) -> dict[str, 
         ranks[r.node] = ranks.get(r.node, 0) + 1
     out = {}
     for n, count in ranks.items():
-        is_unified = memory.unified(ok[n][0]) if n in ok and ok[n][0] is not None else False
+        is_unified = memory.unified(ok[n].facts) if n in ok and ok[n].facts is not None else False
         out[n] = memory.NodeMemory(plan.per_rank_total * s.topology.gpus_per_node * count, is_unified,
                                    memory.drop_caches_on(str(s.get("DROP_CACHES", "auto")), is_unified))
     return out
@@ -236,7 +242,7 @@ def preflight_all(cluster: Cluster, s: Settings) -> dict[str, Preflight]:
         if node.name in heads:
             jobs.append(lambda: read_checkpoint_on(node, s.model, drafter_dir(s)))
         facts, state, *ckpt = parallel(jobs)
-        return facts, state, ckpt[0] if ckpt else None
+        return Preflight(facts, state, ckpt[0] if ckpt else None)
 
     rounds = cluster.run_all(preflight, nodes=list(s.topology.nodes))
     failed = rounds.failed
@@ -267,7 +273,7 @@ def render_now(cluster: Cluster, s: Settings, source: str) -> Rendered:
 
 def render_now_and_master(cluster: Cluster, s: Settings, source: str) -> tuple[Rendered, str]:
     """render_now, and the master address the ranks meet at (the head's fabric address, or MASTER_ADDR)."""
-    from ..builders import master_addr
+    from ..spec.builders import master_addr
 
     facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
     pins = pins_from_facts(s, facts)

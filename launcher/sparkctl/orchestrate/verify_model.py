@@ -14,14 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.verify import NeedHeaders, Report, Summary, issue, verify_scan, verify_with
+from ..checkpoint.verify_nodes import compare_nodes
 from ..cluster import Cluster
-from ..findings import FAIL, Finding
-from ..parsing import ParseError, parse_json
+from ..facts.parsing import ParseError, parse_json
 from ..probes.ckpt_scan import scan
-from ..resources import probe_script
-from ..verify import verify_scan, verify_with
-from ..verify_nodes import compare_nodes
-from ..verify_rules import NeedHeaders, Report, Summary, issue
+from ..rules.findings import FAIL, Finding
+from ..spec.resources import probe_script
 
 DEEP_TIMEOUT = 6 * 3600.0  # 308 GB over NFS at a few hundred MB/s, with room to spare
 SCAN_TIMEOUT = 120.0

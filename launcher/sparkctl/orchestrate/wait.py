@@ -7,9 +7,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .. import readiness, service
 from ..cluster import Cluster, parallel
-from ..settings import Settings
+from ..remote import readiness, service
+from ..spec.settings import Settings
 from . import require_all
 
 

@@ -1,4 +1,4 @@
-"""`sparkctl watch`'s hands: `WatchOps`, what the supervisor (sparkctl.supervisor, the policy) does on
+"""`sparkctl watch`'s hands: `WatchOps`, what the supervisor (sparkctl.rules.supervisor, the policy) does on
 the nodes -- one SSH connection per node, Docker, the head's HTTP API. Its restarts go through
 `orchestrate.up.start_service`, the same path as `up`. The command (signals, printing): commands/watch.py.
 """
@@ -10,12 +10,13 @@ import os
 import time
 from typing import Any
 
-from .. import service, signals, watchstate
+from .. import signals
 from ..cluster import Cluster, NodeError
-from ..lock import audit_line, audit_tail_argv, new_owner, whoami
-from ..parsing import ParseError, parse_json
-from ..settings import Settings
-from ..supervisor import Observation, Policy
+from ..facts.parsing import ParseError, parse_json
+from ..remote import service, watchstate
+from ..remote.lockdir import audit_line, audit_tail_argv, new_owner, whoami
+from ..rules.supervisor import Observation, Policy
+from ..spec.settings import Settings
 from . import require_all
 from .locking import lock_cluster, lock_states
 from .up import start_service
@@ -39,7 +40,7 @@ class WatchOps:
     def start(self) -> None:
         """Connect, and note the `down` lines already there (separate from __init__: a signal while
         connecting still ends `watch` through its own ending, which publishes "stopped")."""
-        from .. import readiness
+        from ..remote import readiness
 
         self._connect()
         self.api = readiness.HeadApi(service.head_base_url(self._c(), self.s), self.s.get("VLLM_API_KEY"),
@@ -69,7 +70,7 @@ class WatchOps:
         self._say(f"{_dt.datetime.now(_dt.UTC):%H:%M:%S} {text}")
 
     def observe(self, canary: bool) -> Observation:
-        from .. import readiness
+        from ..remote import readiness
 
         c = self._c()
         if c.errors or self._stale:  # connect again (each round, while a node is away)
@@ -152,8 +153,8 @@ class WatchOps:
             pass
 
     def restart(self, reason: str, attempt: int) -> None:
-        from .. import readiness
-        from ..supervisor import WatchEnded
+        from ..remote import readiness
+        from ..rules.supervisor import WatchEnded
 
         c = self._c()
         require_all(c, "restart refused")

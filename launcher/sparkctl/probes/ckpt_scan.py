@@ -1,9 +1,9 @@
 """Scan a checkpoint folder and describe it as one JSON document: the one checkpoint reader.
 
 Runs on a node as `python3 - DIR [options]` with resources.probe_script("ckpt_scan.py") on stdin
-(nodes don't have sparkctl installed: the script carries sparkctl.safetensors, its only sparkctl
-import, with it); local mode imports `scan()`. It only reads and reports; sparkctl.verify turns the
-report into findings, sparkctl.plan.checkpoint_from_scan into the planner's input.
+(nodes don't have sparkctl installed: the script carries sparkctl.checkpoint.safetensors, its only sparkctl
+import, with it); local mode imports `scan()`. It only reads and reports; sparkctl.checkpoint.verify turns the
+report into findings, sparkctl.spec.planner.checkpoint_from_scan into the planner's input.
 
 What it reports (see scan()):
   files   every regular file (top level and one folder down, dot-folders skipped): size, mtime_ns
@@ -41,7 +41,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sparkctl.safetensors import MAX_HEADER_BYTES, Header, HeaderError, parse_header, read_header_bytes
+from sparkctl.checkpoint.safetensors import (
+    MAX_HEADER_BYTES,
+    Header,
+    HeaderError,
+    parse_header,
+    read_header_bytes,
+)
 
 VERSION = 2  # of the document and of SummaryCache: bump it whenever what a summary holds changes
 MAX_JSON_BYTES = 128 * 1024 * 1024  # the index of a 58k-tensor pack is ~20 MB
@@ -125,7 +131,7 @@ def summarize_kinds(kinds: Any) -> list[list[Any]]:
         [prefix, tail, dtype, shape, id ranges]   "model.layers.5.mlp.experts.", "up_proj.trellis", ...
         [name, None, dtype, shape, None]          every tensor that is not a numbered expert's
 
-    A 232k-tensor pack becomes a few thousand entries; the rules (sparkctl.verify) read these, and
+    A 232k-tensor pack becomes a few thousand entries; the rules (sparkctl.checkpoint.verify) read these, and
     the exact set of names and kinds can be rebuilt from them. The expert index is the first
     ".experts.N." of a name (N canonical decimal, at most 9 digits)."""
     names = list(kinds)
