@@ -25,7 +25,10 @@ VLLM="vllm==0.33.0"
 say() { printf '==> %s\n' "$*" >&2; }
 
 repo="$(cd "$here/../.." && pwd)"
-want="$(cat "$here/requirements.txt" "$here/setup_venv.sh" "$repo/pyproject.toml" | sha256sum | cut -c1-16)"
+# The stamp covers what goes into the venv: requirements.txt, this script and sparkctl's runtime dependencies
+# (pyproject.toml's [project].dependencies only, so a change to its tool settings does not rebuild the venv).
+runtime_deps="$("$py" -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"], sep="\n")' "$repo/pyproject.toml")"
+want="$({ cat "$here/requirements.txt" "$here/setup_venv.sh"; printf '%s\n' "$runtime_deps"; } | sha256sum | cut -c1-16)"
 stamp="$venv/.sparkctl-fidelity-stamp"
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "$venv"
