@@ -17,8 +17,8 @@ from typing import Any
 
 import click
 
-from ..errors import CheckFailed, UsageError
-from ..orchestrate.model_pull import pull_on_head, verify_head
+from ..errors import UsageError
+from ..orchestrate.model_pull import pull_on_head, raise_for_status, verify_head
 from ..output import console, emit_json
 
 PERIOD = 5.0  # seconds between progress lines when the output is not a terminal
@@ -114,15 +114,7 @@ def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
         board.update(s.head, str(status), f"{_fmt_bytes(int(doc.get('downloaded_bytes') or 0))} downloaded "
                      f"in {doc.get('seconds', 0)}s")
     head = s.head
-    if status == "no-space":
-        raise CheckFailed(f"{head}:{s.model}: {repo}@{doc.get('commit')} needs {int(doc['need_bytes']):,} B, the "
-                          f"filesystem has {int(doc['free_bytes']):,} B free (the repo is {int(doc['total_bytes']):,} B); "
-                          "nothing was downloaded", fix=f"free space on {head} or point MODEL at a bigger disk")
-    if status == "error":
-        fix = (f"install it on {head} (pip install 'huggingface_hub>=0.24') or set HF_PYTHON to a python that has it"
-               if doc.get("code") == "no-huggingface-hub" else
-               "check MODEL_REPO / MODEL_REVISION, HF_TOKEN for a gated repo, and HF_ENDPOINT")
-        raise CheckFailed(f"{head}: pulling {repo}@{revision} failed: {doc.get('code')}: {doc.get('message')}", fix=fix)
+    raise_for_status(doc, s, str(repo), str(revision))
     report_doc: dict[str, Any] = {"ok": True, "node": head, "dir": str(s.model), **doc}
     if status == "downloaded":
         report = _verify_head(g, s, layout_name)
