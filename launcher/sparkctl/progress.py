@@ -42,9 +42,15 @@ def make_event(command: str, step: str, phase: str, message: str = "", *, node: 
         raise ValueError(f"event level {level!r} is not one of {', '.join(LEVELS)}")
     return {"time": round(time.time() if now is None else now, 3), "command": command, "step": step,
             "node": node, "rank": None if rank is None else int(rank), "phase": phase,
-            "bytes_done": None if bytes_done is None else max(0, int(bytes_done)),
-            "bytes_total": None if bytes_total is None else max(0, int(bytes_total)),
+            "bytes_done": _count(bytes_done), "bytes_total": _count(bytes_total),
             "message": message, "level": level}
+
+
+def _count(v: Any) -> int | None:
+    """A byte count as an event carries it: a whole number >= 0, or null (a node's odd answer included)."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
+        return None
+    return max(0, int(v))
 
 
 class Display:
