@@ -191,3 +191,13 @@ def test_the_real_up_step_starts_once_is_a_noop_after_and_replaces_only_on_a_kno
     code, out, err = run(["history", "--json"], capsys)
     assert code == 0, err
     assert first in out and up["changed"]["config_hash"] in out
+
+
+def test_the_real_sync_step_leaves_out_ranks_that_share_the_heads_folder(nodes: LocalNodes, capsys: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flow, "STEPS", [s for s in flow.STEPS if s.name in ("pull", "sync")])
+    code, out, err = run(["deploy", "--json"], capsys)
+    assert code == 0, err
+    pull, sync = doc_of(out)["steps"]
+    assert not pull["todo"] and "no MODEL_REVISION pin" in pull["why"]  # the lab recipe names a repo, no pin
+    assert not sync["todo"] and sync["detail"]["shared"] == ["spark2", "spark3", "spark4"]

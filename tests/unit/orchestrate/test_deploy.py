@@ -162,3 +162,16 @@ def test_the_registry_is_the_documented_order_and_a_first_step_is_one_entry() ->
     steps.insert(0, step(w, "setup"))
     flow.apply_steps(context(), steps)
     assert w.applied == ["setup", "sync", "up"]
+
+
+def test_check_is_skipped_only_for_the_inputs_it_passed_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = dp.inputs({"TP": "4"}, b"recipe", "fp1")
+    b = dp.inputs({"TP": "4"}, b"recipe", "fp2")
+    now = [a]
+    monkeypatch.setattr(flow, "current_inputs", lambda ctx: now[0])
+    ctx = context()
+    assert flow.probe_check(ctx).todo
+    ctx.state["check_passed"] = dp.inputs_key(a)
+    assert not flow.probe_check(ctx).todo
+    now[0] = b  # another checkpoint on the head: checked again
+    assert flow.probe_check(ctx).todo
