@@ -104,7 +104,10 @@ def test_yes_reports_each_step_then_a_rerun_is_a_noop_that_says_so(world: World,
 
 def test_yes_says_what_differs_from_the_saved_plan_before_it_proceeds(world: World, capsys: Any,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    assert run(["deploy"], capsys)[0] == 0
+    code, out, err = run(["deploy"], capsys)
+    assert code == 0, err
+    assert "nothing was changed. `sparkctl deploy --yes` runs: sync, check, build, up, wait" in out
+    assert "- make build" in out
     monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.75")
     code, out, err = run(["deploy", "--yes", "--json"], capsys)
     assert code == 0, err
