@@ -15,6 +15,8 @@ from rich.console import Console
 
 from sparkctl.errors import UsageError
 from sparkctl.progress import Display, Feed, make_event, open_feed, schema
+from tests.conftest import run_cli
+from tests.unit.localnodes import served_scene
 
 
 def validator() -> jsonschema.Draft202012Validator:
@@ -80,3 +82,20 @@ def test_quiet_display_prints_nothing(capsys: Any) -> None:
     with Display(Console(file=buf), quiet=True) as d:
         Feed("deploy", None, display=d).event("up", "start", "x")
     assert buf.getvalue() == ""
+
+
+def test_up_and_build_write_valid_events_with_the_global_option(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                capsys: Any) -> None:
+    nodes = ["spark1", "spark2", "spark3", "spark4"]
+    with served_scene(monkeypatch, tmp_path, nodes, {"SERVED_MODEL_NAME": "m", "VLLM_API_KEY": "k"}):
+        events = tmp_path / "events.jsonl"
+        code, out, err = run_cli(["--events", str(events), "up"], capsys)
+        assert code == 0, err
+        code, out, err = run_cli(["build", "--dry-run", "--events", str(events)], capsys)
+        assert code == 0, err
+        got = [json.loads(line) for line in events.read_text().splitlines()]
+    v = validator()
+    for ev in got:
+        v.validate(ev)
+    assert {e["command"] for e in got} == {"up"}  # a dry run has no progress to report
+    assert got[-1]["phase"] == "changed" and any("started rank 0 on spark1" in e["message"] for e in got)

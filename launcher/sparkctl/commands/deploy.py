@@ -50,7 +50,8 @@ def command(ctx: click.Context, plan_only: bool, yes: bool, supervise: bool, no_
         raise UsageError("deploy brings up one service; these settings name several replicas",
                          fix="run the steps by hand (`sparkctl up` and `sparkctl wait` handle replicas)")
     out = console(g.json)
-    display = Display(console(True) if g.json else out, quiet=g.verbosity < 0 or not yes)
+    # the person's progress on stderr when stdout carries the document or the events (`--events -`)
+    display = Display(console(True) if g.json or g.events == "-" else out, quiet=g.verbosity < 0 or not yes)
     feed = feed_of(g, "deploy", display=display)
     supervisor = None
     if supervise:
