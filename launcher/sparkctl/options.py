@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 # Commands (by click name: `model sync` is "sync") that change the cluster: an unknown env-file key is an error.
-CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd"})
+CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd", "deploy"})
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Globals:
     ssh_config: str | None = None
     json: bool = False
     verbosity: int = 0
+    events: str | None = None  # --events FILE|-: one JSON line per event of long work (progress.py)
     # knobs a command's own options set (`up --image`, `rollback`): highest precedence, like flags
     extra_overrides: dict[str, str] = field(default_factory=dict)
 
@@ -74,6 +75,7 @@ def globals_from(params: dict[str, Any]) -> Globals:
         model=text("model"),
         recipe=text("recipe"),
         ssh_config=text("ssh_config"),
+        events=text("events"),
         json=params.get("as_json") is True,
         verbosity=-1 if params.get("quiet") is True else verbose if isinstance(verbose, int) else 0,
     )

@@ -72,7 +72,7 @@ COMMANDS = [
     ["config"], ["plan", "--local"], ["render"], ["check"], ["verify-model"], ["build", "--dry-run"], ["endpoint"],
     ["bake"], ["up"], ["wait"], ["status"], ["logs"], ["down"], ["lock", "status"], ["audit"], ["watch"], ["history"],
     ["rollback"], ["exec", "--", "true"], ["export", "systemd", "--print"], ["bench"],
-    ["model", "pull"], ["model", "sync"],
+    ["model", "pull"], ["model", "sync"], ["deploy"], ["deploy", "--yes"],
 ]
 
 

@@ -20,6 +20,7 @@ from ..completion import layer_names
 from ..errors import CheckFailed, UsageError
 from ..orchestrate.build import RankResult, build
 from ..output import emit_json
+from ..progress import Feed, feed_of
 
 # ------------------------------------------------------------------------------------ display
 
@@ -30,8 +31,9 @@ class Board:
     STYLE = {"skip": "dim", "built": "green", "shipped": "green", "failed": "bold red", "building": "yellow",
              "pulling": "yellow", "shipping": "yellow", "keep": "dim", "stale": "magenta", "blocked": "red"}
 
-    def __init__(self, nodes: Sequence[str], layers: Sequence[str], *, quiet: bool) -> None:
+    def __init__(self, nodes: Sequence[str], layers: Sequence[str], *, quiet: bool, feed: Feed | None = None) -> None:
         self.nodes, self.layers = list(nodes), list(layers)
+        self.feed = feed  # --events: one line per change of a layer's state per rank
         self.cells: dict[tuple[str, str], str] = {}
         self.notes: dict[str, str] = {}
         self.lock = threading.Lock()
@@ -52,6 +54,8 @@ class Board:
             self.live.stop()
 
     def set(self, node: str, layer: str, text: str, *, event: bool = True) -> None:
+        if self.feed is not None and event:
+            self.feed.event("build", f"{layer} {text.split(' ')[0]}", text, node=node, rank=self._rank(node))
         with self.lock:
             self.cells[(node, layer)] = text
             if self.live:
@@ -59,7 +63,12 @@ class Board:
             elif event and not self.quiet:
                 self.console.print(f"{node} {layer}: {text}", markup=False)
 
+    def _rank(self, node: str) -> int | None:
+        return self.nodes.index(node) if node in self.nodes else None
+
     def note(self, node: str, text: str) -> None:
+        if self.feed is not None:
+            self.feed.event("build", "note", text, node=node, rank=self._rank(node))
         with self.lock:
             self.notes[node] = text
             if self.live:
@@ -103,8 +112,12 @@ def command(ctx: click.Context, ship: bool, only: str | None, no_cache: bool, dr
                          f"it runs a prebuilt image ({recipe.prebuilt.source})",
                          fix="run `sparkctl build` (it gives every rank the head's copy of IMAGE)")
     quiet = g.verbosity < 0 or g.json
-    done = build(settings, g.ssh_config_path(), ship=ship, only=only, no_cache=no_cache, dry_run=dry_run,
-                 progress=lambda nodes, layers: Board(nodes, layers, quiet=quiet))
+    feed = feed_of(g, "build")
+    try:
+        done = build(settings, g.ssh_config_path(), ship=ship, only=only, no_cache=no_cache, dry_run=dry_run,
+                     progress=lambda nodes, layers: Board(nodes, layers, quiet=quiet, feed=feed))
+    finally:
+        feed.close()
     _finish(g, done.out, done.results, print_plan=done.plan_only)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from typing import Any
 
 import click
 
@@ -30,14 +31,32 @@ def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, p
     """A systemd unit that runs `sparkctl watch` for this cluster, after docker and the network, with the
     recipe that ran pinned: its copy installed beside the unit (`--print`: the file's absolute path, or
     the shipped recipe's name)."""
-    from ..spec.recipes import is_recipe_file
-    from ..spec.systemd_unit import pinned_environment, recipe_copy_path, unit_name, unit_text
-
     g = globals_of(ctx)
     s = one_replica(settings_of(g), "export systemd")
     target = node or s.head
     if target not in s.nodes:
         raise UsageError(f"--node {target}: not one of this cluster's nodes ({' '.join(s.nodes)})")
+    name, text, copy, content = unit_for(g, s, program, print_only=print_only)
+    if print_only:
+        if g.json:
+            emit_json({"unit": name, "text": text})
+        else:
+            sys.stdout.write(text)
+        return
+    install_unit(g.ssh_config_path(), target, s.cluster_name, name, text, (copy, content))
+    if g.json:
+        emit_json({"unit": name, "node": target, "installed": True, "recipe": copy})
+    else:
+        console(False).print(f"installed and started {name} on {target} (recipe {s.recipe.name} pinned as {copy}); "
+                             "`sparkctl down` stops and disables it", markup=False)
+
+
+def unit_for(g: Any, s: Any, program: str | None, *, print_only: bool = False) -> tuple[str, str, str, bytes]:
+    """The unit export systemd installs: (its name, its text, the recipe copy's path there, the recipe's bytes).
+    `deploy --supervise` installs the very same one."""
+    from ..spec.recipes import is_recipe_file
+    from ..spec.systemd_unit import pinned_environment, recipe_copy_path, unit_name, unit_text
+
     argv = shlex.split(program) if program else [sys.executable, "-m", "sparkctl"]
     if s.env_file is not None:
         argv += ["--env-file", str(s.env_file.resolve())]
@@ -53,20 +72,7 @@ def export_systemd_cmd(ctx: click.Context, print_only: bool, node: str | None, p
         argv += ["--recipe", copy, "watch"]
     env, warnings = pinned_environment(s, os.path.abspath(g.ssh_config_path()))
     warn(warnings)
-    text = unit_text(cluster=s.cluster_name, argv=argv, env=env)
-    name = unit_name(s.cluster_name)
-    if print_only:
-        if g.json:
-            emit_json({"unit": name, "text": text})
-        else:
-            sys.stdout.write(text)
-        return
-    install_unit(g.ssh_config_path(), target, s.cluster_name, name, text, (copy, content))
-    if g.json:
-        emit_json({"unit": name, "node": target, "installed": True, "recipe": copy})
-    else:
-        console(False).print(f"installed and started {name} on {target} (recipe {s.recipe.name} pinned as {copy}); "
-                             "`sparkctl down` stops and disables it", markup=False)
+    return unit_name(s.cluster_name), unit_text(cluster=s.cluster_name, argv=argv, env=env), copy, content
 
 
 COMMANDS = {"export": export_cmd}

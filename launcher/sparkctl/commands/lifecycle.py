@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import click
@@ -31,6 +32,7 @@ from ..orchestrate.locking import break_locks, read_locks, refuse_unreachable
 from ..orchestrate.status import collect_status
 from ..orchestrate.up import up, up_replicas
 from ..output import console, emit_json, emit_json_line, warn, warn_console
+from ..progress import feed_of
 from ..remote import service, watchstate
 from ..remote.lockdir import (
     FORCE_UNLOCK,
@@ -68,9 +70,16 @@ def up_cmd(ctx: click.Context, recreate: bool, image_ref: str | None, fabric_tes
     if len(s.topology.replicas) > 1:
         _up_replicas(g, s, recreate=recreate, fabric_test=fabric_test)
         return
-    outcome = up(s, g.ssh_config_path(), recreate=recreate,
-                 say=lambda m: out.print(m, markup=False, soft_wrap=True),
-                 fabric_say=(lambda m: out.print(m, markup=False)) if fabric_test else None)
+    feed = feed_of(g, "up")
+
+    def say(m: str) -> None:
+        out.print(m, markup=False, soft_wrap=True)
+        feed.event("up", "up", m)
+
+    with closing(feed):
+        outcome = up(s, g.ssh_config_path(), recreate=recreate, say=say,
+                     fabric_say=(lambda m: out.print(m, markup=False)) if fabric_test else None)
+        feed.event("up", "changed" if outcome.changed else "unchanged", f"config {outcome.config_hash}")
     doc = {"changed": outcome.changed, "reasons": outcome.reasons, "started": outcome.started,
            "config_hash": outcome.config_hash, "seconds": round(time.monotonic() - t0, 3)}
     if g.json:
@@ -154,11 +163,16 @@ def wait_cmd(ctx: click.Context, timeout: float, url: str | None, prompt: str) -
                              fix="leave --url out: wait asks every replica's head")
         _wait_replicas(g, s, timeout, prompt)
         return
+    feed = feed_of(g, "wait")
+
     def on_phase(w: readiness.RankWatch) -> None:
         took = f" ({w.history[-1][0]} took {w.history[-1][1]:.1f}s)" if w.history else ""
         out.print(f"rank {w.rank} ({w.node}): {w.phase}{took}", markup=False)
+        feed.event("wait", w.phase, f"{w.phase}{took}", node=w.node, rank=w.rank)
 
-    base_url, result = wait(s, g.ssh_config_path(), url=url, timeout=timeout, prompt=prompt, on_phase=on_phase)
+    with closing(feed):
+        base_url, result = wait(s, g.ssh_config_path(), url=url, timeout=timeout, prompt=prompt, on_phase=on_phase)
+        feed.event("wait", "ready", f"{base_url} serves {', '.join(result['models'])}")
     if g.json:
         emit_json({"ready": True, **result})
         return

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import closing
 from typing import Any
 
 import click
 
-from ..errors import CheckFailed, UsageError
-from ..orchestrate.model_pull import pull_on_head, verify_head
+from ..errors import UsageError
+from ..orchestrate.model_pull import pull_on_head, raise_for_status, verify_head
 from ..output import console, emit_json
+from ..progress import feed_of
 
 PERIOD = 5.0  # seconds between progress lines when the output is not a terminal
 
@@ -105,24 +107,23 @@ def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
                          fix="set MODEL_REVISION to the commit id to pin (or a branch, e.g. main, resolved and "
                              "recorded at pull time)")
     out = console(as_json)
-    with Board(as_json, quiet=g.verbosity < 0) as board:
+    feed = feed_of(g, "model pull")
+
+    def progress(done: int, total: int, secs: float) -> None:
+        board.update(s.head, "downloading", _rate_text(done, total, secs))
+        feed.event("pull", "downloading", node=s.head, bytes_done=done, bytes_total=total)
+
+    with Board(as_json, quiet=g.verbosity < 0) as board, closing(feed):
         doc = pull_on_head(s, g.ssh_config_path(), str(repo), str(revision),
                            started=lambda head: board.update(head, "starting", f"{repo}@{revision}"),
-                           progress=lambda done, total, secs: board.update(s.head, "downloading",
-                                                                           _rate_text(done, total, secs)))
+                           progress=progress)
+        feed.event("pull", str(doc.get("status")), str(doc.get("message") or ""), node=s.head,
+                   bytes_done=doc.get("downloaded_bytes"), bytes_total=doc.get("total_bytes"))
         status = doc.get("status")
         board.update(s.head, str(status), f"{_fmt_bytes(int(doc.get('downloaded_bytes') or 0))} downloaded "
                      f"in {doc.get('seconds', 0)}s")
     head = s.head
-    if status == "no-space":
-        raise CheckFailed(f"{head}:{s.model}: {repo}@{doc.get('commit')} needs {int(doc['need_bytes']):,} B, the "
-                          f"filesystem has {int(doc['free_bytes']):,} B free (the repo is {int(doc['total_bytes']):,} B); "
-                          "nothing was downloaded", fix=f"free space on {head} or point MODEL at a bigger disk")
-    if status == "error":
-        fix = (f"install it on {head} (pip install 'huggingface_hub>=0.24') or set HF_PYTHON to a python that has it"
-               if doc.get("code") == "no-huggingface-hub" else
-               "check MODEL_REPO / MODEL_REVISION, HF_TOKEN for a gated repo, and HF_ENDPOINT")
-        raise CheckFailed(f"{head}: pulling {repo}@{revision} failed: {doc.get('code')}: {doc.get('message')}", fix=fix)
+    raise_for_status(doc, s, str(repo), str(revision))
     report_doc: dict[str, Any] = {"ok": True, "node": head, "dir": str(s.model), **doc}
     if status == "downloaded":
         report = _verify_head(g, s, layout_name)
@@ -172,9 +173,13 @@ def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...],
             raise UsageError(f"--to {' '.join(unknown)}: not in NODES ({' '.join(s.nodes)})", fix="name nodes of NODES")
     out = console(as_json)
     stop = threading.Event()
-    with Board(as_json, quiet=g.verbosity < 0) as board:
+    feed = feed_of(g, "model sync")
+    ranks = {n: i for i, n in enumerate(s.nodes)}
+    with Board(as_json, quiet=g.verbosity < 0) as board, closing(feed):
 
         def progress(r: modelsync.RankSync) -> None:
+            feed.event("sync", "copying" if r.status == "pending" else r.status, r.message, node=r.node,
+                       rank=ranks.get(r.node), bytes_done=r.bytes_done, bytes_total=r.need_bytes)
             if r.status in ("pending",):
                 board.update(r.node, "copying", _rate_text(r.bytes_done, r.need_bytes, r.seconds))
             else:

@@ -67,6 +67,22 @@ def answer_of(result: RunResult, head: str, python: str) -> dict[str, Any]:
     return doc
 
 
+def raise_for_status(doc: dict[str, Any], s: Any, repo: str, revision: str) -> None:
+    """hf_pull.py's answer: CheckFailed with the fix when it says no-space or error (nothing else raises)."""
+    head, status = s.head, doc.get("status")
+    if status == "no-space":
+        raise CheckFailed(f"{head}:{s.model}: {repo}@{doc.get('commit')} needs {int(doc['need_bytes']):,} B, the "
+                          f"filesystem has {int(doc['free_bytes']):,} B free (the repo is {int(doc['total_bytes']):,} B); "
+                          "nothing was downloaded", fix=f"free space on {head} or point MODEL at a bigger disk",
+                          node=head)
+    if status == "error":
+        fix = (f"install it on {head} (pip install 'huggingface_hub>=0.24') or set HF_PYTHON to a python that has it"
+               if doc.get("code") == "no-huggingface-hub" else
+               "check MODEL_REPO / MODEL_REVISION, HF_TOKEN for a gated repo, and HF_ENDPOINT")
+        raise CheckFailed(f"{head}: pulling {repo}@{revision} failed: {doc.get('code')}: {doc.get('message')}", fix=fix,
+                          node=head)
+
+
 def _drive(session: Any, progress: Callable[[int, int, float], None], started: float) -> RunResult:
     """Read the pull's progress lines until it ends."""
     pending = ""

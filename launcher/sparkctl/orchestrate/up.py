@@ -275,10 +275,17 @@ def render_now_and_master(cluster: Cluster, s: Settings, source: str) -> tuple[R
     """render_now, and the master address the ranks meet at (the head's fabric address, or MASTER_ADDR)."""
     from ..spec.builders import master_addr
 
+    rendered, _, pins = render_with_plan(cluster, s, source)
+    return rendered, master_addr(s, pins)
+
+
+def render_with_plan(cluster: Cluster, s: Settings, source: str) -> tuple[Rendered, Plan, list[Any]]:
+    """What `up` would render now, with the memory plan and the pins it rendered from (`deploy`'s probe
+    reads the config hash to compare with what runs, and the memory each rank will wait for)."""
     facts = cluster.run_all(lambda n: probe_node(n, s), nodes=s.nodes)
     pins = pins_from_facts(s, facts)
     plan = plan_for(cluster, s, facts=facts.ok)
-    return render_all(s, plan, pins, source=source), master_addr(s, pins)
+    return render_all(s, plan, pins, source=source), plan, pins
 
 
 def fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str, Any],
