@@ -61,6 +61,7 @@ def scene(lab: Lab, tmp_path: Path) -> Iterator[Path]:
     for f in src.iterdir():
         if f.is_file():
             shutil.copy2(f, dest / f.name)
+    shutil.copytree(src / "serving", dest / "serving", symlinks=True)  # the checkpoint's own image chain
     state = tmp_path / "state"
     try:
         yield state

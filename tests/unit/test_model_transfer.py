@@ -148,6 +148,17 @@ def test_plan_sends_only_what_differs(pack: Path, tmp_path: Path) -> None:
     assert modelsync.plan_bytes(src, [changed.name]) == changed.stat().st_size
 
 
+def test_plan_sends_files_of_nested_folders(pack: Path, tmp_path: Path) -> None:
+    """A checkpoint's serving/ may nest folders (a layer that copies a package): every file in them is
+    listed and sent, so `build` on a rank finds what its Dockerfile copies."""
+    deep = pack / "serving" / "v145" / "pkg" / "sub"
+    deep.mkdir(parents=True)
+    (deep / "__init__.py").write_text("x = 1\n")
+    src = _scan(pack)
+    assert "serving/v145/pkg/sub/__init__.py" in src["files"]
+    assert "serving/v145/pkg/sub/__init__.py" in modelsync.plan_files(src, None)
+
+
 def test_plan_compares_shards_by_header_and_first_last_mib_not_mtime(pack: Path, tmp_path: Path) -> None:
     copy = ckptgen.copy_pack(pack, tmp_path / "copy")
     shard = ckptgen.shards(copy)[0]

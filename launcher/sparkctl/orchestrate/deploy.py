@@ -358,14 +358,34 @@ def apply_check(ctx: Context, plan: dp.StepPlan) -> dict[str, Any]:
 
     s = ctx.settings
     report = run_check(s, ctx.ssh_config, cluster=ctx.nodes_cluster())
-    if not report.ok:
-        first = report.failed[0]
+    failed, replaced = blocking_findings(report.failed)
+    if failed:
+        first = failed[0]
         raise CheckFailed("check failed: " + "; ".join(f.text if f.text.startswith(f"{f.node}:") else f"{f.node}: {f.text}"
-                                             for f in report.failed[:5])
-                          + (f" (and {len(report.failed) - 5} more)" if len(report.failed) > 5 else ""),
+                                             for f in failed[:5])
+                          + (f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""),
                           node=first.node, fix=first.fix or "`sparkctl check` shows every finding")
     ctx.state["check_passed"] = dp.inputs_key(current_inputs(ctx))
-    return {"warnings": len(report.warnings)}
+    out: dict[str, Any] = {"warnings": len(report.warnings)}
+    if replaced:
+        out["running_service"] = "this cluster's service runs: the up step replaces it (its containers and ports)"
+    return out
+
+
+# What this cluster's own running service makes `check` fail: its containers, and the head's PORT and
+# MASTER_PORT it listens on. A deploy that changes a knob replaces that service in its up step, so these
+# are expected there; every other failure still stops the deploy.
+SERVICE_CHECKS = ("containers", "ports")
+
+
+def blocking_findings(failed: list[Any]) -> tuple[list[Any], bool]:
+    """The failures that stop a deploy, and whether this cluster's own service runs (its `containers`
+    failure: check's rule fails only on running containers labelled with this cluster). The head's ports are
+    forgiven only then: with no service of ours running, a taken port is someone else's."""
+    own = any(f.check == "containers" for f in failed)
+    if not own:
+        return failed, False
+    return [f for f in failed if f.check not in SERVICE_CHECKS], True
 
 
 # ----------------------------------------------------------------------------------------- build

@@ -53,6 +53,7 @@ VERSION = 2  # of the document and of SummaryCache: bump it whenever what a summ
 MAX_JSON_BYTES = 128 * 1024 * 1024  # the index of a 58k-tensor pack is ~20 MB
 MIB = 1024 * 1024
 MAX_FILES = 20000
+MAX_DEPTH = 8  # folders below the checkpoint's root that are listed (serving/ nests a layer's packages)
 INDEX_NAME = "model.safetensors.index.json"
 JSON_FILES = (INDEX_NAME, "config.json", "quantization_config.json")
 DEEP_CHUNK = 8 * MIB
@@ -370,7 +371,7 @@ def _list_files(root: str) -> tuple[dict[str, dict[str, int]], bool]:
                 if e.is_file():
                     st = e.stat()
                     files[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-                elif e.is_dir() and depth < 1 and not e.name.startswith("."):
+                elif e.is_dir() and depth < MAX_DEPTH and not e.is_symlink() and not e.name.startswith("."):
                     visit(e.path, name + "/", depth + 1)
             except OSError:
                 continue

@@ -175,3 +175,16 @@ def test_check_is_skipped_only_for_the_inputs_it_passed_with(monkeypatch: pytest
     assert not flow.probe_check(ctx).todo
     now[0] = b  # another checkpoint on the head: checked again
     assert flow.probe_check(ctx).todo
+
+
+def test_a_running_service_of_this_cluster_does_not_stop_a_redeploy_but_anything_else_does() -> None:
+    """check fails on this cluster's running containers and the head's ports they hold; a deploy that
+    replaces that service goes on. A taken port without a service of ours, or any other failure, stops it."""
+    from sparkctl.rules.findings import FAIL, Finding
+
+    containers = Finding("spark1", "containers", FAIL, "1 running")
+    ports = Finding("spark1", "ports", FAIL, "18895 taken")
+    disk = Finding("spark2", "disk", FAIL, "full")
+    assert flow.blocking_findings([containers, ports]) == ([], True)
+    assert flow.blocking_findings([containers, ports, disk]) == ([disk], True)
+    assert flow.blocking_findings([ports]) == ([ports], False)
