@@ -60,6 +60,7 @@ def main() -> int:
     for f in head_dir.iterdir():
         if f.is_file():
             shutil.copy2(f, head_dir / FOLDER / f.name)
+    shutil.copytree(head_dir / "serving", head_dir / FOLDER / "serving", symlinks=True)  # the image chain
     state = Path(tempfile.mkdtemp(prefix="deploybench-"))
     env = {**lab.env(), "NODES": NODES, "MODEL": f"/models/lab/{FOLDER}", "CLUSTER_NAME": "deploybench",
            "PORT": "18897", "MASTER_PORT": "39531", "XDG_STATE_HOME": str(state)}
