@@ -145,7 +145,8 @@ def _probe_all(cluster: Cluster, s: Settings, tail: int, klines: int, timeout: f
     nonce = _secrets.token_hex(8)
     image = s.get("IMAGE")
     argv = ["sh", "-s", "--", nonce, s.cluster_name, str(int(tail)), str(int(klines)), *([image] if image else [])]
-    results = cluster.run_all(argv, stdin=probe_script("diagnose.sh"), timeout=timeout + 10)
+    script = probe_script("kernel_lines.sh") + b"\n" + probe_script("diagnose.sh")
+    results = cluster.run_all(argv, stdin=script, timeout=timeout + 10)
     out: dict[str, Any] = {}
     for n, r in results.items():
         if isinstance(r, NodeError):

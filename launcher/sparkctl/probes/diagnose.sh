@@ -1,6 +1,7 @@
 # sparkctl diagnose probe: what a bug report needs from one node, in ONE round trip, read-only.
 #
-# Run on the node as:  sh -s -- NONCE CLUSTER TAIL KLINES [IMAGE...] < diagnose.sh
+# Run on the node as:  sh -s -- NONCE CLUSTER TAIL KLINES [IMAGE...] < (kernel_lines.sh, diagnose.sh)
+# (probes/kernel_lines.sh is sent ahead of this script: it defines kernel_lines)
 #   CLUSTER  the sparkctl.cluster label of this cluster's containers
 #   TAIL     log lines per container;  KLINES  kernel lines (OOM, Xid, NVRM, mlx5) at most
 #   IMAGE    images whose inspect (labels: the versions `build` recorded) is wanted
@@ -92,24 +93,6 @@ ethtool_i() {
     done
 }
 
-# The kernel's lines about OOM kills, Xid errors, the NVIDIA driver and the CX7 driver, the last KLINES.
-kernel_lines() {
-    _k=$(seam kmsg '')
-    if [ -n "$_k" ]; then
-        grep -aiE 'out of memory|oom[-_ ]kill|oom_reaper|xid|nvrm|mlx5' "$_k" | tail -n "$KLINES"
-        return 0
-    fi
-    # shellcheck disable=SC2086
-    if _o=$($T dmesg -T 2>/dev/null); then :
-    elif _o=$($T journalctl -k -b --no-pager -o short-iso 2>/dev/null); then :
-    else
-        echo "neither dmesg nor journalctl -k could be read (kernel.dmesg_restrict? run as a user in adm/systemd-journal)" >&2
-        return 1
-    fi
-    printf '%s\n' "$_o" | grep -aiE 'out of memory|oom[-_ ]kill|oom_reaper|xid|nvrm|mlx5' | tail -n "$KLINES"
-    return 0
-}
-
 toolkit() {
     if command -v nvidia-ctk >/dev/null 2>&1; then
         # shellcheck disable=SC2086
@@ -157,7 +140,7 @@ section gpu-apps $T nvidia-smi --query-compute-apps=pid,process_name,used_memory
 section meminfo cat /proc/meminfo
 section fabric fabric
 section ethtool ethtool_i
-section kernel-lines kernel_lines
+section kernel-lines kernel_lines "$KLINES"
 section docker-version $T docker version
 section container-toolkit toolkit
 section docker-inspect inspect
