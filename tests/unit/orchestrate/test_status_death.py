@@ -55,3 +55,16 @@ def test_rank_died_shows_the_kernel_lines_with_the_log() -> None:
                     kernel=("the kernel's OOM killer ended it (the node's memory ran out)", [OOM]))
     assert "exited, exit code 137: the kernel's OOM killer ended it" in err.message
     assert "INFO loading" in err.message and f"the kernel's lines on spark3:\n    {OOM}" in err.message
+
+
+def test_wait_says_the_oom_killer_ended_a_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any) -> None:
+    with served_scene(monkeypatch, tmp_path, NODES, {"SERVED_MODEL_NAME": "lab-model"}) as nodes:
+        assert run(["up"], capsys)[0] == 0
+        _kill(nodes.root, "spark2", 137)
+        dmesg = nodes.root / "hw" / "spark2" / "bin" / "dmesg"
+        dmesg.write_text(f"#!/bin/sh\necho '{OOM}'\n")
+        dmesg.chmod(0o755)
+        code, out, err = run(["wait", "--timeout", "20"], capsys)
+    assert code == 1
+    assert "rank 1 on spark2 died (exited, exit code 137: the kernel's OOM killer ended it" in out + err, out + err
+    assert f"the kernel's lines on spark2:\n    {OOM}" in out + err
