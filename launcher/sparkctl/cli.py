@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lock": ("lifecycle", "Show or break the cluster lock."),
     "audit": ("lifecycle", "Show the audit lines sparkctl wrote on every node."),
     "watch": ("watch", "Supervise the service: restart the whole group when a rank, the head or a node fails."),
+    "diagnose": ("diagnose", "Collect one redacted bundle for a bug report (check, status, logs, versions, kernel lines)."),
     "history": ("history", "List the services `up` started on this cluster: when, by whom, image, config."),
     "rollback": ("history", "Bring a previous image and config back up (the last one, or --to N|HASH)."),
     "exec": ("rank_exec", "Run a command (argv) in a rank's container."),

@@ -140,3 +140,41 @@ def test_the_release_seam_lists_a_killed_engine_for_delay_s_after_its_container_
     assert "release" not in json.loads((bin_dir / "nvidia-smi.json").read_text())
     r = subprocess.run([sys.executable, seam, *query], env=env, capture_output=True, text=True, timeout=20)
     assert r.stdout == ""
+
+
+def test_kernel_and_firmware_seams_reach_the_probes(tmp_path: Path) -> None:
+    """node_facts.sh and diagnose.sh read a lab host's kernel release, command line, ring buffer and CX7
+    firmware from its seams (set_kernel_seam, set_firmware), and the machine's own once they are undone."""
+    import os
+
+    from sparkctl.facts import node_facts as F
+    from sparkctl.spec.resources import probe_script
+
+    spec = HostSpec.of(2)
+    sysfs, kernel = tmp_path / "sysfs", tmp_path / "kernel"
+    seams.write_sysfs(sysfs, spec, {i: "02:00:00:00:00:0" + str(n) for n, i in enumerate(("enp1s0f0np0", "enp1s0f1np1"))},
+                      {spec.fabric_if: True})
+    seams.set_firmware(sysfs, "28.39.1002")
+    seams.set_kernel_seam(kernel, release="7.0.0-1019-nvidia", cmdline="ro cma=0", kmsg=["x", "Out of memory: Killed process 1"])
+    NONCE = "0123456789abcdef"
+    env = {**os.environ, "SPARKCTL_SYSFS_ROOT": str(sysfs), "SPARKCTL_KERNEL_SEAM": str(kernel)}
+
+    def facts() -> F.NodeFacts:
+        r = subprocess.run(["sh", "-s", "--", NONCE, "docker=no"], input=probe_script("node_facts.sh"), env=env,
+                           capture_output=True, timeout=60)
+        return F.node_facts_from_probe(r.stdout.decode(), NONCE, r.stderr.decode(), expect_docker=False)
+
+    got = facts()
+    assert got.kernel is not None and got.kernel.release == "7.0.0-1019-nvidia" and got.kernel.cma_param == "0"
+    assert got.firmware and set(got.firmware.values()) == {"28.39.1002"}
+    r = subprocess.run(["sh", "-s", "--", NONCE, "c", "5", "5"],
+                       input=probe_script("kernel_lines.sh") + b"\n" + probe_script("diagnose.sh"),
+                       env=env, capture_output=True, timeout=60)
+    sections = F.parse_probe_sections(r.stdout.decode(), NONCE, r.stderr.decode())
+    assert sections["kernel-lines"].stdout.strip() == "Out of memory: Killed process 1"
+    assert "fw 28.39.1002" in sections["fabric"].stdout
+    seams.set_kernel_seam(kernel)
+    seams.set_firmware(sysfs)
+    got = facts()
+    assert got.kernel is not None and got.kernel.release == os.uname().release
+    assert got.firmware and set(got.firmware.values()) == {seams.LAB_FW}

@@ -69,6 +69,7 @@ class Image:
     layers: tuple[str, ...]
     architecture: str | None = None
     repo_digests: tuple[str, ...] = ()  # `repo@sha256:...` it was pulled as (none after save | load or a build)
+    cuda_version: str | None = None  # Config.Env's CUDA_VERSION (NVIDIA's CUDA base images set it); no other env
 
 
 @guard
@@ -91,9 +92,20 @@ def parse_image_inspect(text: str) -> list[Image]:
                 layers=tuple(str(x) for x in _list(_dict(item.get("RootFS")).get("Layers"))),
                 architecture=_opt_str(item.get("Architecture")),
                 repo_digests=tuple(d for d in _list(item.get("RepoDigests")) if isinstance(d, str)),
+                cuda_version=_env_cuda(_list(_dict(item.get("Config")).get("Env"))),
             )
         )
     return out
+
+
+def _env_cuda(env: list[Any]) -> str | None:
+    """CUDA_VERSION=13.0.1 from an image's Config.Env -> '13.0.1' (the only variable read: the rest may
+    hold secrets)."""
+    for item in env:
+        if isinstance(item, str) and item.startswith("CUDA_VERSION="):
+            value = item.partition("=")[2].strip()
+            return value[:32] if re.fullmatch(r"\d{1,3}(\.\d{1,4}){0,3}", value) else None
+    return None
 
 
 def normalize_image_ref(ref: str) -> str:

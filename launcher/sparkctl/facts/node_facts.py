@@ -194,6 +194,7 @@ class MemInfo:
     # + SReclaimable. MemAvailable counts it as available; on a GB10 CUDA does not get it back in time.
     cache_bytes: int | None = None
     swap_used_bytes: int | None = None  # SwapTotal − SwapFree
+    cma_total_bytes: int | None = None  # CmaTotal: the contiguous-memory pool (absent: a kernel without CMA)
 
 
 _MEMINFO_LINE = re.compile(r"(\w+(?:\(\w+\))?):\s+(\d{1,18})(?:\s+kB)?\s*")
@@ -216,7 +217,53 @@ def parse_meminfo(text: str) -> MemInfo:
     swap = None
     if "SwapTotal" in values and "SwapFree" in values:
         swap = max(0, values["SwapTotal"] - values["SwapFree"])
-    return MemInfo(values["MemTotal"], values.get("MemAvailable"), values.get("MemFree"), cache, swap)
+    return MemInfo(values["MemTotal"], values.get("MemAvailable"), values.get("MemFree"), cache, swap,
+                   values.get("CmaTotal"))
+
+
+# ------------------------------------------------------------------------------------ the kernel
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """The running kernel: its release (`uname -r`) and its command line (/proc/cmdline)."""
+
+    release: str
+    cmdline: str = ""
+
+    @property
+    def cma_param(self) -> str | None:
+        """The `cma=` boot parameter ('0', '512M'), None when the command line does not set it."""
+        found = [w.partition("=")[2] for w in self.cmdline.split() if w.startswith("cma=")]
+        return found[-1] if found else None
+
+
+_RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+~-]{0,127}")
+
+
+@guard
+def parse_kernel(text: str) -> KernelInfo:
+    """The probe's kernel_info: `release<TAB>R` and `cmdline<TAB>C` lines."""
+    rows = dict(line.split("\t", 1) for line in text.splitlines() if "\t" in line)
+    release = rows.get("release", "").strip()
+    if not _RELEASE.fullmatch(release):
+        raise ParseError(f"not a kernel release: {release[:60]!r}")
+    return KernelInfo(release, rows.get("cmdline", "").strip()[:4096])
+
+
+@guard
+def parse_firmware(text: str) -> dict[str, str]:
+    """The probe's fw_walk: `HCA<TAB>FW_VERSION` per RDMA device (sysfs fw_ver: what `ethtool -i` prints
+    as firmware-version for an mlx5 port), e.g. 'rocep1s0f0\t28.45.1020'."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, sep, fw = line.partition("\t")
+        if not sep or not _IB_RECORD.fullmatch(name) or not re.fullmatch(r"[A-Za-z0-9._ ()-]{0,64}", fw.strip()):
+            raise ParseError(f"unexpected firmware line: {line[:80]!r}")
+        out[name] = fw.strip()
+    return out
 
 
 # ---------------------------------------------------------------------------- other GPU processes
@@ -330,6 +377,7 @@ class NetDev:
     flags: tuple[str, ...]
     ipv4: tuple[ipaddress.IPv4Interface, ...]
     mac: str | None = None
+    mtu: int | None = None
 
     @property
     def is_up(self) -> bool:
@@ -359,6 +407,7 @@ def parse_ip_addr(text: str) -> list[NetDev]:
                 flags=tuple(str(f) for f in flags) if isinstance(flags, list) else (),
                 ipv4=tuple(ipv4),
                 mac=item.get("address") if isinstance(item.get("address"), str) else None,
+                mtu=item["mtu"] if isinstance(item.get("mtu"), int) and 0 < item["mtu"] < 1 << 20 else None,
             )
         )
     return devs
@@ -787,6 +836,9 @@ class NodeFacts:
         "listening", parse_listening_ports, "ss -Hltn", switch="listening"
     )
     machine_id: str | None = fact("machine-id", parse_machine_id, "read_file /etc/machine-id")
+    # What must agree across the ranks (check's parity row): the kernel, the CX7s' firmware.
+    kernel: KernelInfo | None = fact("kernel", parse_kernel, "kernel_info")
+    firmware: dict[str, str] | None = fact("firmware", parse_firmware, "fw_walk")
     disk_paths: list[DiskPath] | None = fact("disk-paths", parse_disk_paths, "disk_paths")
     disks: list[DiskUsage] | None = fact("df", parse_df, "df_paths")  # disks[i] measures disk_paths[i]
     # The Docker facts: from the engine's API over its socket when the probe can (DOCKER_API),

@@ -390,9 +390,11 @@ def build_argv(recipe: Recipe, layer: LayerSpec, model: str, digests: Mapping[st
 
 # Run inside a built image (`--entrypoint python3`, no network, no GPU): the versions that matter, each
 # from its distribution's metadata; vLLM from `vllm --version` when it is not a distribution (the lab's
-# stand-in); NCCL from torch when torch has it, else from the nvidia-nccl wheel. "absent" otherwise.
+# stand-in); NCCL from torch when torch has it, else from the nvidia-nccl wheel; the CUDA torch was built
+# for (the driver must be new enough for it); whether /etc/nccl.conf is there (it overrides the recipe's
+# NCCL settings). "absent" otherwise.
 VERSIONS_SCRIPT = r"""
-import importlib.metadata as m, json, shutil, subprocess
+import importlib.metadata as m, json, os, shutil, subprocess
 def dist(*names):
     for n in names:
         try:
@@ -413,6 +415,12 @@ try:
     out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 except Exception:
     out["nccl"] = dist("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+try:
+    import torch
+    out["cuda"] = torch.version.cuda
+except Exception:
+    out["cuda"] = os.environ.get("CUDA_VERSION")
+out["nccl.conf"] = "present" if os.path.exists("/etc/nccl.conf") else None
 print("@@versions " + json.dumps({k: v or "absent" for k, v in out.items()}, sort_keys=True))
 """
 

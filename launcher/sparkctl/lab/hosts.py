@@ -130,6 +130,7 @@ def sshd_config_text(paths: HostPaths) -> str:
         "PATH": f"{paths.bin_dir}:{SYSTEM_PATH}",
         "DOCKER_HOST": paths.docker_host,
         "SPARKCTL_SYSFS_ROOT": str(paths.sysfs),
+        "SPARKCTL_KERNEL_SEAM": str(paths.kernel_seam),
     }
     setenv = " ".join(f'"{k}={v}"' for k, v in env.items())
     return f"""# sshd of lab host {paths.root.name} (written by `sparkctl lab up`; runs in its netns + mount ns)
@@ -168,6 +169,7 @@ def write_home(paths: HostPaths) -> None:
         f'export PATH="{paths.bin_dir}:{SYSTEM_PATH}"\n'
         f'export DOCKER_HOST="{paths.docker_host}"\n'
         f'export SPARKCTL_SYSFS_ROOT="{paths.sysfs}"\n'
+        f'export SPARKCTL_KERNEL_SEAM="{paths.kernel_seam}"\n'
     )
     (paths.home / ".profile").write_text("# lab host " + paths.root.name + "\n" + lines)
     (paths.home / ".bashrc").write_text("# lab host " + paths.root.name + ": nothing from the machine's ~/.bashrc\n")
@@ -345,3 +347,9 @@ def docker_cli(paths: HostPaths, *args: str, timeout: float = 120) -> subprocess
 
 def has_image(paths: HostPaths, ref: str) -> bool:
     return engines.image_attrs(paths, ref) is not None
+
+
+def set_port_mtu(paths: HostPaths, ifname: str, mtu: int) -> None:
+    """A lab host's fabric port at another MTU (1500 beside the others' 9000: what `check`'s parity row
+    fails); set it back to the lab's own with the value `ip -j link` showed before."""
+    run([*in_host(paths), "ip", "link", "set", "dev", ifname, "mtu", str(int(mtu))], where=paths.root.name)

@@ -1,7 +1,11 @@
-"""The two hardware seams of a lab host: `nvidia-smi` first on PATH, and a /sys/class/infiniband tree.
+"""The hardware seams of a lab host: `nvidia-smi` first on PATH, a /sys/class/infiniband tree, and the kernel's
+files.
 
-Nothing else about the hardware is simulated: sparkctl reads GPUs only through nvidia-smi and RDMA
-devices only through $SPARKCTL_SYSFS_ROOT (default /sys/class/infiniband), so these two are enough.
+Nothing else about the hardware is simulated: sparkctl reads GPUs only through nvidia-smi, RDMA devices
+(their firmware too) only through $SPARKCTL_SYSFS_ROOT (default /sys/class/infiniband), and the kernel's
+release, command line and ring buffer through $SPARKCTL_KERNEL_SEAM's files where a lab host has them
+(set_kernel_seam; without them, the machine's own). A fabric port's MTU is the lab netdev's own
+(hosts.set_port_mtu).
 """
 
 from __future__ import annotations
@@ -128,6 +132,33 @@ def write_sysfs(root: Path, spec: HostSpec, macs: dict[str, str], up: dict[str, 
             (port / "gid_attrs" / "types" / str(n)).write_text(gtype + "\n" if gtype else "")
             (port / "gid_attrs" / "ndevs" / str(n)).write_text(ifname + "\n" if gtype else "")
         (dev / "node_type").write_text("1: CA\n")
+        (dev / "fw_ver").write_text(LAB_FW + "\n")
+
+
+LAB_FW = "28.45.1020"
+"""The firmware every lab CX7 reports (sysfs fw_ver) until set_firmware changes a host's."""
+
+
+def set_firmware(root: Path, fw: str = LAB_FW) -> None:
+    """Every RDMA device of a host's sysfs tree reports firmware `fw` (back to LAB_FW with no argument)."""
+    for dev in root.iterdir():
+        if (dev / "ports").is_dir():
+            (dev / "fw_ver").write_text(fw + "\n")
+
+
+def set_kernel_seam(where: Path, *, release: str | None = None, cmdline: str | None = None,
+                    kmsg: list[str] | None = None) -> None:
+    """What a lab host's kernel says (its $SPARKCTL_KERNEL_SEAM folder): another release string, another
+    command line (e.g. with cma=0), lines in its ring buffer (an OOM kill). None: the machine's own (the
+    file is removed); with no arguments the host is back to the machine's kernel."""
+    where.mkdir(parents=True, exist_ok=True)
+    for name, value in (("release", release), ("cmdline", cmdline),
+                        ("kmsg", None if kmsg is None else "".join(ln + "\n" for ln in kmsg))):
+        path = where / name
+        if value is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(value if name == "kmsg" else value + "\n")
 
 
 def fabric_cidr() -> str:

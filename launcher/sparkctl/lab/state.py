@@ -146,6 +146,11 @@ class HostPaths:
         return self.root / "sysfs"
 
     @property
+    def kernel_seam(self) -> Path:
+        """$SPARKCTL_KERNEL_SEAM: files that stand in for the kernel's (release, cmdline, kmsg); empty: the real ones."""
+        return self.root / "kernel"
+
+    @property
     def models(self) -> Path:
         return self.root / "models"
 

@@ -101,7 +101,10 @@ def collect_status(cluster: Cluster, s: Settings, api: Any) -> dict[str, Any]:
                "config_current": None if current is None else c.config_hash == current}
         ranks.append(row)
         if not c.running:
-            problems.append(f"rank {rank} ({node}): {c.status} (exit {c.exit_code})")
+            why, klines = service.why_dead(cluster.node(node), c)
+            row["why"], row["kernel_lines"] = why, klines[-10:]
+            problems.append(f"rank {rank} ({node}): {c.status} (exit {c.exit_code})" + (f": {why}" if why else "")
+                            + "".join(f"\n    kernel: {ln}" for ln in klines[-5:]))
         if current is not None and c.config_hash != current:
             problems.append(f"rank {rank} ({node}): config {c.config_hash} is not the current {current} "
                             "(run `sparkctl up` to apply)")

@@ -91,7 +91,8 @@ class WatchOps:
             if not mine:
                 obs.ranks[rank] = "absent"
             elif not mine[0].running:
-                obs.ranks[rank] = f"{mine[0].status} (exit {mine[0].exit_code})"
+                why, _ = service.why_dead(c.node(node), mine[0])
+                obs.ranks[rank] = f"{mine[0].status} (exit {mine[0].exit_code})" + (f": {why}" if why else "")
             else:
                 obs.ranks[rank] = "running"
         self._stale = lost

@@ -126,6 +126,33 @@ ib_walk() {
     done
 }
 
+# The kernel's release and command line. $SPARKCTL_KERNEL_SEAM (a lab host's) may hold files that stand
+# in for them: release, cmdline. Builtins only (no uname fork).
+kernel_info() {
+    _ks=${SPARKCTL_KERNEL_SEAM:-}
+    _kr=/proc/sys/kernel/osrelease
+    _kc=/proc/cmdline
+    [ -n "$_ks" ] && [ -r "$_ks/release" ] && _kr=$_ks/release
+    [ -n "$_ks" ] && [ -r "$_ks/cmdline" ] && _kc=$_ks/cmdline
+    _r=
+    _c=
+    read -r _r <"$_kr" || return 1
+    { read -r _c <"$_kc"; } 2>/dev/null
+    printf 'release\t%s\ncmdline\t%s\n' "$_r" "$_c"
+}
+
+# Each RDMA device's firmware (sysfs fw_ver, as `ethtool -i` prints it for the port), one per line.
+fw_walk() {
+    root=${SPARKCTL_SYSFS_ROOT:-/sys/class/infiniband}
+    for h in "$root"/*; do
+        [ -r "$h/fw_ver" ] || continue
+        _f=
+        { read -r _f <"$h/fw_ver"; } 2>/dev/null
+        printf '%s\t%s\n' "${h##*/}" "$_f"
+    done
+    return 0
+}
+
 model_listing() {
     if [ ! -d "$MODEL" ]; then
         echo missing
@@ -249,6 +276,8 @@ facts() {
     section infiniband ib_walk
     on listening && section listening ss -Hltn
     section machine-id read_file /etc/machine-id
+    section kernel kernel_info
+    section firmware fw_walk
     section disk-paths disk_paths
     section df df_paths
     if on docker; then

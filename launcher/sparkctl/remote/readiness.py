@@ -30,7 +30,7 @@ from ..facts.engine_lines import (
 from ..spec.builders import container_name
 from ..spec.settings import Settings
 from .headapi import MAX_JSON_ANSWER, MAX_METRICS_ANSWER, BadAnswer, HeadApi  # noqa: F401 - readiness.HeadApi: status, wait, watch
-from .service import ContainerState, inspect_cluster, log_tail
+from .service import ContainerState, inspect_cluster, log_tail, why_dead
 
 # The lines of vLLM 0.33 that mark each phase (engine_lines.PHASE_MARKERS says where vLLM writes each).
 PHASES: list[tuple[str, re.Pattern[str]]] = phase_patterns()
@@ -64,11 +64,17 @@ _FOLDER_FAILURES = {m.phase for m in FAILURE_MARKERS[:2]}
 
 
 def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[str], after_s: float,
-              gloo_ifname: str | None = None) -> RankDied:
+              gloo_ifname: str | None = None, kernel: tuple[str | None, list[str]] = (None, [])) -> RankDied:
     """A dead rank, with the cause in vLLM's words when its log says it (however many lines follow).
-    `gloo_ifname`: the GLOO_SOCKET_IFNAME the rank ran with, named when Gloo's words are about its socket."""
+    `gloo_ifname`: the GLOO_SOCKET_IFNAME the rank ran with, named when Gloo's words are about its socket.
+    `kernel`: what its node's kernel lines say of its death (service.why_dead), shown with its log."""
     status = f"{state.status}, exit code {state.exit_code}" if state else "no container"
+    why, klines = kernel
+    if why:
+        status += f": {why}"
     tail = "\n    ".join(lines[-15:]) or "(no log output)"
+    if klines:
+        tail += f"\n  the kernel's lines on {node}:\n    " + "\n    ".join(klines[-10:])
     found = failure_in(lines)
     cause = f": {found[0]}: {found[1]}" if found else ""
     fix = f"read `sparkctl logs --rank {rank}`; then `sparkctl down` and fix the cause"
@@ -164,8 +170,10 @@ def wait_ready(
             states, lines = answered[w.node]
             mine = [c for c in states if c.rank == rank]
             if not mine or not mine[0].running:
-                raise rank_died(rank, w.node, mine[0] if mine else None, lines, time.monotonic() - start,
-                                gloo_ifname=gloo_ifname(settings, rank))
+                state = mine[0] if mine else None
+                raise rank_died(rank, w.node, state, lines, time.monotonic() - start,
+                                gloo_ifname=gloo_ifname(settings, rank),
+                                kernel=why_dead(cluster.node(w.node), state))
             phase = phase_of(lines)
             if phase != w.phase:
                 now = time.monotonic()

@@ -25,6 +25,7 @@ from ..facts.docker_parse import ContainerState, parse_container_inspect, parse_
 from ..facts.engine_lines import failure_in
 from ..facts.node_facts import NodeFacts
 from ..facts.parsing import ParseError
+from ..rules import death
 from ..rules.memory import DEFAULT_WAIT_S, NodeMemory, not_back
 from ..spec.builders import (
     LABEL_CLUSTER,
@@ -476,6 +477,25 @@ def log_tail(node: Node, container: str, n: int) -> list[str]:
     except NodeError:
         return []
     return (r.stdout + r.stderr).splitlines()[-n:]
+
+
+def kernel_lines(node: Node, n: int = 20) -> list[str]:
+    """The node's kernel lines about OOM kills, Xid errors, NVRM and mlx5, the last `n`
+    (probes/kernel_lines.sh: dmesg, else journalctl -k); [] when they cannot be read."""
+    from ..spec.resources import probe_script
+
+    try:
+        r = node.run(["sh", "-s", "--", str(int(n))], stdin=probe_script("kernel_lines.sh") + b'\nkernel_lines "$1"\n',
+                     timeout=20)
+    except NodeError:
+        return []
+    return death.relevant(r.stdout.splitlines(), n) if r.ok else []
+
+
+def why_dead(node: Node, state: ContainerState | None) -> tuple[str | None, list[str]]:
+    """(the cause a dead rank's exit code and its node's kernel lines point to, those lines)."""
+    lines = kernel_lines(node)
+    return death.why(state.exit_code if state else None, None, lines), lines
 
 
 def log_argv(container: str, *, tail: int | None, follow: bool, since: str | None = None) -> list[str]:

@@ -28,6 +28,7 @@ from .findings import CLUSTER_ROW, FAIL, OK, PIN_ENV, SKIP, WARN, Finding, Needs
 from .findings import finding as _f
 from .findings import unknown as _unknown
 from .nic_pins import discover_fabric
+from .parity import rule_parity
 
 # Column order of the table; every node gets one finding per column.
 CHECKS = (
@@ -44,6 +45,7 @@ CHECKS = (
     "image",
     "containers",
     "plan",
+    "parity",
     "argv",
 )
 
@@ -782,6 +784,8 @@ def evaluate(
     findings += rule_versions(
         {n: f.images for n, f in good.items() if n not in engine_down}, head, needs.image, dict(needs.expect)
     ).values()
+    findings += rule_parity([n for n in nodes if n in good], good,
+                            {n: f.images for n, f in good.items() if n not in engine_down}, head, needs.image)
     if needs.prebuilt:
         findings += rule_prebuilt_pin(needs.image, needs.prebuilt)
     if needs.base_image:

@@ -545,3 +545,19 @@ def test_oversized_input_is_refused() -> None:
 def test_deeply_nested_json_is_a_parse_error() -> None:
     with pytest.raises(f.ParseError):
         f.parse_ip_addr("[" * 100000 + "]" * 100000)
+
+
+def test_kernel_firmware_cma_and_mtu_are_read() -> None:
+    k = f.parse_kernel("release\t7.0.0-1019-nvidia\ncmdline\tro quiet cma=0\n")
+    assert k.release == "7.0.0-1019-nvidia" and k.cma_param == "0"
+    assert f.parse_kernel("release\t6.11.0\ncmdline\t\n").cma_param is None
+    with pytest.raises(f.ParseError):
+        f.parse_kernel("release\t$(reboot)\n")
+    assert f.parse_firmware("rocep1s0f0\t28.45.1020\nroceP2p1s0f0\t28.45.1020\n") == {
+        "rocep1s0f0": "28.45.1020", "roceP2p1s0f0": "28.45.1020"}
+    with pytest.raises(f.ParseError):
+        f.parse_firmware("no tab here\n")
+    assert f.parse_meminfo("MemTotal: 100 kB\nCmaTotal: 0 kB\n").cma_total_bytes == 0
+    assert f.parse_meminfo("MemTotal: 100 kB\n").cma_total_bytes is None
+    dev = f.parse_ip_addr('[{"ifname": "enp1s0f0np0", "mtu": 1500, "operstate": "UP", "addr_info": []}]')[0]
+    assert dev.mtu == 1500

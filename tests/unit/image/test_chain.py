@@ -741,7 +741,8 @@ def test_version_probe_runs_in_a_python_and_reads_distributions(tmp_path: Path) 
     res = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); exec({im.VERSIONS_SCRIPT!r})"],
                          capture_output=True, text=True, timeout=60, env={"PATH": "/nonexistent"})
     versions = im.parse_versions(res.stdout)
-    assert versions == {"exllamav3": "1.4.5", "nccl": "absent", "torch": "absent", "vllm": "absent"}
+    assert versions == {"exllamav3": "1.4.5", "nccl": "absent", "torch": "absent", "vllm": "absent", "cuda": "absent",
+                        "nccl.conf": "present" if Path("/etc/nccl.conf").exists() else "absent"}
     assert im.version_problems({"exllamav3": "1.4.5"}, versions) == []
     assert im.version_problems({"exllamav3": "1.4.5"}, {**versions, "exllamav3": "0.0.43"}) == [
         "exllamav3 is 0.0.43, the recipe expects 1.4.5"]
