@@ -1,5 +1,5 @@
 """`sparkctl diagnose` and check's parity row on the lab: each seam (another kernel string with CMA=0,
-another CX7 firmware, a fabric port at MTU 1500, a kernel OOM line in a host's ring buffer, an image with
+another CX7 firmware, a fabric port at an odd MTU, a kernel OOM line in a host's ring buffer, an image with
 /etc/nccl.conf) appears in `check` and in the bundle; planted secrets never reach the bundle of a real
 service; a host whose sshd is down is named in the manifest, its files missing with why.
 
@@ -51,9 +51,18 @@ def parity(doc: dict[str, object], node: str) -> dict[str, str]:
     return next(f for f in doc["findings"] if f["node"] == node and f["check"] == "parity")  # type: ignore[index, union-attr, attr-defined]
 
 
+ODD_MTU: list[int] = [1500]
+
+
+def odd_mtu(current: int) -> int:
+    """An MTU the lab's fabric ports do not have (9000 where they run 1500, else 1500): spark4's odd one."""
+    ODD_MTU[0] = 9000 if current == 1500 else 1500
+    return ODD_MTU[0]
+
+
 @pytest.fixture
 def seamed(chain: Lab) -> Iterator[Lab]:
-    """spark2: kernel 7.0.0-1019 with cma=0; spark3: older CX7 firmware; spark4: its fabric port at MTU 1500;
+    """spark2: kernel 7.0.0-1019 with cma=0; spark3: older CX7 firmware; spark4: its fabric port at an MTU the others do not have;
     spark1: an OOM killer line in its ring buffer. Undone after."""
     lab = chain
     p = {n: HostPaths.of(n, lab.root) for n in NODES}
@@ -63,7 +72,7 @@ def seamed(chain: Lab) -> Iterator[Lab]:
     try:
         seams.set_kernel_seam(p["spark2"].kernel_seam, release=BAD_KERNEL, cmdline="ro quiet cma=0")
         seams.set_firmware(lab.host("spark3").sysfs_root, OLD_FW)
-        labhosts.set_port_mtu(p["spark4"], spark4.fabric_if, 1500)
+        labhosts.set_port_mtu(p["spark4"], spark4.fabric_if, odd_mtu(mtu))
         seams.set_kernel_seam(p["spark1"].kernel_seam, kmsg=["usb 1-1: new device", OOM])
         yield lab
     finally:
@@ -78,14 +87,15 @@ def test_each_seam_appears_in_check_and_in_the_bundle(seamed: Lab, tmp_path: Pat
     r = sparkctl(env, tmp_path, "--json", "check")
     doc = json.loads(r.stdout)
     s2, s3, s4, s1 = (parity(doc, n) for n in ("spark2", "spark3", "spark4", "spark1"))
+    spark4_if = seamed.host("spark4").fabric_if
     assert s2["status"] == "fail" and "ibv_reg_mr" in s2["reason"] and f"kernel {BAD_KERNEL}" in s2["reason"], s2
     assert s3["status"] == "warn" and f"CX7 firmware {OLD_FW}, the others have {seams.LAB_FW}" in s3["reason"], s3
-    assert s4["status"] == "fail" and "=1500, the others have" in s4["reason"], s4
+    assert s4["status"] == "fail" and f"{spark4_if}={ODD_MTU[0]} " in s4["reason"] and "the others have" in s4["reason"], s4
     assert s1["status"] == "ok", s1
     manifest, files = bundle(env, tmp_path)
     assert BAD_KERNEL in files["nodes/spark2/kernel.txt"] and "cma=0" in files["nodes/spark2/kernel.txt"]
     assert f"fw {OLD_FW}" in files["nodes/spark3/fabric.txt"]
-    assert "mtu 1500" in files["nodes/spark4/fabric.txt"]
+    assert f"mtu {ODD_MTU[0]}" in files["nodes/spark4/fabric.txt"]
     assert OOM in files["nodes/spark1/kernel-lines.txt"]
     assert any(f["node"] == "spark2" and f["check"] == "parity" and f["status"] == "fail"
                for f in json.loads(files["check.json"])["findings"])
@@ -100,7 +110,9 @@ def nccl_conf_image(chain: Lab) -> Iterator[tuple[Lab, str]]:
 
     lab = chain
     tag = "sparkctl-lab/ncclconf:test"
-    base = next(ln.split("=", 1)[1] for ln in lab.env_file.read_text().splitlines() if ln.startswith("IMAGE="))
+    conf = subprocess.run([sys.executable, "-m", "sparkctl", "--json", "config"],
+                          env={**lab.env(), "NODES": " ".join(NODES)}, capture_output=True, text=True, timeout=60)
+    base = json.loads(conf.stdout)["settings"]["IMAGE"]["value"]  # the recipe's image, as settings resolve it
     try:
         for n in NODES:
             r = subprocess.run(["docker", "-H", lab.host(n).docker_host, "build", "-q", "-t", tag, "-"],

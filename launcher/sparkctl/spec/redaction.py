@@ -42,8 +42,20 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     for value in sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True):
         text = text.replace(value, REDACTED)
     for pat in PATTERNS:
-        text = pat.sub(lambda m: m.group(1) + REDACTED, text)
+        text = pat.sub(_replace, text)
     return text
+
+
+# What a secret-named key may carry that is no secret and that JSON needs kept: a number (kv_bytes_per_token:
+# 656), a literal, or the opening of a nested value. Redacting these would hide figures and break the document.
+_NOT_SECRET: Final = re.compile(r"(?i)-?[0-9]{1,12}(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?|true|false|null|none|[\[{]")
+
+
+def _replace(m: re.Match[str]) -> str:
+    value = m.group(2) if m.re.groups >= 2 else ""
+    if value and _NOT_SECRET.fullmatch(value):
+        return m.group(0)
+    return m.group(1) + REDACTED
 
 
 def redact_bytes(data: bytes, secrets: Iterable[str] = ()) -> bytes:

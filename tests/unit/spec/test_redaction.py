@@ -37,3 +37,17 @@ def test_useful_values_stay() -> None:
     text = ("--max-num-batched-tokens 8192 max_tokens=256 NCCL_IB_HCA=rocep1s0f0 "
             "image sha256:" + "a" * 64 + " KEY_FILE=/etc/k.pem")
     assert redact(text) == text
+
+
+def test_a_json_document_stays_valid_and_keeps_its_figures_under_secret_named_keys() -> None:
+    """check --json's plan has kv_bytes_per_token (a figure under a key ending in "token"): the redacted
+    document still parses and keeps it, while a secret-named key's string value and a long numeric token
+    are redacted."""
+    import json
+
+    doc = {"kv_bytes_per_token": 656, "kv_terms": [1, 2], "auth": {"x": 1}, "use_token": True,
+           "api_key": "abcd1234efgh5678", "HF_TOKEN": "123456789012345678901234"}
+    out = redact(json.dumps(doc, indent=1))
+    back = json.loads(out)
+    assert back["kv_bytes_per_token"] == 656 and back["kv_terms"] == [1, 2] and back["use_token"] is True
+    assert back["api_key"] == REDACTED and back["HF_TOKEN"] == REDACTED
