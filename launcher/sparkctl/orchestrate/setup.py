@@ -10,7 +10,6 @@ written and command run is an audit line on its node.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +41,10 @@ TRY_S = 120  # a node that this machine cannot reach again within this restores 
 # seam (SPARKCTL_SETUP_ROOT) nothing needs root.
 AS_ROOT = ('if [ "$(id -u)" = 0 ] || [ -n "${SPARKCTL_SETUP_ROOT:-}" ]; then exec sh -c "$@"; fi\n'
            'exec sudo -n sh -c "$@"')
+# The confirmation claims the try by renaming its mark (the node's timer does the same: one of them wins).
 CONFIRM = ('R=${SPARKCTL_SETUP_ROOT:-}; d="$R/etc/sparkctl/$1"\n'
-           '[ -e "$d/netplan.pending" ] || { echo "the netplan try already ended: the node restored its old file" >&2; '
-           'exit 3; }\nrm -f -- "$d/netplan.pending" "$d/netplan.prev"')
+           'mv -- "$d/netplan.pending" "$d/netplan.confirmed" 2>/dev/null || { echo "the netplan try already ended: '
+           'the node restores its old file" >&2; exit 3; }\nrm -f -- "$d/netplan.confirmed" "$d/netplan.prev"')
 
 
 @dataclass
@@ -116,10 +116,8 @@ def plan(cluster: Cluster, s: Settings) -> SetupReport:
     subnet = s.get("FABRIC_SUBNET") or DEFAULT_FABRIC_SUBNET
     try:
         refuse_bad_nodes(s.nodes, facts)
-        management = [str(ipaddress.ip_interface(a).network) for f in facts.values() for p in f.ports
-                      if p.name == f.ssh_iface for a in p.ipv4]
+        management = [m for f in facts.values() for m in f.ssh_nets]
         management += [f"{f.client_ip}/32" for f in facts.values() if f.client_ip]
-        management += [m for f in facts.values() for m in f.ssh_nets]
         net = check_subnet(str(subnet), management)
         group = list(s.topology.replicas[0].nodes)
         cabling = find_cabling(s.nodes, {n: f.ports for n, f in facts.items()},
@@ -172,7 +170,9 @@ def _apply_node(node: Node, p: NodePlan, s: Settings, ssh_config: str | Path | N
     audit = [audit_line(action="setup", detail=f"wrote {w}") for w in out.wrote]
     audit += [audit_line(action="setup", detail=f"ran {a}") for a in out.ran]
     if not r.ok:
-        msg = (r.stderr.strip().splitlines() or [f"exit {r.exit_code}"])[-1][:400]
+        said = r.stderr.rpartition("@@sparkctl-setup-error ")[2] if "@@sparkctl-setup-error " in r.stderr else (
+            r.stderr.strip() or f"exit {r.exit_code}")
+        msg = " ".join(said.split())[:400]
         audit.append(audit_line(action="setup-failed", detail=msg))
         node.run(audit_append_argv(s.cluster_name, audit), timeout=20)
         return NodeOutcome("failed", out.wrote, out.ran, f"{node.name}: {msg}",

@@ -11,7 +11,7 @@
 # 2. The files other than netplan's are renamed into place; then the commands run.
 # 3. Netplan last, with try semantics: the old file is kept aside, a timer (its own session, so it outlives
 #    this connection) restores it and applies again after TRY_S seconds unless `confirm` (below) removed
-#    the pending mark first; then `netplan apply`. The caller confirms from a new SSH connection.
+#    claimed the pending mark first; then `netplan apply`. The caller confirms from a new SSH connection.
 #    Prints "@@sparkctl-netplan pending" when it waits for that confirmation.
 # Seams (tests and the lab): SPARKCTL_SETUP_ROOT stands for / of every path; there a command runs only as
 # $SPARKCTL_SETUP_ROOT/sbin/NAME when that exists (else it is recorded in $SPARKCTL_SETUP_ROOT/commands.log),
@@ -33,13 +33,18 @@ NETPLAN_TMP=
 NETPLAN_PATH=
 APPLY=no
 umask 022
+PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin # netplan, visudo, usermod live there; a login without them still finds them
+export PATH
 
+MADE=  # folders this run made, deepest first: removed again (when empty) if it changes nothing
+DONE=no
 cleanup() {
     printf '%s\n' "$TMPS" | while IFS= read -r t; do [ -n "$t" ] && rm -rf -- "$t"; done
+    [ "$DONE" = yes ] || printf '%s\n' "$MADE" | while IFS= read -r d; do [ -n "$d" ] && rmdir -- "$d" 2>/dev/null; done
 }
 trap cleanup EXIT
 fail() {
-    echo "$*" >&2
+    echo "@@sparkctl-setup-error $*" >&2
     exit 3
 }
 
@@ -75,6 +80,8 @@ while [ $# -gt 0 ]; do
             _path=$2 _mode=$3 _check=$4 _content=$5
             shift 5
             _dir=$(dirname -- "$R$_path")
+            _d=$_dir
+            while [ ! -d "$_d" ]; do MADE="$MADE$NL$_d" _d=$(dirname -- "$_d"); done
             mkdir -p -- "$_dir" || fail "cannot make $_dir"
             _tmp=$(mktemp "$_dir/.sparkctl.XXXXXX") || fail "cannot write in $_dir"
             TMPS="$TMPS$NL$_tmp"
@@ -108,6 +115,7 @@ while [ $# -gt 0 ]; do
 done
 
 # 2. the files, then the commands
+DONE=yes
 printf '%s\n' "$PLACE" | while IFS='	' read -r _tmp _dst; do
     [ -n "$_tmp" ] || continue
     mv -f -- "$_tmp" "$_dst" || exit 3
@@ -128,24 +136,32 @@ done || fail "a command failed (above)"
 [ -n "$NETPLAN_PATH" ] || NETPLAN_PATH=/etc/netplan/60-sparkctl-fabric.yaml
 mkdir -p -- "$STATE" || fail "cannot make $STATE"
 pending="$STATE/netplan.pending"
+applying="$STATE/netplan.applying"
 prev="$STATE/netplan.prev"
-rm -f -- "$prev"
+rm -f -- "$prev" "$STATE/netplan.reverted"
 [ -e "$R$NETPLAN_PATH" ] && { cp -p -- "$R$NETPLAN_PATH" "$prev" || fail "cannot keep the old netplan file aside"; }
-date +%s >"$pending" || fail "cannot write $pending"
+date +%s >"$pending" && date +%s >"$applying" || fail "cannot write in $STATE"
 command -v setsid >/dev/null 2>&1 && SETSID=setsid || SETSID=
+# The timer: TRY_S after the start, and after the apply ended (at most TRY_S more), it claims the try by
+# renaming the pending mark (the confirmation claims it the same way: one of the two wins), restores the old
+# file, applies again and leaves netplan.reverted.
 # shellcheck disable=SC2016 # the timer's own script: its values are its positional arguments
-$SETSID nohup sh -c 'sleep "$1"; [ -e "$2" ] || exit 0
+$SETSID nohup sh -c 'sleep "$1"; i=0
+while [ -e "$7" ] && [ "$i" -lt "$1" ]; do sleep 1; i=$((i + 1)); done
+mv -- "$2" "$2.reverting" 2>/dev/null || exit 0
 if [ -e "$3" ]; then mv -f -- "$3" "$4"; else rm -f -- "$4"; fi
-rm -f -- "$2"
-if [ -n "$5" ]; then "$5" "$6"; else netplan apply; fi' sparkctl-netplan-revert \
-    "$TRY" "$pending" "$prev" "$R$NETPLAN_PATH" "$NETPLAN_APPLY" "$R" </dev/null >/dev/null 2>&1 &
+if [ -n "$5" ]; then "$5" "$6"; else netplan apply; fi
+rm -f -- "$2.reverting"; date +%s >"$8"' sparkctl-netplan-revert \
+    "$TRY" "$pending" "$prev" "$R$NETPLAN_PATH" "$NETPLAN_APPLY" "$R" "$applying" "$STATE/netplan.reverted" \
+    </dev/null >/dev/null 2>&1 &
 if [ -n "$NETPLAN_TMP" ]; then
-    mv -f -- "$NETPLAN_TMP" "$R$NETPLAN_PATH" || fail "cannot rename the netplan file into place"
+    mv -f -- "$NETPLAN_TMP" "$R$NETPLAN_PATH" || { rm -f -- "$applying"; fail "cannot rename the netplan file into place"; }
     echo "@@sparkctl-wrote $NETPLAN_PATH"
 fi
 if [ -n "$NETPLAN_APPLY" ]; then
-    "$NETPLAN_APPLY" "$R" || fail "the netplan apply seam failed"
+    "$NETPLAN_APPLY" "$R" || { rm -f -- "$applying"; fail "the netplan apply seam failed (the old file comes back within $TRY s)"; }
 else
-    netplan apply || fail "netplan apply failed (the old file comes back within $TRY s)"
+    netplan apply || { rm -f -- "$applying"; fail "netplan apply failed (the old file comes back within $TRY s)"; }
 fi
+rm -f -- "$applying"
 echo "@@sparkctl-netplan pending"
