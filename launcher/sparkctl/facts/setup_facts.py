@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .node_facts import UNLIMITED, parse_ip_addr, parse_probe_sections, parse_ulimit
+from .node_facts import UNLIMITED, parse_fabric_record, parse_ip_addr, parse_probe_sections, parse_ulimit
 from .parsing import ParseError, guard, parse_json
 
 MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
@@ -166,14 +166,6 @@ def parse_machine_id(text: str) -> str:
     return mid
 
 
-@guard
-def parse_fabric_doc(text: str) -> dict[str, Any]:
-    doc = parse_json(text)
-    if not isinstance(doc, dict):
-        raise ParseError("the fabric document is not a JSON object")
-    return doc
-
-
 def setup_facts_from_probe(text: str, nonce: str, stderr: str = "") -> SetupFacts:
     """Parse setup_facts.sh's output. Never raises: a fact that cannot be read is a line in .problems."""
     facts = SetupFacts()
@@ -230,7 +222,7 @@ def setup_facts_from_probe(text: str, nonce: str, stderr: str = "") -> SetupFact
     doc = ok("fabric-doc")
     if doc is not None and doc.strip():
         try:
-            facts.fabric_doc = parse_fabric_doc(doc)
+            facts.fabric_doc = parse_fabric_record(doc)
         except ParseError as exc:
             facts.problems.append(f"the fabric document: {exc}")
     return facts

@@ -126,6 +126,13 @@ ib_walk() {
     done
 }
 
+# The fabric document `sparkctl setup` wrote (nothing when it never ran here).
+fabric_record() {
+    _f="${SPARKCTL_SETUP_ROOT:-}/etc/sparkctl/$CLUSTER/fabric.json"
+    [ -e "$_f" ] || return 0
+    read_file "$_f"
+}
+
 model_listing() {
     if [ ! -d "$MODEL" ]; then
         echo missing
@@ -249,6 +256,7 @@ facts() {
     section infiniband ib_walk
     on listening && section listening ss -Hltn
     section machine-id read_file /etc/machine-id
+    section fabric-record fabric_record
     section disk-paths disk_paths
     section df df_paths
     if on docker; then

@@ -1,0 +1,46 @@
+"""check against the fabric document `setup` left: a port gone, down, readdressed or with another MAC fails,
+naming the port and `sparkctl setup`; a node without a document, or as recorded, adds nothing."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+import pytest
+
+from sparkctl.facts import node_facts as F
+from sparkctl.rules.check_rules import FAIL, rule_fabric_record
+
+DOC = {"ports": {"s1": {"p0": {"address": "192.168.100.1/30", "mac": "02:00:00:00:01:00", "peers": ["s2:p0"]}}}}
+
+
+def facts(doc: Any, *, up: bool = True, addr: str = "192.168.100.1/30", mac: str = "02:00:00:00:01:00",
+          name: str = "p0") -> F.NodeFacts:
+    dev = F.NetDev(name, "UP" if up else "DOWN", ("UP", "LOWER_UP") if up else ("UP",),
+                   (ipaddress.IPv4Interface(addr),), mac)
+    return F.NodeFacts(netdevs=[dev], fabric_record=doc)
+
+
+def test_as_recorded_or_without_a_document_adds_nothing() -> None:
+    assert rule_fabric_record("s1", facts(DOC)) is None
+    assert rule_fabric_record("s1", facts(None)) is None
+    assert rule_fabric_record("s1", facts({"ports": "x"})) is None
+
+
+@pytest.mark.parametrize(("scene", "said"), [
+    (dict(up=False), "port p0 (cabled to s2:p0) is down"),
+    (dict(name="p9"), "port p0 (cabled to s2:p0) is gone"),
+    (dict(addr="10.0.0.5/24"), "port p0 has address 10.0.0.5/24, not 192.168.100.1/30"),
+    (dict(mac="02:00:00:00:09:09"), "port p0's MAC is 02:00:00:00:09:09, not 02:00:00:00:01:00"),
+])
+def test_a_port_unlike_the_record_fails_naming_it_and_setup(scene: dict[str, Any], said: str) -> None:
+    f = rule_fabric_record("s1", facts(DOC, **scene))
+    assert f is not None and f.status == FAIL and f.check == "fabric"
+    assert said in f.reason and "`sparkctl setup`" in f.fix and "\n" not in f.fix
+
+
+def test_the_node_facts_parser_reads_the_document_or_none() -> None:
+    assert F.parse_fabric_record("") is None
+    assert F.parse_fabric_record('{"ports": {}}') == {"ports": {}}
+    with pytest.raises(F.ParseError):
+        F.parse_fabric_record("[1]")
