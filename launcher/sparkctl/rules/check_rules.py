@@ -265,8 +265,8 @@ def rule_fabric_record(node: str, facts: F.NodeFacts) -> Finding | None:
     if not wrong:
         return None
     return _f(node, "fabric", FAIL, wrong[0][:60], f"{node}: " + "; ".join(wrong) + " (against the fabric document "
-              "`sparkctl setup` left)", f"re-seat or move back the cable, or run `sparkctl setup` to set up the "
-              f"fabric as it is cabled now (it plans first)")
+              "`sparkctl setup` left)", "re-seat or move back the cable, or run `sparkctl setup` to set up the "
+              "fabric as it is cabled now (it plans first)")
 
 
 def rule_limits(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:

@@ -232,3 +232,49 @@ def test_bad_input_is_refused_before_anything_is_touched(nodes: Any, monkeypatch
     with pytest.raises(UsageError, match="n1: port enp1s0f0np0 is cabled to its own port enp1s0f1np1"):
         _plan(s)
     assert not any((_root(ln, n) / "etc" / d).exists() for n in NODES for d in ("netplan", "sudoers.d", "sparkctl"))
+
+
+def _cli(ln: LocalNodes, *args: str, env: dict[str, str] | None = None) -> Any:
+    from click.testing import CliRunner
+
+    from sparkctl.cli import cli
+
+    base = {"NODES": " ".join(NODES), "MODEL": "/m", "RECIPE": "lab", "TP": "2", "DCP": "1", "CLUSTER_NAME": "t",
+            "SERVED_MODEL_NAME": "m", "SPARKCTL_ENV_FILE": str(ln.root / "none.env")}
+    (ln.root / "none.env").write_text("")
+    return CliRunner().invoke(cli, list(args), env={**base, **(env or {})})
+
+
+def test_the_command_plans_in_json_applies_with_yes_and_then_has_nothing_to_change(nodes: Any) -> None:
+    ln, _ = nodes
+    r = _cli(ln, "setup", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["cabling"]["layout"] == "direct pair" and len(doc["changes"]) == 18
+    assert {"node", "what", "path", "sha256_before", "sha256_after"} <= set(doc["changes"][0])
+    assert not (_root(ln, "n1") / "etc/netplan").exists()
+    r = _cli(ln, "setup", "--yes")
+    assert r.exit_code == 0, r.output
+    r = _cli(ln, "setup", "--json")
+    assert json.loads(r.stdout)["changes"] == []
+    r = _cli(ln, "setup")
+    assert r.exit_code == 0 and "nothing to change" in r.output
+
+
+def test_bad_input_through_the_command_is_exit_2_with_one_json_failure(nodes: Any, monkeypatch: Any,
+                                                                       capsys: Any) -> None:
+    from sparkctl import cli
+
+    ln, _ = nodes
+    for k, v in {"NODES": " ".join(NODES), "MODEL": "/m", "RECIPE": "lab", "TP": "2", "DCP": "1",
+                 "CLUSTER_NAME": "t", "SERVED_MODEL_NAME": "m", "FABRIC_SUBNET": "10.0.0.0/8"}.items():
+        monkeypatch.setenv(k, v)
+    (ln.root / "none.env").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--env-file", str(ln.root / "none.env"), "setup", "--json"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and "overlaps the management network" in doc["error"]
+    assert "Traceback" not in out + err
+    assert not (_root(ln, "n1") / "etc/netplan").exists()

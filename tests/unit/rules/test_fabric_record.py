@@ -4,6 +4,10 @@ naming the port and `sparkctl setup`; a node without a document, or as recorded,
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,3 +48,22 @@ def test_the_node_facts_parser_reads_the_document_or_none() -> None:
     assert F.parse_fabric_record('{"ports": {}}') == {"ports": {}}
     with pytest.raises(F.ParseError):
         F.parse_fabric_record("[1]")
+
+
+def test_the_node_facts_probe_reads_the_document_setup_wrote_for_this_cluster_only(tmp_path: Path) -> None:
+    """node_facts.sh (the real sh) reads <root>/etc/sparkctl/<cluster>/fabric.json; another cluster's is not read."""
+    doc = tmp_path / "root/etc/sparkctl/t/fabric.json"
+    doc.parent.mkdir(parents=True)
+    doc.write_text(json.dumps(DOC))
+    probe = Path(F.__file__).resolve().parent.parent / "probes/node_facts.sh"
+
+    def record(cluster: str) -> Any:
+        env = dict(os.environ, SPARKCTL_SETUP_ROOT=str(tmp_path / "root"), DOCKER_HOST=f"unix://{tmp_path}/none.sock")
+        args = F.probe_args(cluster=cluster, docker=False, banner=False, listening=False)
+        out = subprocess.run(["sh", "-s", "--", "0123456789abcdef", *args], input=probe.read_bytes(),
+                             capture_output=True, env=env, timeout=60, cwd=tmp_path).stdout.decode()
+        return F.node_facts_from_probe(out, "0123456789abcdef", expect_docker=False, expect_banner=False,
+                                       expect_listening=False, expect_model=False).fabric_record
+
+    assert record("t") == DOC
+    assert record("other") is None
