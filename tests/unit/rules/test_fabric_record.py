@@ -67,3 +67,21 @@ def test_the_node_facts_probe_reads_the_document_setup_wrote_for_this_cluster_on
 
     assert record("t") == DOC
     assert record("other") is None
+
+
+def test_check_fails_the_fabric_row_where_a_recorded_port_was_readdressed_and_only_there() -> None:
+    from dataclasses import replace
+
+    from sparkctl.rules import check_rules as C
+    from tests.unit.rules.test_check_rules import _fabric_facts, needs
+
+    doc = {"ports": {n: {"enp1s0f0np0": {"address": f"10.232.0.1{i}/24", "peers": ["x:y"]}}
+                     for i, n in enumerate(("spark1", "spark2"), start=1)}}
+    good = replace(_fabric_facts("10.232.0.11"), fabric_record=doc)
+    moved = replace(_fabric_facts("10.232.0.99"), fabric_record=doc)  # still in FABRIC_SUBNET: discovery is happy
+    findings, _ = C.evaluate(["spark1", "spark2"], needs(), {"spark1": (good, None), "spark2": (moved, None)}, {},
+                             lambda f: (None, "-"), None)
+    by = {(f.node, f.check): f for f in findings}
+    assert by[("spark1", "fabric")].status != FAIL
+    assert by[("spark2", "fabric")].status == FAIL
+    assert "port enp1s0f0np0 has address 10.232.0.99/24, not 10.232.0.12/24" in by[("spark2", "fabric")].reason
