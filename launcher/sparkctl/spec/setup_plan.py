@@ -9,7 +9,7 @@ into place):
   /etc/security/limits.d/60-sparkctl.conf  the SSH user's nofile and memlock (ULIMIT_NOFILE, ULIMIT_MEMLOCK)
   /etc/default/earlyoom                    earlyoom prefers the engine, avoids sshd, dockerd, containerd, systemd
   /etc/sparkctl/<cluster>/fabric.json      the fabric document: the cabling and addresses setup found and set
-and the commands: `usermod -aG docker USER`, `apt-get install -y earlyoom`, `systemctl restart earlyoom`,
+and the commands: `usermod -aG docker USER`, `apt-get install -y earlyoom` (keeping the file above), `systemctl restart earlyoom`,
 `netplan apply` (with try semantics: orchestrate/setup.py).
 
 Addresses come from FABRIC_SUBNET (default DEFAULT_FABRIC_SUBNET): one segment (a switch, or one cable)
@@ -208,7 +208,7 @@ class NodePlan:
 
 COMMANDS = {
     "docker-group": "usermod -aG docker {arg}",
-    "install-earlyoom": "apt-get install -y earlyoom",
+    "install-earlyoom": "DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold earlyoom",
     "restart-earlyoom": "systemctl restart earlyoom",
     "netplan-apply": "netplan apply",
 }

@@ -147,7 +147,7 @@ def test_plan_changes_nothing_yes_applies_everything_and_a_second_plan_has_nothi
     assert {(c["node"], c.get("path") or c["command"]) for c in report.changes} == {
         (n, x) for n in NODES for x in (sp.NETPLAN_PATH, sp.SUDOERS_PATH, sp.LIMITS_PATH, sp.EARLYOOM_PATH,
                                         sp.fabric_doc_path("t"), "netplan apply", "usermod -aG docker spark",
-                                        "apt-get install -y earlyoom", "systemctl restart earlyoom")}
+                                        sp.COMMANDS["install-earlyoom"], "systemctl restart earlyoom")}
     assert {n: sorted(p.relative_to(_root(ln, n)) for p in _root(ln, n).rglob("*")) for n in NODES} == before
 
     with Cluster(s.nodes, os.environ["SPARKCTL_SSH_CONFIG"]) as c:

@@ -102,7 +102,7 @@ def test_the_plan_lists_every_change_then_nothing_once_the_files_and_state_match
     assert [ch.path for ch in s1.changes if ch.path] == [sp.NETPLAN_PATH, sp.SUDOERS_PATH, sp.LIMITS_PATH,
                                                           sp.EARLYOOM_PATH, sp.fabric_doc_path("c")]
     assert [ch.command for ch in s1.changes if ch.command] == [
-        "netplan apply", "usermod -aG docker spark", "apt-get install -y earlyoom", "systemctl restart earlyoom"]
+        "netplan apply", "usermod -aG docker spark", sp.COMMANDS["install-earlyoom"], "systemctl restart earlyoom"]
     # the node as setup leaves it: the files' hashes, the addresses live, docker group, earlyoom installed
     for n in N4:
         f = facts[n]
