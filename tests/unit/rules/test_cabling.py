@@ -76,3 +76,14 @@ def test_a_mac_of_no_cx7_port_is_not_a_peer() -> None:
     neigh["a"]["p0"] = ["aa:bb:cc:dd:ee:ff"]
     c = find_cabling(["a", "b"], ports, neigh, ["a", "b"])
     assert c.layout == "none" and c.segments == []
+
+
+def test_pcie_twins_of_one_physical_port_are_one_end_of_one_cable() -> None:
+    """A GB10's QSFP port is two netdevs (enp1s0f0np0, enP2p1s0f0np0); over one cable all four twins see
+    each other: that is one cable between the two nodes' primaries, not a switch."""
+    names = ("enp1s0f0np0", "enP2p1s0f0np0", "enp1s0f1np1", "enP2p1s0f1np1")
+    ports = {n: [Port(p, f"h{j}", mac(i, j)) for j, p in enumerate(names)] for i, n in enumerate(["a", "b"])}
+    neigh = {n: {names[0]: [mac(1 - i, 0), mac(1 - i, 1)], names[1]: [mac(1 - i, 0), mac(1 - i, 1)]}
+             for i, n in enumerate(["a", "b"])}
+    c = find_cabling(["a", "b"], ports, neigh, ["a", "b"])
+    assert c.layout == "direct pair" and [s.describe() for s in c.segments] == ["a:enp1s0f0np0 <-> b:enp1s0f0np0"]
