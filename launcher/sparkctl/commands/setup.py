@@ -12,15 +12,17 @@ from rich.table import Table
 
 from ..errors import CheckFailed
 from ..options import Globals
-from ..orchestrate.setup import SetupReport, apply, plan
+from ..orchestrate.setup import SetupReport, apply, measure_cables, plan
 from ..output import console, emit_json
 from .common import open_cluster, settings_of
 
 
 @click.command("setup")
 @click.option("-y", "--yes", is_flag=True, help="Apply the plan (default: show it and change nothing).")
+@click.option("--speed", is_flag=True,
+              help="Then measure each cable (iperf3 over its fabric addresses) against the recipe's floor.")
 @click.pass_obj
-def command(g: Globals, yes: bool) -> None:
+def command(g: Globals, yes: bool, speed: bool) -> None:
     """Discover every node (CX7 ports, cabling, SSH user, sudo, docker group, limits, earlyoom), plan the
     files and commands that make it ready, and with --yes apply them."""
     s = settings_of(g)
@@ -28,6 +30,8 @@ def command(g: Globals, yes: bool) -> None:
         report = plan(cluster, s)
         if yes:
             apply(cluster, s, report, g.ssh_config_path())
+        if speed:
+            measure_cables(cluster, s, report)
     if g.json:
         emit_json(report.to_dict())
     else:
@@ -61,6 +65,11 @@ def _print(r: SetupReport, *, applied: bool) -> None:
                           "run these by hand:")
             for line in p.by_hand():
                 out.print(f"    {line}", markup=False, highlight=False)
+    for cable, got in (r.speeds or {}).items():
+        if isinstance(got, float):
+            out.print(f"cable {cable}: {got:.1f} Gbit/s")
+    for w in r.speed_warnings:
+        out.print(f"[yellow]![/] {w}", highlight=False)
     if not applied:
         count = len(r.changes)
         out.print("nothing to change" if not count else

@@ -166,6 +166,20 @@ def parse_machine_id(text: str) -> str:
     return mid
 
 
+@guard
+def parse_iperf3(text: str) -> float:
+    """`iperf3 -c ... -J`: the bits per second the receiving end counted (ParseError with iperf3's own error)."""
+    doc = parse_json(text)
+    if not isinstance(doc, dict):
+        raise ParseError("iperf3 did not print a JSON object")
+    if doc.get("error"):
+        raise ParseError(f"iperf3: {str(doc['error'])[:200]}")
+    bps = doc["end"]["sum_received"]["bits_per_second"]
+    if not isinstance(bps, (int, float)) or isinstance(bps, bool) or not 0 <= bps < 1e15:
+        raise ParseError("iperf3 reported no bandwidth")
+    return float(bps)
+
+
 def setup_facts_from_probe(text: str, nonce: str, stderr: str = "") -> SetupFacts:
     """Parse setup_facts.sh's output. Never raises: a fact that cannot be read is a line in .problems."""
     facts = SetupFacts()

@@ -10,16 +10,18 @@ written and command run is an audit line on its node.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cluster import Cluster, Node, NodeError
+from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import CheckFailed, UsageError
-from ..facts.setup_facts import SetupFacts, setup_facts_from_probe
+from ..facts.parsing import ParseError
+from ..facts.setup_facts import SetupFacts, parse_iperf3, setup_facts_from_probe
 from ..remote.lockdir import audit_append_argv, audit_line
-from ..rules.cabling import Cabling, find_cabling
+from ..rules.cabling import Cabling, End, find_cabling, judge_speeds
 from ..rules.findings import Needs
 from ..spec.resources import probe_script
 from ..spec.settings import Settings
@@ -65,7 +67,10 @@ class SetupReport:
     cabling: Cabling
     facts: dict[str, SetupFacts]
     plans: dict[str, NodePlan]
+    addresses: dict[End, str] = field(default_factory=dict)
     applied: dict[str, NodeOutcome] | None = None
+    speeds: dict[str, float | str] | None = None  # cable -> Gbit/s, or why it was not measured
+    speed_warnings: list[str] = field(default_factory=list)
 
     @property
     def changes(self) -> list[dict[str, Any]]:
@@ -82,6 +87,10 @@ class SetupReport:
                       for n, p in self.plans.items()}}
         if self.applied is not None:
             doc["applied"] = {n: o.as_dict() for n, o in self.applied.items()}
+        if self.speeds is not None:
+            doc["cables"] = [{"cable": c, "gbit_per_s": v if isinstance(v, float) else None,
+                              "error": v if isinstance(v, str) else None} for c, v in self.speeds.items()]
+            doc["speed_warnings"] = self.speed_warnings
         return doc
 
     @property
@@ -129,7 +138,8 @@ def plan(cluster: Cluster, s: Settings) -> SetupReport:
         raise UsageError(str(exc)) from None
     needs = Needs.from_settings(s)
     want = Wanted(s.cluster_name, tuple(s.nodes), needs.nofile, needs.memlock_bytes)
-    return SetupReport(str(net), cabling, facts, plan_setup(want, facts, cabling, addrs))
+    return SetupReport(str(net), cabling, facts, plan_setup(want, facts, cabling, addrs),
+                       {e: str(a.ip) for e, a in addrs.items()})
 
 
 def apply(cluster: Cluster, s: Settings, report: SetupReport, ssh_config: str | Path | None,
@@ -206,3 +216,37 @@ def _confirm(node: Node, s: Settings, ssh_config: str | Path | None) -> str | No
     if not r.ok:
         return f"the netplan try could not be confirmed: {r.stderr.strip()[-300:]}"
     return None
+
+
+SPEED_PORT = 5201  # iperf3's own port, on the fabric addresses only
+SPEED_SECONDS = 3
+
+
+def measure_cables(cluster: Cluster, s: Settings, report: SetupReport, seconds: int = SPEED_SECONDS) -> SetupReport:
+    """Each cable's bandwidth, one cable at a time (a node in a ring holds two): iperf3 between its two ends'
+    fabric addresses, 4 streams, against the recipe's floor (busbw_floor_gbps, as Gbit/s). A slow cable is a
+    warning naming both ends, never a failure."""
+    script = probe_script("cable_speed.sh").decode()
+    speeds: dict[str, float | str] = {}
+    for seg in report.cabling.segments:
+        if not seg.is_cable:
+            continue
+        (a, pa), (b, pb) = seg.ends
+        ia, ib = report.addresses.get((a, pa)), report.addresses.get((b, pb))
+        if not ia or not ib or a in report.failed or b in report.failed:
+            speeds[seg.describe()] = "its addresses are not set up"
+            continue
+
+        def end(node: str, role: str, addr: str, peer: str) -> Any:
+            return cluster.node(node).run(["sh", "-c", script, "cable-speed", role, addr, peer, str(SPEED_PORT),
+                                           str(seconds)], timeout=seconds + 60)
+
+        served, got = parallel([functools.partial(end, b, "serve", ib, ia), functools.partial(end, a, "measure", ia, ib)])
+        try:
+            speeds[seg.describe()] = round(parse_iperf3(got.stdout) / 1e9, 2)
+        except ParseError as exc:
+            said = str(exc) if got.stdout.strip() else got.stderr.strip() or served.stderr.strip() or str(exc)
+            speeds[seg.describe()] = said[-200:]
+    report.speeds = speeds
+    report.speed_warnings = judge_speeds(speeds, s.recipe.fabric.busbw_floor_gbps * 8)
+    return report

@@ -201,3 +201,16 @@ def _ring_order(start: str, links: Mapping[str, set[str]]) -> list[str]:
         if nxt[0] in walk:
             return walk
         walk.append(nxt[0])
+
+
+def judge_speeds(measured: Mapping[str, float | str], floor_gbit: float) -> list[str]:
+    """Per cable (its description -> Gbit/s, or why it was not measured): a warning for each cable below the
+    floor (0: none) or not measured, naming both ends and what to try. A slow cable is a warning, never a failure."""
+    out = []
+    for cable, got in measured.items():
+        if isinstance(got, str):
+            out.append(f"cable {cable}: not measured ({got})")
+        elif floor_gbit and got < floor_gbit:
+            out.append(f"cable {cable}: {got:.1f} Gbit/s, below the recipe's floor of {floor_gbit:.0f} Gbit/s: reseat "
+                       "both ends, check that `ethtool PORT` says 200000Mb/s on both nodes, or try another cable")
+    return out

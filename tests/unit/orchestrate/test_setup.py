@@ -278,3 +278,24 @@ def test_bad_input_through_the_command_is_exit_2_with_one_json_failure(nodes: An
     assert doc["ok"] is False and doc["exit_code"] == 2 and "overlaps the management network" in doc["error"]
     assert "Traceback" not in out + err
     assert not (_root(ln, "n1") / "etc/netplan").exists()
+
+
+@pytest.mark.skipif(os.environ.get("CI") != "true" and not shutil.which("iperf3"), reason="needs iperf3")
+def test_each_cable_is_measured_by_real_iperf3_over_its_fabric_addresses(nodes: Any) -> None:
+    """Loopback stands in for the cable: FABRIC_SUBNET in 127/8, so both ends' addresses are this machine's."""
+    ln, _ = nodes
+    s = load_settings(cli={}, environ={"NODES": " ".join(NODES), "MODEL": "/m", "RECIPE": "lab", "TP": "2", "DCP": "1",
+                                       "CLUSTER_NAME": "t", "SERVED_MODEL_NAME": "m", "FABRIC_SUBNET": "127.77.0.0/24"})
+    with Cluster(s.nodes, os.environ["SPARKCTL_SSH_CONFIG"]) as c:
+        report = flow.plan(c, s)
+        assert report.addresses == {("n1", PORTS[0]): "127.77.0.1", ("n2", PORTS[0]): "127.77.0.2"}
+        flow.measure_cables(c, s, report, seconds=1)
+    got = (report.speeds or {})[f"n1:{PORTS[0]} <-> n2:{PORTS[0]}"]
+    assert isinstance(got, float) and got > 0, report.speeds
+    assert report.to_dict()["cables"][0]["gbit_per_s"] == got
+    # an end whose address is not there: the cable is named with iperf3's own reason, as a warning
+    with Cluster(s.nodes, os.environ["SPARKCTL_SSH_CONFIG"]) as c:
+        report.addresses[("n1", PORTS[0])] = "192.0.2.1"  # not this machine's: bind fails
+        flow.measure_cables(c, s, report, seconds=1)
+    assert report.speed_warnings and report.speed_warnings[0].startswith(f"cable n1:{PORTS[0]} <-> n2:{PORTS[0]}: "
+                                                                          "not measured")

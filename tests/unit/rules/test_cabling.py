@@ -87,3 +87,12 @@ def test_pcie_twins_of_one_physical_port_are_one_end_of_one_cable() -> None:
              for i, n in enumerate(["a", "b"])}
     c = find_cabling(["a", "b"], ports, neigh, ["a", "b"])
     assert c.layout == "direct pair" and [s.describe() for s in c.segments] == ["a:enp1s0f0np0 <-> b:enp1s0f0np0"]
+
+
+def test_a_slow_cable_is_a_warning_naming_both_ends_and_what_to_try() -> None:
+    from sparkctl.rules.cabling import judge_speeds
+
+    w = judge_speeds({"a:p0 <-> b:p0": 12.5, "a:p1 <-> c:p0": 180.0, "b:p1 <-> c:p1": "iperf3 is not installed"}, 40)
+    assert w[0].startswith("cable a:p0 <-> b:p0: 12.5 Gbit/s, below the recipe's floor of 40 Gbit/s: reseat")
+    assert w[1] == "cable b:p1 <-> c:p1: not measured (iperf3 is not installed)" and len(w) == 2
+    assert judge_speeds({"a:p0 <-> b:p0": 1.0}, 0) == []  # no floor: reported, not warned
