@@ -2,7 +2,7 @@
 
 Found without any daemon: every port pings all hosts of its link (ff02::1), and its IPv6 neighbour table
 then holds the MAC of every port on the other end. A MAC that belongs to another node's CX7 port is a
-peer. Ports that see each other form a *segment*: two ports are a cable, more are a switch.
+peer. A GB10 shows each physical port as two netdevs (PCIe twins): one twin speaks for the port (`primaries`). Ports that see each other form a *segment*: two ports are a cable, more are a switch.
 
 The layout, named: `switch` (every cabled port on one segment), `direct pair` (two nodes, one or two
 cables between them), `ring` / `line` (cables between neighbours), `none`, or `mixed`. Then whether it
@@ -13,12 +13,28 @@ close the ring. What to move is said exactly: the ports to cable, or NODES' orde
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..facts.setup_facts import Port
 
 End = tuple[str, str]  # (node, port)
+
+
+def twin_key(port: str) -> str:
+    """The physical port a netdev belongs to: a GB10's CX7 shows each QSFP port as two PCIe twins
+    (`enp1s0f0np0` and `enP2p1s0f0np0`), told apart only by the PCI domain in the name."""
+    return re.sub(r"^enP\d+p", "enp", port)
+
+
+def primaries(ports: Sequence[Port]) -> dict[str, str]:
+    """netdev -> the twin that stands for its physical port (the one named without a PCI domain, else the
+    first by name): cabling, addresses and the fabric document use it; the other twin is left as it is."""
+    by_key: dict[str, list[str]] = {}
+    for p in ports:
+        by_key.setdefault(twin_key(p.name), []).append(p.name)
+    return {name: min(names, key=lambda x: (x != key, x)) for key, names in by_key.items() for name in names}
 
 
 @dataclass(frozen=True)
@@ -62,15 +78,18 @@ def find_cabling(nodes: Sequence[str], ports: Mapping[str, Sequence[Port]],
     """The segments, the layout's name, and what is wrong with it for one TP group of `group`'s nodes."""
     order = {n: i for i, n in enumerate(nodes)}
     owner: dict[str, End] = {}
+    prim = {n: primaries(ports.get(n, ())) for n in nodes}
     for n in nodes:
         for p in ports.get(n, ()):
             if p.mac:
-                owner[p.mac] = (n, p.name)
+                owner[p.mac] = (n, prim[n][p.name])
     out = Cabling()
     edges: dict[End, set[End]] = {}
     looped: set[frozenset[str]] = set()
     for n in nodes:
         for p in ports.get(n, ()):
+            if prim[n][p.name] != p.name:
+                continue  # a twin: its primary speaks for the physical port
             for mac in neighbours.get(n, {}).get(p.name, ()):
                 peer = owner.get(mac)
                 if peer is None or peer == (n, p.name):
@@ -145,7 +164,8 @@ def _connected(names: Sequence[str], links: Mapping[str, set[str]]) -> bool:
 
 def _free(node: str, ports: Mapping[str, Sequence[Port]], c: Cabling) -> str:
     used = set(c.cabled(node))
-    free = [p.name for p in ports.get(node, ()) if p.name not in used]
+    prim = primaries(ports.get(node, ()))
+    free = [p.name for p in ports.get(node, ()) if p.name not in used and prim[p.name] == p.name]
     return free[0] if free else "a free CX7 port"
 
 
