@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 # Commands (by click name: `model sync` is "sync") that change the cluster: an unknown env-file key is an error.
-CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd"})
+CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd", "setup"})
 
 
 @dataclass
