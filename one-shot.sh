@@ -25,9 +25,10 @@ py="${PYTHON:-python3}"
 LAB_PACKAGES=(docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl)
 # The tests, beyond the lab's: nginx (the endpoint tests run the real nginx on the config `endpoint`
 # renders), systemd (systemd-analyze verifies the unit `export systemd` writes), python3-venv (the
-# fidelity venv), netcat-openbsd (ProxyCommand through `nc`). The unit tests also start private sshd
+# fidelity venv), netcat-openbsd (ProxyCommand through `nc`), netplan.io and sudo (`setup`'s files are judged
+# by the real `netplan generate --root-dir` and `visudo -cf`; its cable test runs the real iperf3 on loopback). The unit tests also start private sshd
 # servers and run rsync and curl (the lab's list).
-TEST_PACKAGES=(nginx systemd python3-venv netcat-openbsd "${LAB_PACKAGES[@]}")
+TEST_PACKAGES=(nginx systemd python3-venv netcat-openbsd netplan.io sudo iperf3 "${LAB_PACKAGES[@]}")
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'one-shot.sh: %s\n' "$*" >&2; exit 2; }

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("config", "Show the resolved settings and where each value came from."),
     "plan": ("plan", "Plan memory per rank and the exact KV-cache bytes (offline)."),
     "render": ("render", "Render env.tp4 and the per-rank docker/vllm command lines (offline)."),
+    "setup": ("setup", "Plan (and with --yes apply) what fresh nodes need: fabric addresses, sudoers, limits, earlyoom."),
     "check": ("check", "Preflight every node in parallel; write env.tp4 with the discovered pins."),
     "nccl-report": ("nccl_report", "Explain NCCL_DEBUG=INFO logs: per rank NCCL version, transport, findings."),
     "verify-model": ("verify_model", "Verify the checkpoint's layout and EXL3 ABI from its headers."),

@@ -12,7 +12,8 @@ from typing import Any
 import click
 
 # Commands (by click name: `model sync` is "sync") that change the cluster: an unknown env-file key is an error.
-CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd", "deploy"})
+CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd", "deploy",
+                             "setup"})
 
 
 @dataclass

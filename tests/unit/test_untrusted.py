@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from sparkctl.cluster import NodeError, RunResult
 from sparkctl.errors import SparkctlError
 from sparkctl.facts import promtext
+from sparkctl.facts.setup_facts import SetupFacts, setup_facts_from_probe
 from sparkctl.loadgen import report, request
 from sparkctl.orchestrate.status import metrics_summary
 from sparkctl.probes.ckpt_scan import _encode
@@ -150,6 +151,36 @@ def test_lock_owner_known_traps() -> None:
     assert LockOwner.parse("x" * 10_000_000) is None
     ok = LockOwner("me@h", 7, "now", "up", "tok")
     assert LockOwner.parse(ok.to_json() + "\ntrailing") == ok
+
+
+# -------------------------------------------------------------------------------------- setup's probe
+
+SETUP_SECTIONS = ("user", "uid", "groups", "sudo", "nofile", "memlock", "machine-id", "ssh-route", "infiniband",
+                  "ip-addr", "neigh", "earlyoom", "ctk", "docker-group", "files", "fabric-doc")
+
+
+def _setup_probe(parts: list[tuple[str, str, int]]) -> str:
+    return "".join(f"@@sparkctl 00112233aabbccdd begin {name}\n{body}\n@@sparkctl 00112233aabbccdd end {name} {rc}\n"
+                   for name, body, rc in parts)
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(SETUP_SECTIONS),
+                          st.one_of(nasty_text, json_values.map(json.dumps),
+                                    st.sampled_from(["client\t10.0.0.1\n[{\"dev\": 7}]", "netdev\th\te\tx",
+                                                     "@@dev\teth0\n[{\"lladdr\": []}]", "/etc/x\tabsent", DEEP[:5000]])),
+                          st.sampled_from([0, 0, 1])), max_size=12))
+def test_setup_facts_from_any_probe_output(parts: list[tuple[str, str, int]]) -> None:
+    facts = setup_facts_from_probe(_setup_probe(parts), "00112233aabbccdd")
+    assert isinstance(facts, SetupFacts) and all(isinstance(p, str) for p in facts.problems)
+    assert all(isinstance(m, str) for macs in facts.neighbours.values() for m in macs)
+
+
+def test_setup_facts_known_traps() -> None:
+    f = setup_facts_from_probe(_setup_probe([("ip-addr", DEEP, 0), ("infiniband", "netdev\th\te0\t1", 0),
+                                             ("neigh", "@@dev\t$(x)\n[]", 0), ("fabric-doc", DEEP, 0)]),
+                               "00112233aabbccdd")
+    assert f.ports == [] and f.neighbours == {} and f.fabric_doc is None and len(f.problems) >= 3
 
 
 # -------------------------------------------------------------------------------------- metrics

@@ -605,6 +605,17 @@ def parse_disk_paths(text: str) -> list[DiskPath]:
 
 
 @guard
+def parse_fabric_record(text: str) -> dict[str, Any] | None:
+    """The fabric document `sparkctl setup` left on the node (/etc/sparkctl/<cluster>/fabric.json); None: none."""
+    if not text.strip():
+        return None
+    doc = parse_json(text)
+    if not isinstance(doc, dict):
+        raise ParseError("the fabric document is not a JSON object")
+    return doc
+
+
+@guard
 def parse_machine_id(text: str) -> str:
     from .machine_identity import parse_machine_id as parse
 
@@ -839,6 +850,8 @@ class NodeFacts:
     # What must agree across the ranks (check's parity row): the kernel, the CX7s' firmware.
     kernel: KernelInfo | None = fact("kernel", parse_kernel, "kernel_info")
     firmware: dict[str, str] | None = fact("firmware", parse_firmware, "fw_walk")
+    # What `sparkctl setup` found and set (None: setup never ran there); check compares the ports against it.
+    fabric_record: dict[str, Any] | None = fact("fabric-record", parse_fabric_record, "fabric_record")
     disk_paths: list[DiskPath] | None = fact("disk-paths", parse_disk_paths, "disk_paths")
     disks: list[DiskUsage] | None = fact("df", parse_df, "df_paths")  # disks[i] measures disk_paths[i]
     # The Docker facts: from the engine's API over its socket when the probe can (DOCKER_API),

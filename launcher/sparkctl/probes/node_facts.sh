@@ -153,6 +153,13 @@ fw_walk() {
     return 0
 }
 
+# The fabric document `sparkctl setup` wrote (nothing when it never ran here).
+fabric_record() {
+    _f="${SPARKCTL_SETUP_ROOT:-}/etc/sparkctl/$CLUSTER/fabric.json"
+    [ -e "$_f" ] || return 0
+    read_file "$_f"
+}
+
 model_listing() {
     if [ ! -d "$MODEL" ]; then
         echo missing
@@ -278,6 +285,7 @@ facts() {
     section machine-id read_file /etc/machine-id
     section kernel kernel_info
     section firmware fw_walk
+    section fabric-record fabric_record
     section disk-paths disk_paths
     section df df_paths
     if on docker; then

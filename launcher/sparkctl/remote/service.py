@@ -36,6 +36,7 @@ from ..spec.builders import (
     remote_env_file,
 )
 from ..spec.settings import Settings
+from ..spec.setup_plan import DROP_CACHES_SUDOERS as DROP_CACHES_SUDOERS
 from ..threads import spawn, wait_all
 from . import cleanup
 from .lockdir import audit_append_argv, audit_line, state_dir
@@ -271,7 +272,6 @@ else
 fi
 printf 'dropped %s %s %s\n' "$how" "$before" "$(free_kb)"
 """
-DROP_CACHES_SUDOERS = "USER ALL=(root) NOPASSWD: /usr/bin/tee /proc/sys/vm/drop_caches"
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,38 @@ def rule_memory(node: str, facts: F.NodeFacts, plan: Plan | None = None, needs: 
     return _f(node, "memory", OK, short, f"{node}: {numbers}; the plan needs {gb(need)} here")
 
 
+def rule_fabric_record(node: str, facts: F.NodeFacts) -> Finding | None:
+    """The ports as `sparkctl setup` left them (its fabric document on the node) against what the node has
+    now: a port gone, down, with another address or MAC is a failure naming the port. None: no document
+    (setup never ran there), or every port as recorded."""
+    doc = facts.fabric_record
+    ports = doc.get("ports") if isinstance(doc, dict) else None
+    mine = ports.get(node) if isinstance(ports, dict) else None
+    if not isinstance(mine, dict) or facts.netdevs is None:
+        return None
+    live = {d.name: d for d in facts.netdevs}
+    wrong = []
+    for port, rec in sorted(mine.items()):
+        rec = rec if isinstance(rec, dict) else {}
+        addr, mac, peers = rec.get("address"), rec.get("mac"), rec.get("peers")
+        cable = f" (cabled to {', '.join(str(p) for p in peers)})" if isinstance(peers, list) and peers else ""
+        d = live.get(str(port))
+        if d is None:
+            wrong.append(f"port {port}{cable} is gone")
+        elif not d.is_up:
+            wrong.append(f"port {port}{cable} is down")
+        elif isinstance(addr, str) and addr not in {str(a) for a in d.ipv4}:
+            have = ", ".join(str(a) for a in d.ipv4) or "none"
+            wrong.append(f"port {port} has address {have}, not {addr} as setup set it")
+        elif isinstance(mac, str) and d.mac and d.mac.lower() != mac.lower():
+            wrong.append(f"port {port}'s MAC is {d.mac}, not {mac} as setup found it (another card?)")
+    if not wrong:
+        return None
+    return _f(node, "fabric", FAIL, wrong[0][:60], f"{node}: " + "; ".join(wrong) + " (against the fabric document "
+              "`sparkctl setup` left)", "re-seat or move back the cable, or run `sparkctl setup` to set up the "
+              "fabric as it is cabled now (it plans first)")
+
+
 def rule_limits(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
     if facts.nofile_hard is None or facts.memlock_hard_kib is None:
         return _unknown(node, "limits", facts, "nofile" if facts.nofile_hard is None else "memlock")
@@ -747,6 +779,9 @@ def evaluate(
             continue
         facts = good[n] = got[0]
         fabric, pin = discover_fabric(n, rank, facts, needs)
+        recorded = rule_fabric_record(n, facts)
+        if recorded is not None and fabric.status != FAIL:
+            fabric = recorded
         if pin is not None:
             pins[rank] = pin
             if (overridden := rule_pin_env(n, pin, needs.pin_env, needs.recipe_path)) is not None:

@@ -254,7 +254,8 @@ KNOBS: dict[str, Knob] = {
         Knob("ULIMIT_MEMLOCK", "int", "Container memlock limit in bytes, -1 for unlimited.", minimum=-1),
         Knob("SHM_SIZE", "str", "Container /dev/shm size (docker --shm-size).",
              check=_regex(_SIZE_RE, "a size like 64g, 512m or a byte count")),
-        Knob("FABRIC_SUBNET", "str", "Fabric network (CIDR); check picks the CX7 netdev with an address in it.",
+        Knob("FABRIC_SUBNET", "str", "Fabric network (CIDR); check picks the CX7 netdev with an address in it; "
+             "`setup` addresses the cabled ports from it (default 192.168.100.0/24).",
              check=_cidr),
         Knob("HEAD_Q", "str", "6-bit EXL3 head (2.75 bpw pack): on or off.", choices=("on", "off")),
         Knob("ABLIT", "int", "Load-time abliteration (0: the shards already carry it).", minimum=0, maximum=1),

@@ -1,0 +1,98 @@
+# sparkctl setup probe: everything `sparkctl setup` reads of a node, in ONE round trip, read-only.
+#
+# Run on the node as:  sh -s -- NONCE FABRIC_DOC NEIGH < setup_facts.sh
+#   NONCE       frames every section (facts/node_facts.parse_probe_sections' framing)
+#   FABRIC_DOC  the fabric document's path (/etc/sparkctl/<cluster>/fabric.json)
+#   NEIGH       yes: find each CX7 port's neighbours (ping ff02::1 on the port, then its neighbour table)
+# Every value arrives as a positional argument and is only ever expanded in double quotes.
+# Seams (tests and the lab): SPARKCTL_SYSFS_ROOT (the RDMA devices, default /sys/class/infiniband),
+# SPARKCTL_SETUP_ROOT (a folder standing for / of every file setup reads or writes). POSIX sh only.
+
+NONCE=$1
+DOC=$2
+NEIGH=$3
+R=${SPARKCTL_SETUP_ROOT:-}
+
+section() {
+    _name=$1
+    shift
+    printf '@@sparkctl %s stderr %s\n' "$NONCE" "$_name" >&2
+    printf '@@sparkctl %s begin %s\n' "$NONCE" "$_name"
+    "$@" </dev/null
+    _rc=$?
+    printf '\n@@sparkctl %s end %s %d\n' "$NONCE" "$_name" "$_rc"
+}
+
+# hca NAME | netdev HCA DEV SPEED   (speed in Mb/s from sysfs, empty when the link is down)
+ib_walk() {
+    root=${SPARKCTL_SYSFS_ROOT:-/sys/class/infiniband}
+    [ -d "$root" ] || return 0
+    for h in "$root"/*; do
+        [ -e "$h" ] || continue
+        printf 'hca\t%s\n' "${h##*/}"
+        for d in "$h"/device/net/*; do
+            [ -e "$d" ] || continue
+            sp=
+            { read -r sp <"$d/speed"; } 2>/dev/null || { read -r sp <"/sys/class/net/${d##*/}/speed"; } 2>/dev/null
+            printf 'netdev\t%s\t%s\t%s\n' "${h##*/}" "${d##*/}" "$sp"
+        done
+    done
+}
+
+# The interface that carries this SSH session: the route back to the client's address.
+ssh_route() {
+    set -- $SSH_CONNECTION
+    printf 'client\t%s\n' "${1:-}"
+    [ -n "${1:-}" ] && ip -j route get "$1"
+    return 0
+}
+
+# The CX7 netdevs' neighbours after a bounded ping of every host on the port's link (all ports at once).
+neighbours() {
+    [ "$NEIGH" = yes ] || return 0
+    devs=$(ib_walk | awk -F '\t' '$1 == "netdev" { print $3 }')
+    for d in $devs; do
+        ping -6 -c 2 -W 1 -I "$d" ff02::1 >/dev/null 2>&1 &
+    done
+    wait
+    for d in $devs; do
+        printf '@@dev\t%s\n' "$d"
+        ip -j -6 neigh show dev "$d"
+        printf '\n'
+    done
+}
+
+# path, then its sha256 (or "absent" / "unreadable"): the files setup manages.
+file_hash() {
+    for f do
+        if [ ! -e "$R$f" ]; then
+            printf '%s\tabsent\n' "$f"
+        elif h=$(sha256sum <"$R$f" 2>/dev/null) || h=$(sudo -n sha256sum -- "$R$f" 2>/dev/null); then
+            printf '%s\t%s\n' "$f" "${h%% *}"
+        else
+            printf '%s\tunreadable\n' "$f"
+        fi
+    done
+}
+
+facts() {
+    section user id -un
+    section uid id -u
+    section groups id -Gn
+    section sudo sudo -n true
+    section nofile sh -c 'ulimit -Hn'
+    section memlock sh -c 'ulimit -Hl'
+    section machine-id cat "$R/etc/machine-id"
+    section ssh-route ssh_route
+    section infiniband ib_walk
+    section ip-addr ip -j addr show
+    section neigh neighbours
+    section earlyoom command -v earlyoom
+    section ctk sh -c 'command -v nvidia-ctk || command -v nvidia-container-runtime'
+    section docker-group sh -c 'getent group docker'
+    section files file_hash /etc/netplan/60-sparkctl-fabric.yaml /etc/sudoers.d/sparkctl \
+        /etc/security/limits.d/60-sparkctl.conf /etc/default/earlyoom "$DOC"
+    section fabric-doc cat "$R$DOC"
+}
+_facts=$(facts)
+printf '%s\n' "$_facts"

@@ -1,0 +1,77 @@
+"""`sparkctl setup` on a fresh lab (as a new owner has the nodes: fabric links cabled but unaddressed, no sudoers
+line, a non-root SSH user with sudo, no earlyoom): the plan lists every change and changes nothing; `--yes`
+applies it; `check` then passes; a second `setup` has nothing to change.
+
+Needs a lab made by `sparkctl lab up --fresh` (not built yet): each host with its own copy of every path setup
+writes (SPARKCTL_SETUP_ROOT in the hosts' sshd environment, or a mount namespace per host), the
+SPARKCTL_NETPLAN_APPLY seam that applies what `netplan generate` derived (the hosts cannot run networkd), and
+netplan.io and sudo in the hosts' base image. The lab says so with SPARKCTL_LAB_FRESH=1 in its env; without it
+these tests skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.kit.lab import Lab
+
+pytestmark = pytest.mark.lab
+
+NODES = ["spark1", "spark2", "spark3", "spark4"]
+ENV = {"NODES": " ".join(NODES), "CLUSTER_NAME": "setuptest"}
+
+
+@pytest.fixture
+def fresh(lab: Lab) -> Lab:
+    if lab.env().get("SPARKCTL_LAB_FRESH") != "1" and os.environ.get("SPARKCTL_LAB_FRESH") != "1":
+        pytest.skip("needs `sparkctl lab up --fresh` (per-host /etc, the netplan apply seam)")
+    return lab
+
+
+def _sparkctl(lab: Lab, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sparkctl", *args], env={**lab.env(), **ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=900)
+
+
+def _plan(lab: Lab) -> dict[str, Any]:
+    r = _sparkctl(lab, "setup", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def test_a_fresh_lab_reaches_a_passing_check_through_setup_alone(fresh: Lab) -> None:
+    plan = _plan(fresh)
+    kinds = {(c["node"], c.get("path") or c["command"]) for c in plan["changes"]}
+    for n in NODES:
+        for what in ("/etc/netplan/60-sparkctl-fabric.yaml", "/etc/sudoers.d/sparkctl",
+                     "/etc/security/limits.d/60-sparkctl.conf", "/etc/default/earlyoom",
+                     "/etc/sparkctl/setuptest/fabric.json", "netplan apply"):
+            assert (n, what) in kinds, (n, what, plan["changes"])
+    assert plan["cabling"]["layout"] in ("switch", "ring", "direct pair")
+    assert _plan(fresh)["changes"] == plan["changes"]  # planning changed nothing
+
+    r = _sparkctl(fresh, "setup", "--yes")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _sparkctl(fresh, "check", "--json", env={"FABRIC_SUBNET": plan["fabric_subnet"]})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _plan(fresh)["changes"] == []
+    audit = _sparkctl(fresh, "audit", "--json")
+    assert "wrote /etc/sudoers.d/sparkctl" in audit.stdout
+
+
+def test_a_port_taken_down_after_setup_fails_check_naming_it_and_setup(fresh: Lab) -> None:
+    from tests.lab.faults import link_down
+
+    assert _sparkctl(fresh, "setup", "--yes").returncode == 0
+    host = fresh.host("spark2")
+    with link_down(fresh, "spark2"):
+        r = _sparkctl(fresh, "check", "--json")
+    assert r.returncode == 1
+    fabric = [f for f in json.loads(r.stdout)["findings"] if f["node"] == "spark2" and f["check"] == "fabric"]
+    assert fabric and host.fabric_if in fabric[0]["reason"] and "sparkctl setup" in fabric[0]["fix"]
