@@ -22,7 +22,7 @@ py="${PYTHON:-python3}"
 # Debian packages: the one list of each (.ci/run installs none of its own).
 # The lab (demo, lab tests): a Docker engine and an sshd per host in network namespaces, its base image
 # made with debootstrap; rsync and curl on the hosts' side of model sync and the demo's requests.
-LAB_PACKAGES=(docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl)
+LAB_PACKAGES=(docker.io openssh-server openssh-client iproute2 iptables debootstrap procps ca-certificates rsync curl iputils-ping)
 # The tests, beyond the lab's: nginx (the endpoint tests run the real nginx on the config `endpoint`
 # renders), systemd (systemd-analyze verifies the unit `export systemd` writes), python3-venv (the
 # fidelity venv), netcat-openbsd (ProxyCommand through `nc`), netplan.io and sudo (`setup`'s files are judged

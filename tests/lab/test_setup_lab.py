@@ -75,3 +75,21 @@ def test_a_port_taken_down_after_setup_fails_check_naming_it_and_setup(fresh: La
     assert r.returncode == 1
     fabric = [f for f in json.loads(r.stdout)["findings"] if f["node"] == "spark2" and f["check"] == "fabric"]
     assert fabric and host.fabric_if in fabric[0]["reason"] and "sparkctl setup" in fabric[0]["fix"]
+
+
+def test_the_plan_on_the_lab_finds_its_fabric_switch_and_changes_nothing(lab: Lab) -> None:
+    """On the lab as it is (one fabric bridge, its hosts sharing this machine's files): discovery over real SSH and
+    real IPv6 neighbour discovery names the switch segment with every host's cabled port, and plans the netplan
+    file for each host; the plan writes nothing (no file appears, a second plan is the same)."""
+    before = {p: os.path.exists(p) for p in ("/etc/netplan/60-sparkctl-fabric.yaml", "/etc/sudoers.d/sparkctl",
+                                             "/etc/sparkctl/setuptest/fabric.json")}
+    plan = _plan(lab)
+    cab = plan["cabling"]
+    assert cab["layout"] == "switch" and cab["errors"] == [], cab
+    ends = {e.split(":")[0] for seg in cab["segments"] for e in seg}
+    assert ends == set(NODES), cab
+    for n in NODES:
+        assert lab.host(n).fabric_if in {e.split(":")[1] for seg in cab["segments"] for e in seg if e.startswith(n + ":")}
+        assert (n, "/etc/netplan/60-sparkctl-fabric.yaml") in {(c["node"], c.get("path")) for c in plan["changes"]}
+    assert _plan(lab)["changes"] == plan["changes"]
+    assert {p: os.path.exists(p) for p in before} == before

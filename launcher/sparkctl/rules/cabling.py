@@ -90,9 +90,12 @@ def find_cabling(nodes: Sequence[str], ports: Mapping[str, Sequence[Port]],
         for p in ports.get(n, ()):
             if prim[n][p.name] != p.name:
                 continue  # a twin: its primary speaks for the physical port
-            for mac in neighbours.get(n, {}).get(p.name, ()):
-                peer = owner.get(mac)
-                if peer is None or peer == (n, p.name):
+            seen_peers = [owner[m] for m in neighbours.get(n, {}).get(p.name, ()) if m in owner]
+            # a port that sees other nodes too is on a shared segment (a switch) where its node's other port may
+            # also be: that is no cable to itself
+            on_segment = any(peer[0] != n for peer in seen_peers)
+            for peer in seen_peers:
+                if peer == (n, p.name) or (peer[0] == n and on_segment):
                     continue
                 if peer[0] == n:
                     if frozenset((p.name, peer[1])) not in looped:

@@ -64,6 +64,16 @@ def test_a_switch_is_one_segment_and_carries_any_tp() -> None:
     assert c.layout == "switch" and len(c.segments) == 1 and len(c.segments[0].ends) == 4 and not c.moves
 
 
+def test_both_ports_of_a_node_on_one_switch_are_one_segment_not_a_cable_to_itself() -> None:
+    """Every port of every node on one switch: each port also sees its own node's other port, and that is a
+    shared segment (as the lab's fabric bridge is), not a loop cable."""
+    macs = [mac(i, j) for i in range(4) for j in range(2)]
+    ports = {n: [Port(p, f"hca{j}", mac(i, j)) for j, p in enumerate(PORTS)] for i, n in enumerate(N4)}
+    neigh = {n: {p: [m for m in macs if m != mac(i, j)] for j, p in enumerate(PORTS)} for i, n in enumerate(N4)}
+    c = find_cabling(N4, ports, neigh, N4)
+    assert c.errors == [] and c.layout == "switch" and len(c.segments) == 1 and len(c.segments[0].ends) == 8
+
+
 def test_a_port_cabled_to_its_own_node_is_an_error_naming_both_ports_once() -> None:
     ports, neigh = scene(["a", "b"], [(0, 0, 0, 1)])
     c = find_cabling(["a", "b"], ports, neigh, ["a", "b"])
