@@ -25,6 +25,7 @@ from .signals import signal_name
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("config", "Show the resolved settings and where each value came from."),
     "plan": ("plan", "Plan memory per rank and the exact KV-cache bytes (offline)."),
+    "recipe": ("recipe", "List, show, validate shipped recipes; write one from a checkpoint's config.json."),
     "render": ("render", "Render env.tp4 and the per-rank docker/vllm command lines (offline)."),
     "check": ("check", "Preflight every node in parallel; write env.tp4 with the discovered pins."),
     "nccl-report": ("nccl_report", "Explain NCCL_DEBUG=INFO logs: per rank NCCL version, transport, findings."),

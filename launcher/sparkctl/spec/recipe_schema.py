@@ -141,6 +141,20 @@ def recipe_schema() -> dict[str, Any]:
     }
 
 
+def default_problems(defaults: dict[str, Any]) -> list[str]:
+    """The knobs' own rules (an image reference, a size, vLLM's flags) on a recipe's [defaults], one line each."""
+    from .settings import KNOBS
+
+    out = []
+    for key, value in defaults.items():
+        knob = KNOBS.get(key)
+        if knob is not None and knob.check is not None:
+            rule = knob.check(value.split() if knob.kind == "list" and isinstance(value, str) else value)
+            if rule:
+                out.append(f"defaults/{key}: {json.dumps(value)[:80]} {rule}")
+    return out
+
+
 def recipe_schema_text() -> str:
     """data/recipe.schema.json's exact text."""
     return json.dumps(recipe_schema(), indent=2, sort_keys=False) + "\n"
