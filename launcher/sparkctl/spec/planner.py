@@ -183,11 +183,15 @@ class KvTerm:
     def state_bytes(self) -> int:
         return self.state_bytes_per_layer * self.layers
 
-    def tokens_held(self, seq_tokens: int, batched_tokens: int) -> int:
-        """Tokens of one sequence of `seq_tokens` this term keeps: all of them, or the window's."""
+    def blocks_held(self, seq_tokens: int, in_flight_tokens: int, block: int) -> int:
+        """Blocks of one sequence of `seq_tokens` this term keeps: all its tokens' blocks; for a window, the
+        last window − 1 tokens plus every token scheduled but not yet settled, and one more block because
+        the window need not start at a block's edge (vLLM's SlidingWindowSpec.max_admission_blocks_per_request)."""
+        if self.state_bytes_per_layer:
+            return 0
         if self.window is None:
-            return seq_tokens
-        return min(seq_tokens, self.window - 1 + batched_tokens)
+            return math.ceil(seq_tokens / block)
+        return math.ceil(min(seq_tokens, self.window - 1 + in_flight_tokens) / block) + 1
 
 
 @dataclass
@@ -498,15 +502,12 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
     blocks = blocks_per_seq * seqs + 1
     kv_bytes = blocks * block * per_token
     if any(t.window is not None or t.state_bytes for t in terms):
-        batched = max_num_batched_tokens(settings)
-        kv_bytes = block * per_token  # the null block
-        for t in terms:
-            held = math.ceil(t.tokens_held(seq_tokens, batched) / block) * block
-            kv_bytes += seqs * (held * t.bytes_per_token + t.state_bytes)
+        in_flight = IN_FLIGHT_BATCHES * max_num_batched_tokens(settings)
+        kv_bytes = hybrid_kv_bytes(terms, seq_tokens, in_flight, block, seqs)
         notes.append("sliding-window and linear-attention caches are planned by sparkctl's own arithmetic (a window "
-                     f"keeps sliding_window − 1 + {batched} scheduled tokens; a state is per sequence); vLLM's hybrid "
-                     "allocator pads pages to one size, so vLLM may need more: the fidelity suite judges dense "
-                     "attention and MLA only")
+                     f"keeps sliding_window − 1 + {in_flight} in-flight tokens + 1 block; a state is per sequence); "
+                     "vLLM's hybrid allocator may pad pages to one size and need more: the fidelity suite judges "
+                     "dense attention and MLA only")
     return Plan(
         tp=tp, dcp=dcp, max_model_len=max_len, max_full_seqs=seqs, kv_cache_dtype=kv_dtype,
         weights_total=total,
@@ -532,6 +533,18 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
     )
 
 
+def hybrid_kv_bytes(terms: list[KvTerm], seq_tokens: int, in_flight_tokens: int, block: int, seqs: int) -> int:
+    """KV bytes per rank when the layers mix full, sliding-window and state caches: each sequence's blocks of
+    every term, plus vLLM's one null block of the shared pool (a block of the smallest group of token layers)."""
+    token_terms = [t for t in terms if not t.state_bytes_per_layer]
+    group = min((t.layers for t in token_terms), default=0)
+    null_block = block * max((t.bytes_per_token_per_layer for t in token_terms), default=0) * group
+    per_seq = sum(t.blocks_held(seq_tokens, in_flight_tokens, block) * block * t.bytes_per_token + t.state_bytes
+                  for t in terms)
+    return null_block + seqs * per_seq
+
+
+IN_FLIGHT_BATCHES = 2  # vLLM's async scheduling (its default) keeps two batches in flight
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's default for an OpenAI server on a GPU (chunked prefill)
 
 

@@ -22,7 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .planner import GIB, KvTerm, attention_head_dim, gb, kv_heads, kv_terms, layer_kinds
+from .planner import (
+    GIB,
+    IN_FLIGHT_BATCHES,
+    KvTerm,
+    attention_head_dim,
+    gb,
+    hybrid_kv_bytes,
+    kv_heads,
+    kv_terms,
+    layer_kinds,
+)
 from .recipes import MemoryProfile
 
 GB10_NODE_MEMORY_BYTES = 128_000_000_000  # the shipped recipes' NODE_MEMORY_BYTES: 128 GB unified
@@ -108,10 +118,7 @@ def _kv_bytes(terms: list[KvTerm], max_len: int, block: int, seqs: int, batched:
     per_token = sum(t.bytes_per_token for t in terms)
     if not any(t.window is not None or t.state_bytes for t in terms):
         return (math.ceil(max_len / block) * seqs + 1) * block * per_token
-    total = block * per_token
-    for t in terms:
-        total += seqs * (math.ceil(t.tokens_held(max_len, batched) / block) * block * t.bytes_per_token + t.state_bytes)
-    return total
+    return hybrid_kv_bytes(terms, max_len, IN_FLIGHT_BATCHES * batched, block, seqs)
 
 
 def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_BYTES, name: str | None = None,
@@ -190,8 +197,8 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
                       "are the shards' bytes on disk ÷ TP" if method != "none" else
                       "none: the weights in their dtype; weights per rank are the shards' bytes ÷ TP")
     d.why["flags"] = (f"--distributed-executor-backend mp (one process per rank, as every sparkctl recipe); family: "
-                      f"{flags_why}" + ("; --max-num-batched-tokens pinned: a sliding window holds the window plus one "
-                                        "scheduled batch" if "--max-num-batched-tokens" in extra else ""))
+                      f"{flags_why}" + ("; --max-num-batched-tokens pinned: a sliding window holds the window plus the "
+                                        "tokens of two scheduled batches (async scheduling)" if "--max-num-batched-tokens" in extra else ""))
     return d
 
 
@@ -208,7 +215,7 @@ def recipe_text(d: Draft, src: ModelSource, nodes: int, image: str | None = None
                   "# IMAGE: set IMAGE=vllm/vllm-openai@sha256:<digest> (a stock vLLM >= 0.33 arm64 image for GB10, pinned\n"
                   "# by its digest) in your env file: prebuilt mode, `build` gives every rank the head's copy\n")
     lines = [
-        f"# {d.name} — written by `sparkctl recipe new` from {src.where}'s config.json for {nodes} DGX Spark (GB10) node(s).",
+        f"# {d.name} — written by `sparkctl recipe new` for {nodes} DGX Spark (GB10) node(s) from {src.where}.",
         f"# TP={d.tp}: {d.why['TP']}.",
         f"# KV per token per layer: {d.why['KV']}.",
         f"# Memory per rank: {d.why['fit']}.",

@@ -60,9 +60,10 @@ def test_gpt_oss_sliding_window_layers_hold_the_window_not_the_context():
     d = draft(src, 2)
     assert d.max_model_len == 131_072  # capped at max_position_embeddings: 12 sliding layers hold 128 + a batch
     per_layer = 2 * 4 * 64 * 2
-    null_block = 16 * per_layer * 24  # vLLM's one null block, across every layer
+    null_block = 16 * per_layer * 12  # vLLM's one null block of the shared pool (a group of 12 layers)
     full = 131_072 * per_layer * 12
-    sliding = math.ceil((128 - 1 + 8192) / 16) * 16 * per_layer * 12
+    # the window (127 tokens) + two batches in flight (async scheduling) + 1 block, per sliding layer
+    sliding = (math.ceil((128 - 1 + 2 * 8192) / 16) + 1) * 16 * per_layer * 12
     assert d.kv_bytes == null_block + full + sliding
     assert "--max-num-batched-tokens" in d.extra_args
     assert "12 full, 12 sliding" in d.why["KV"]
@@ -78,7 +79,7 @@ def test_hybrid_linear_attention_state_is_per_sequence():
     conv = (2 * 16 * 128 + 32 * 128) // 2 * 3
     state = 16 * 128 * 128
     per_layer = 2 * 1 * 256 * 2
-    assert d.kv_bytes == (4096 // 16 + 1) * 16 * per_layer * 2 + 6 * (conv + state) * 2  # null block: token terms only
+    assert d.kv_bytes == (4096 // 16 + 1) * 16 * per_layer * 2 + 6 * (conv + state) * 2  # the null block: 2 layers
     assert "2 full, 6 state" in d.why["KV"]
 
 
