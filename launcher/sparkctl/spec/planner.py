@@ -504,10 +504,14 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
     if any(t.window is not None or t.state_bytes for t in terms):
         in_flight = IN_FLIGHT_BATCHES * max_num_batched_tokens(settings)
         kv_bytes = hybrid_kv_bytes(terms, seq_tokens, in_flight, block, seqs)
-        notes.append("sliding-window and linear-attention caches are planned by sparkctl's own arithmetic (a window "
-                     f"keeps sliding_window − 1 + {in_flight} in-flight tokens + 1 block; a state is per sequence); "
-                     "vLLM's hybrid allocator may pad pages to one size and need more: the fidelity suite judges "
-                     "dense attention and MLA only")
+        if any(t.window is not None for t in terms):
+            notes.append(f"sliding-window layers keep sliding_window − 1 + {in_flight} in-flight tokens (two batches: "
+                         "vLLM's async scheduling on a GPU) + 1 block, as vLLM 0.33 sizes them (the fidelity suite "
+                         "judges it for gpt-oss)")
+        if any(t.state_bytes for t in terms):
+            notes.append("linear-attention / Mamba state per sequence is sparkctl's own arithmetic (Gated DeltaNet "
+                         "shapes); vLLM's hybrid allocator may pad pages to one size and need more: not yet judged "
+                         "by the fidelity suite")
     return Plan(
         tp=tp, dcp=dcp, max_model_len=max_len, max_full_seqs=seqs, kv_cache_dtype=kv_dtype,
         weights_total=total,
