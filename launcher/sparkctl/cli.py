@@ -25,6 +25,7 @@ from .signals import signal_name
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("config", "Show the resolved settings and where each value came from."),
     "plan": ("plan", "Plan memory per rank and the exact KV-cache bytes (offline)."),
+    "recipe": ("recipe", "List, show, validate shipped recipes; write one from a checkpoint's config.json."),
     "render": ("render", "Render env.tp4 and the per-rank docker/vllm command lines (offline)."),
     "setup": ("setup", "Plan (and with --yes apply) what fresh nodes need: fabric addresses, sudoers, limits, earlyoom."),
     "check": ("check", "Preflight every node in parallel; write env.tp4 with the discovered pins."),

@@ -347,3 +347,79 @@ def kv_verdict(vllm_config: Any, choice: KvChoice, available: int) -> KvVerdict:
     except ValueError as e:
         return KvVerdict(False, str(e), 0, per_block)
     return KvVerdict(True, "", config.num_blocks, per_block)
+
+
+def select_dense_backend(vllm_config: Any, capability: tuple[int, int], *, sliding: bool = False) -> Any:
+    """The attention backend vLLM picks for a dense (MHA/GQA) model on a GPU of this compute capability:
+    CudaPlatform.get_valid_backends with the model's head size, KV dtype and query heads per rank, the
+    best priority first (FlashInfer is not in this CPU venv: vLLM lists it as unavailable, and on SM12x its
+    priority is below FLASH_ATTN's anyway)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    model = vllm_config.model_config
+    selector = AttentionSelectorConfig(
+        head_size=model.get_head_size(), dtype=torch.bfloat16, kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+        block_size=None, use_mla=False, use_sparse=False, use_dcp=False, has_sliding_window=sliding)
+    with set_current_vllm_config(vllm_config), _cuda_only_modules_unavailable():
+        valid, invalid = _cuda_platform().get_valid_backends(
+            DeviceCapability(*capability), selector, num_heads=model.get_num_attention_heads(vllm_config.parallel_config))
+    if not valid:
+        raise AssertionError(f"vLLM finds no attention backend for SM{capability[0]}{capability[1]}: {invalid}")
+    return min(valid, key=lambda c: c.priority).backend_class
+
+
+def gpu_async_scheduling(vllm_config: Any) -> None:
+    """What VllmConfig decides about async scheduling on the GPU (config/vllm.py:1685-1719): on with the mp
+    executor (MultiprocExecutor.supports_async_scheduling) unless an option forbids it; this CPU platform's
+    executor does not support it, so create_engine_config turned it off here. It sets how many batches are in
+    flight (VllmConfig.max_in_flight_tokens), which a sliding-window cache holds."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    assert vllm_config.parallel_config.distributed_executor_backend == "mp"
+    if MultiprocExecutor.supports_async_scheduling() and vllm_config.speculative_config is None \
+            and vllm_config.parallel_config.pipeline_parallel_size == 1:
+        vllm_config.scheduler_config.async_scheduling = True
+
+
+def dense_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
+    """Every layer's KV spec for a dense-attention model, as the worker reports them: vLLM's own Attention
+    layer (model_executor/layers/attention/attention.py) per decoder layer, with the KV heads per rank from
+    ModelConfig.get_num_kv_heads (the replication rule), the head size from get_head_size, the sliding window
+    of each `sliding_attention` layer of config.json's layer_types (as the model's attention layers take it),
+    the block size CudaPlatform._preferred_block_size_for_backends picks, collected by the worker's
+    get_kv_cache_spec."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    hf = model.hf_text_config
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    backend = select_dense_backend(vllm_config, capability, sliding="sliding_attention" in types)
+    cache.block_size = _cuda_platform()._preferred_block_size_for_backends(
+        [backend], type(cache).DEFAULT_BLOCK_SIZE, vllm_config)
+    dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    ctx = vllm_config.compilation_config.static_forward_context
+    ctx.clear()
+    with set_current_vllm_config(vllm_config):
+        for i in range(hf.num_hidden_layers):
+            layer = Attention.__new__(Attention)
+            torch.nn.Module.__init__(layer)
+            layer.layer_name = f"model.layers.{i}.self_attn.attn"
+            layer.attn_type = AttentionType.DECODER
+            layer.kv_cache_dtype = cache.cache_dtype
+            layer.sliding_window = hf.sliding_window if types[i] == "sliding_attention" else None
+            layer.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+            layer.head_size = layer.head_size_v = model.get_head_size()
+            layer.kv_cache_torch_dtype = dtype
+            layer.attn_backend = backend
+            layer.kv_sharing_target_layer_name = None
+            layer.is_draft_layer = False
+            ctx[layer.layer_name] = layer
+        specs = get_kv_cache_spec(vllm_config)
+    ctx.clear()
+    return KvChoice(backend.get_name(), cache.cache_dtype, cache.block_size, specs, [backend])

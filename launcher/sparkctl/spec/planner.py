@@ -164,13 +164,34 @@ def _byte_count(total: Any) -> int | None:
 
 @dataclass(frozen=True)
 class KvTerm:
+    """One kind of cache on one rank. A token term (the default) holds bytes_per_token_per_layer for every
+    token of a sequence; a sliding-window term (`window`) only the last `window` tokens plus the tokens
+    of one scheduled batch; a state term (`state_bytes_per_layer`: linear attention, Mamba) a fixed state
+    per sequence, whatever its length."""
+
     name: str
     bytes_per_token_per_layer: int
     layers: int
+    window: int | None = None  # sliding-window attention: tokens it looks back
+    state_bytes_per_layer: int = 0  # recurrent state per sequence (then bytes_per_token_per_layer is 0)
 
     @property
     def bytes_per_token(self) -> int:
         return self.bytes_per_token_per_layer * self.layers
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state_bytes_per_layer * self.layers
+
+    def blocks_held(self, seq_tokens: int, in_flight_tokens: int, block: int) -> int:
+        """Blocks of one sequence of `seq_tokens` this term keeps: all its tokens' blocks; for a window, the
+        last window − 1 tokens plus every token scheduled but not yet settled, and one more block because
+        the window need not start at a block's edge (vLLM's SlidingWindowSpec.max_admission_blocks_per_request)."""
+        if self.state_bytes_per_layer:
+            return 0
+        if self.window is None:
+            return math.ceil(seq_tokens / block)
+        return math.ceil(min(seq_tokens, self.window - 1 + in_flight_tokens) / block) + 1
 
 
 @dataclass
@@ -341,18 +362,96 @@ def kv_terms(config: dict[str, Any], kv_dtype: str, tp: int, where: Path, *, mtp
         else:
             terms.append(KvTerm(f"MLA latent ({width} × {dtype_bytes} B, {kv_dtype})", width * dtype_bytes, layers))
     else:  # ordinary attention: K and V per KV head, heads split across TP ranks
-        heads = _cfg_int(config, "num_key_value_heads", where) if "num_key_value_heads" in config else \
-            _cfg_int(config, "num_attention_heads", where)
-        head_dim = _cfg_int(config, "head_dim", where, 0) or _cfg_int(config, "hidden_size", where) // max(
-            _cfg_int(config, "num_attention_heads", where), 1)
-        per_rank_heads = max(1, math.ceil(heads / tp))
-        terms.append(KvTerm(f"K+V ({per_rank_heads} heads × {head_dim} × 2 × {dtype_bytes} B)",
-                            2 * per_rank_heads * int(head_dim) * dtype_bytes, layers))
+        heads = kv_heads(config, where)
+        head_dim = attention_head_dim(config, where)
+        # vLLM: each rank holds max(1, KV heads ÷ TP); with more ranks than KV heads each head is replicated.
+        per_rank_heads = max(1, heads // tp) if heads >= tp or tp % max(heads, 1) == 0 else math.ceil(heads / tp)
+        per_layer = 2 * per_rank_heads * int(head_dim) * dtype_bytes
+        label = f"{per_rank_heads} heads × {head_dim} × 2 × {dtype_bytes} B"
+        kinds = layer_kinds(config, where)
+        full = sum(1 for k in kinds if k == "full")
+        sliding = sum(1 for k in kinds if k == "sliding")
+        state = sum(1 for k in kinds if k == "state")
+        extra = layers - len(kinds)  # MTP layers: full attention
+        if full + extra:
+            terms.append(KvTerm(f"K+V ({label})", per_layer, full + extra))
+        if sliding:
+            window = _cfg_int(config, "sliding_window", where)
+            terms.append(KvTerm(f"K+V sliding window {window} ({label})", per_layer, sliding, window=window))
+        if state:
+            per_seq, why = linear_state_bytes(config, tp, where)
+            terms.append(KvTerm(f"linear-attention state per sequence ({why})", 0, state,
+                                state_bytes_per_layer=per_seq))
     if "index_head_dim" in config:
         dim = _cfg_int(config, "index_head_dim", where)
         scales = dim // INDEXER_QUANT_BLOCK * 4
         terms.append(KvTerm(f"indexer ({dim} fp8 + {scales} B scales)", dim + scales, layers))
     return terms
+
+
+def kv_heads(config: dict[str, Any], where: Path) -> int:
+    """The KV heads of an attention layer (all query heads when the config names no KV heads: MHA)."""
+    if "num_key_value_heads" in config and config["num_key_value_heads"] is not None:
+        return _cfg_int(config, "num_key_value_heads", where)
+    return _cfg_int(config, "num_attention_heads", where)
+
+
+def attention_head_dim(config: dict[str, Any], where: Path) -> int:
+    return _cfg_int(config, "head_dim", where, 0) or _cfg_int(config, "hidden_size", where) // max(
+        _cfg_int(config, "num_attention_heads", where), 1)
+
+
+_FULL_TYPES = ("full_attention", "attention", "global_attention")
+_SLIDING_TYPES = ("sliding_attention", "local_attention", "chunked_attention")
+_STATE_TYPES = ("linear_attention", "mamba", "mamba2", "gated_delta_net", "linear")
+
+
+def layer_kinds(config: dict[str, Any], where: Path) -> list[str]:
+    """Each decoder layer's cache kind, in order: "full", "sliding" (a window of `sliding_window` tokens)
+    or "state" (linear attention / Mamba: a fixed state per sequence). From `layer_types` (gpt-oss,
+    Qwen3-Next), else `full_attention_interval` (every N-th layer full, the rest linear attention), else a
+    `sliding_window` with `use_sliding_window` (every layer sliding), else every layer full."""
+    n = _cfg_int(config, "num_hidden_layers", where)
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n or not all(isinstance(t, str) for t in types):
+            raise UsageError(f"{where / 'config.json'}: layer_types should be a list of {n} layer type names")
+        out = []
+        for i, t in enumerate(types):
+            if t in _FULL_TYPES:
+                out.append("full")
+            elif t in _SLIDING_TYPES:
+                out.append("sliding")
+            elif t in _STATE_TYPES:
+                out.append("state")
+            else:
+                raise UsageError(f"{where / 'config.json'}: layer_types[{i}] is {t[:40]!r}, which sparkctl's planner "
+                                 f"does not know (known: {', '.join(_FULL_TYPES + _SLIDING_TYPES + _STATE_TYPES)})")
+        return out
+    interval = config.get("full_attention_interval")
+    if interval is not None:
+        step = _cfg_int(config, "full_attention_interval", where)
+        if step < 1:
+            raise UsageError(f"{where / 'config.json'}: full_attention_interval should be at least 1")
+        return ["full" if (i + 1) % step == 0 else "state" for i in range(n)]
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        return ["sliding"] * n
+    return ["full"] * n
+
+
+def linear_state_bytes(config: dict[str, Any], tp: int, where: Path) -> tuple[int, str]:
+    """One linear-attention (Gated DeltaNet) layer's state per sequence on one rank, in the model's dtype:
+    the causal-conv state (conv_dim ÷ TP × (kernel − 1)) and the recurrent state (value heads ÷ TP × key
+    head dim × value head dim), as vLLM's MambaStateShapeCalculator.gated_delta_net_state_shape sizes them."""
+    nk = _cfg_int(config, "linear_num_key_heads", where)
+    nv = _cfg_int(config, "linear_num_value_heads", where)
+    dk = _cfg_int(config, "linear_key_head_dim", where)
+    dv = _cfg_int(config, "linear_value_head_dim", where)
+    kernel = _cfg_int(config, "linear_conv_kernel_dim", where)
+    dtype_bytes = _MODEL_DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
+    conv = (2 * nk * dk + nv * dv) // tp * (kernel - 1)
+    temporal = nv // tp * dk * dv
+    return (conv + temporal) * dtype_bytes, (f"conv {conv:,} + recurrent {temporal:,} values × {dtype_bytes} B")
 
 
 def drafter_terms(drafter_config: dict[str, Any] | None, kv_dtype: str, tp: int, where: Path) -> list[KvTerm]:
@@ -397,9 +496,22 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         terms += drafter_terms(drafter_config, drafter_dtype, tp, dspark)
     per_token = sum(t.bytes_per_token for t in terms)
     block = layout.block_tokens or mem.kv_block_tokens
-    blocks_per_seq = math.ceil(math.ceil(max_len / dcp) / block)
+    seq_tokens = math.ceil(max_len / dcp)
+    blocks_per_seq = math.ceil(seq_tokens / block)
     # vLLM reserves one null block before it checks that the longest request fits.
     blocks = blocks_per_seq * seqs + 1
+    kv_bytes = blocks * block * per_token
+    if any(t.window is not None or t.state_bytes for t in terms):
+        in_flight = IN_FLIGHT_BATCHES * max_num_batched_tokens(settings)
+        kv_bytes = hybrid_kv_bytes(terms, seq_tokens, in_flight, block, seqs)
+        if any(t.window is not None for t in terms):
+            notes.append(f"sliding-window layers keep sliding_window − 1 + {in_flight} in-flight tokens (two batches: "
+                         "vLLM's async scheduling on a GPU) + 1 block, as vLLM 0.33 sizes them (the fidelity suite "
+                         "judges it for gpt-oss)")
+        if any(t.state_bytes for t in terms):
+            notes.append("linear-attention / Mamba state per sequence is sparkctl's own arithmetic (Gated DeltaNet "
+                         "shapes); vLLM's hybrid allocator may pad pages to one size and need more: not yet judged "
+                         "by the fidelity suite")
     return Plan(
         tp=tp, dcp=dcp, max_model_len=max_len, max_full_seqs=seqs, kv_cache_dtype=kv_dtype,
         weights_total=total,
@@ -407,7 +519,7 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         kv_terms=terms,
         kv_bytes_per_token=per_token,
         tokens_per_rank=blocks_per_seq * block * seqs,
-        kv_cache_memory_bytes=blocks * block * per_token,
+        kv_cache_memory_bytes=kv_bytes,
         overhead_bytes=int(mem.overhead_gib * GIB),
         os_reserve_bytes=int(mem.os_reserve_gib * GIB),
         node_memory_bytes=node_memory_bytes or settings.getint("NODE_MEMORY_BYTES"),
@@ -423,6 +535,34 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         kv_blocks_per_rank=blocks,
         notes=notes,
     )
+
+
+def hybrid_kv_bytes(terms: list[KvTerm], seq_tokens: int, in_flight_tokens: int, block: int, seqs: int) -> int:
+    """KV bytes per rank when the layers mix full, sliding-window and state caches: each sequence's blocks of
+    every term, plus vLLM's one null block of the shared pool (a block of the smallest group of token layers)."""
+    token_terms = [t for t in terms if not t.state_bytes_per_layer]
+    group = min((t.layers for t in token_terms), default=0)
+    null_block = block * max((t.bytes_per_token_per_layer for t in token_terms), default=0) * group
+    per_seq = sum(t.blocks_held(seq_tokens, in_flight_tokens, block) * block * t.bytes_per_token + t.state_bytes
+                  for t in terms)
+    return null_block + seqs * per_seq
+
+
+IN_FLIGHT_BATCHES = 2  # vLLM's async scheduling (its default) keeps two batches in flight
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's default for an OpenAI server on a GPU (chunked prefill)
+
+
+def max_num_batched_tokens(settings: Settings) -> int:
+    """--max-num-batched-tokens as the ranks will run (the recipe's extra args, then VLLM_EXTRA_ARGS), else
+    vLLM's default: a sliding-window cache holds the window plus one scheduled batch."""
+    words = list(settings.recipe.vllm_extra_args) + settings.vllm_extra_args()
+    value = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    for i, word in enumerate(words):
+        if word == "--max-num-batched-tokens" and i + 1 < len(words) and words[i + 1].isdigit():
+            value = int(words[i + 1])
+        elif word.startswith("--max-num-batched-tokens=") and word.split("=", 1)[1].isdigit():
+            value = int(word.split("=", 1)[1])
+    return value
 
 
 def nodes_compute_capability(caps: dict[str, str | None]) -> tuple[str | None, str | None]:

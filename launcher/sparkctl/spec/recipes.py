@@ -147,7 +147,20 @@ def load_recipe(name_or_path: str) -> Recipe:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"recipe {path}: not valid TOML ({exc})") from None
+    check_shape(data, path)
     return _parse(data, path)
+
+
+def check_shape(data: dict[str, Any], path: Path) -> None:
+    """The recipe's shape against its JSON Schema (recipe_schema.py): the first problem as one UsageError
+    line naming the file, the key and what is expected."""
+    from .recipe_schema import first_problem, recipe_schema
+
+    found = first_problem(recipe_schema(), data)
+    if found:
+        pointer, problem = found
+        raise UsageError(f"recipe {path}{pointer}: {problem}",
+                         fix="every key and its type: docs/recipes.md and data/recipe.schema.json")
 
 
 def _get(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:

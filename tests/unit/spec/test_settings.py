@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from sparkctl.errors import UsageError
+from sparkctl.spec.resources import recipes_dir
 from sparkctl.spec.settings import REDACTED, load_settings
 
 NODES = "spark1 spark2 spark3 spark4"
@@ -142,14 +143,15 @@ def test_a_prebuilt_recipe_without_image_says_what_to_set(clean_env, model_308):
 
 def test_a_recipe_is_prebuilt_or_a_chain_not_both(clean_env, tmp_path, model_308):
     bad = tmp_path / "both.toml"
-    bad.write_text('name = "both"\n[defaults]\nTP = 4\n[images.prebuilt]\nsource = "x"\n'
-                   '[[images.layers]]\nname = "dcp"\n')
+    text = (recipes_dir() / "glm53-exl3-tp4.toml").read_text()
+    bad.write_text(text.replace("[checkpoint]", '[images.prebuilt]\nsource = "x"\n\n[checkpoint]'))
     with pytest.raises(UsageError, match="prebuilt image or builds a chain, not both"):
         load(environ={"NODES": NODES, "MODEL": str(model_308), "RECIPE": str(bad)})
 
 
 def test_recipe_file_errors_name_the_key(clean_env, tmp_path, model_308):
     bad = tmp_path / "bad.toml"
-    bad.write_text('name = "bad"\n[defaults]\nTP = 4\n[memory]\noverhead_gib = "lots"\n')
-    with pytest.raises(UsageError, match=r"bad.toml/memory/overhead_gib: should be a int or float"):
+    text = (recipes_dir() / "lab-vllm.toml").read_text()
+    bad.write_text(text.replace("overhead_gib = 2", 'overhead_gib = "lots"'))
+    with pytest.raises(UsageError, match=r"bad.toml/memory/overhead_gib: \"lots\", expected a number of at least 0"):
         load(environ={"NODES": NODES, "MODEL": str(model_308), "RECIPE": str(bad)})

@@ -1,0 +1,282 @@
+"""`recipe new`: a recipe for a checkpoint sparkctl has never seen, from its config.json alone, every choice
+explained in a comment of the TOML it writes.
+
+    TP           = the nodes (one GB10 GPU each); attention heads, KV heads (and linear-attention heads)
+                   must split evenly: KV heads divisible by TP, or TP divisible by them (vLLM replicates
+                   each KV head over TP ÷ KV heads ranks)
+    weights/rank = the shards' bytes (on disk: whatever the quantization) ÷ TP
+    KV budget    = node memory − OS reserve − overhead − weights/rank (the planner's GB10 figures)
+    max_model_len= the largest length whose KV cache (planned as `sparkctl plan` plans it) fits the budget,
+                   capped at max_position_embeddings, rounded down to a multiple of 1024
+A model that cannot split over the nodes, or whose weights alone do not fit, is refused with the numbers.
+Pure: the caller reads config.json and the shard sizes (orchestrate/recipe.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from .planner import (
+    GIB,
+    IN_FLIGHT_BATCHES,
+    KvTerm,
+    attention_head_dim,
+    gb,
+    hybrid_kv_bytes,
+    kv_heads,
+    kv_terms,
+    layer_kinds,
+)
+from .recipes import MemoryProfile
+
+GB10_NODE_MEMORY_BYTES = 128_000_000_000  # the shipped recipes' NODE_MEMORY_BYTES: 128 GB unified
+GB10 = MemoryProfile()  # overhead 14 GiB, OS reserve 4 GiB, cap 0.82: the planner's GB10 profile
+DENSE_BLOCK_TOKENS = 16  # vLLM's KV page for the dense attention backends on CUDA
+MLA_BLOCK_TOKENS = 64
+#: The quantization methods vLLM reads from quantization_config (no flag needed), in the words of a comment.
+QUANT_METHODS = {
+    "fp8": "FP8 weights (block or per-tensor scales)",
+    "mxfp4": "MXFP4 (4-bit, shared 8-bit exponent per 32 values)",
+    "nvfp4": "NVFP4 (4-bit, FP8 scale per 16 values)",
+    "modelopt": "NVIDIA ModelOpt (FP8 or NVFP4)",
+    "modelopt_fp4": "NVIDIA ModelOpt NVFP4",
+    "compressed-tensors": "compressed-tensors (FP8, NVFP4 or INT4/INT8 as its config_groups say)",
+    "awq": "AWQ (4-bit integer, group scales)",
+    "gptq": "GPTQ (integer, group scales)",
+    "exl3": "EXL3 (needs the EXL3 overlay image: --quantization exl3)",
+}
+#: Family flags: model_type -> (extra vLLM args, why).
+FAMILY_FLAGS: dict[str, tuple[list[str], str]] = {
+    "glm_moe_dsa": (["--trust-remote-code"], "GLM-5's remote code (as the flagship recipes pass it)"),
+}
+_NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `recipe new` read: config.json (with its quantization_config), the shard bytes, where from."""
+
+    config: dict[str, Any]
+    weight_bytes: int
+    where: str  # a folder, or hf://REPO
+    repo: str | None = None  # the Hub repo id (MODEL_REPO), when known
+    quant_file: dict[str, Any] | None = None  # quantization_config.json (EXL3 packs), when present
+
+
+@dataclass
+class Draft:
+    name: str
+    tp: int
+    max_model_len: int
+    kv_cache_dtype: str
+    kv_block_tokens: int
+    weights_per_rank: int
+    kv_bytes: int
+    quant: str
+    extra_args: list[str]
+    served_name: str
+    why: dict[str, str] = field(default_factory=dict)
+
+
+def quant_method(src: ModelSource) -> str:
+    """The checkpoint's quantization method: config.json's quantization_config, else quantization_config.json."""
+    for q in (src.config.get("quantization_config"), src.quant_file):
+        if isinstance(q, dict) and isinstance(q.get("quant_method"), str):
+            return q["quant_method"].lower()
+    return "none"
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, dict) else config
+
+
+def split_problem(config: dict[str, Any], tp: int, where: Path) -> str | None:
+    """Why the model cannot be split over `tp` ranks, in numbers; None when it can."""
+    heads = int(config.get("num_attention_heads") or 0)
+    if heads % tp:
+        return f"num_attention_heads={heads} is not divisible by TP={tp}"
+    if "kv_lora_rank" not in config:
+        kv = kv_heads(config, where)
+        if kv % tp and tp % kv:
+            return (f"num_key_value_heads={kv} and TP={tp}: neither divides the other (each rank holds KV heads ÷ TP, "
+                    f"or one KV head replicated over TP ÷ KV heads ranks)")
+    for key in ("linear_num_key_heads", "linear_num_value_heads"):
+        if key in config and int(config[key]) % tp:
+            return f"{key}={config[key]} is not divisible by TP={tp}"
+    return None
+
+
+def _kv_bytes(terms: list[KvTerm], max_len: int, block: int, seqs: int, batched: int) -> int:
+    """The planner's KV bytes per rank (make_plan's arithmetic, DCP 1)."""
+    per_token = sum(t.bytes_per_token for t in terms)
+    if not any(t.window is not None or t.state_bytes for t in terms):
+        return (math.ceil(max_len / block) * seqs + 1) * block * per_token
+    return hybrid_kv_bytes(terms, max_len, IN_FLIGHT_BATCHES * batched, block, seqs)
+
+
+def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_BYTES, name: str | None = None,
+          max_full_seqs: int = 1, batched_tokens: int = 8192) -> Draft:
+    """Every choice of the recipe for `nodes` GB10 nodes, or a UsageError with the numbers."""
+    config = _text_config(src.config)
+    where = Path(src.where)
+    tp = nodes
+    if tp < 1:
+        raise UsageError(f"--nodes {nodes}: at least 1")
+    for key in ("num_hidden_layers", "num_attention_heads"):
+        if not isinstance(config.get(key), int):
+            raise UsageError(f"{src.where}: config.json has no {key}: not a decoder model sparkctl can plan")
+    problem = split_problem(config, tp, where)
+    if problem:
+        raise UsageError(f"{src.where} cannot be split over {nodes} node(s): {problem}",
+                         fix="choose --nodes so that the heads divide evenly (e.g. 1, 2 or 4)")
+    mla = "kv_lora_rank" in config
+    sparse_mla = mla and ("index_topk" in config or "index_head_dim" in config)
+    kv_dtype = "fp8" if sparse_mla else "auto"
+    block = MLA_BLOCK_TOKENS if mla else DENSE_BLOCK_TOKENS
+    stored = "fp8_ds_mla" if sparse_mla else kv_dtype
+    terms = kv_terms(config, stored, tp, where, mtp_layers=False)
+    weights = math.ceil(src.weight_bytes / tp)
+    overhead = int(GB10.overhead_gib * GIB)
+    reserve = int(GB10.os_reserve_gib * GIB)
+    budget = node_memory - reserve - overhead - weights
+    numbers = (f"per rank {gb(weights)} weights ({gb(src.weight_bytes)} ÷ TP={tp}) + {gb(overhead)} overhead, "
+               f"a node has {gb(node_memory)} − {gb(reserve)} OS reserve")
+    cap = int(config.get("max_position_embeddings") or 0) or 131072
+    if _kv_bytes(terms, min(1024, cap), block, max_full_seqs, batched_tokens) > budget:
+        raise UsageError(f"{src.where} does not fit on {nodes} node(s): {numbers}, leaving {gb(max(budget, 0))} "
+                         f"for the KV cache, less than 1,024 tokens need",
+                         fix=f"use more nodes (--nodes {nodes * 2}) or a smaller quantization of the model")
+    lo, hi = min(1024, cap), cap
+    while lo < hi:  # the largest length whose KV fits
+        mid = (lo + hi + 1) // 2
+        if _kv_bytes(terms, mid, block, max_full_seqs, batched_tokens) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    max_len = lo if lo == cap or lo < 1024 else lo // 1024 * 1024
+    kv = _kv_bytes(terms, max_len, block, max_full_seqs, batched_tokens)
+    method = quant_method(src)
+    model_type = str(config.get("model_type", "?"))
+    flags, flags_why = FAMILY_FLAGS.get(model_type, ([], f"none for model_type {model_type}"))
+    extra = ["--distributed-executor-backend", "mp"]
+    if method == "exl3":
+        extra += ["--quantization", "exl3"]
+    extra += flags
+    if any(t.window is not None for t in terms):
+        extra += ["--max-num-batched-tokens", str(batched_tokens)]
+    base = name or _NAME_RE.sub("-", (src.repo or Path(src.where).name).split("/")[-1]).strip("-").lower()
+    d = Draft(name=f"{base}-tp{tp}", tp=tp, max_model_len=max_len, kv_cache_dtype=kv_dtype, kv_block_tokens=block,
+              weights_per_rank=weights, kv_bytes=kv, quant=method, extra_args=extra,
+              served_name=(src.repo or base).split("/")[-1], why={})
+    heads, kvh = int(config["num_attention_heads"]), (None if mla else kv_heads(config, where))
+    if mla:
+        d.why["TP"] = f"{heads} attention heads ÷ {tp} = {heads // tp} per rank; MLA: one latent KV per token, no KV heads to split"
+    elif kvh is not None and kvh >= tp:
+        d.why["TP"] = f"{heads} attention heads ÷ {tp} = {heads // tp} per rank; {kvh} KV heads ÷ {tp} = {kvh // tp} per rank"
+    else:
+        d.why["TP"] = (f"{heads} attention heads ÷ {tp} = {heads // tp} per rank; {kvh} KV heads < TP: each KV head is "
+                       f"replicated on {tp // max(kvh or 1, 1)} ranks (1 per rank)")
+    kinds = layer_kinds(config, where)
+    mix = ", ".join(f"{kinds.count(k)} {k}" for k in ("full", "sliding", "state") if kinds.count(k))
+    d.why["KV"] = (f"{' + '.join(f'{t.name} × {t.layers}' for t in terms)}; layers: {mix}; head_dim "
+                   f"{'-' if mla else attention_head_dim(config, where)}")
+    d.why["fit"] = (f"{numbers}: {gb(budget)} left for the KV cache; {max_len:,} tokens need {gb(kv)} "
+                    f"(blocks of {block} tokens, {max_full_seqs} full sequence(s) + vLLM's null block)")
+    d.why["max_model_len"] = (f"the largest length whose KV fits, capped at max_position_embeddings={cap:,}"
+                              + (", rounded down to a multiple of 1024" if max_len != lo else ""))
+    d.why["kv_dtype"] = ("fp8: GB10's only sparse-MLA backend stores fp8_ds_mla (656 B per token per layer)" if sparse_mla
+                         else "auto: the model's dtype (KV_CACHE_DTYPE=fp8 halves the KV bytes, about doubling the context)")
+    d.why["quant"] = (f"{method}: {QUANT_METHODS.get(method, 'read by vLLM from quantization_config')}; weights per rank "
+                      "are the shards' bytes on disk ÷ TP" if method != "none" else
+                      "none: the weights in their dtype; weights per rank are the shards' bytes ÷ TP")
+    d.why["flags"] = (f"--distributed-executor-backend mp (one process per rank, as every sparkctl recipe); family: "
+                      f"{flags_why}" + ("; --max-num-batched-tokens pinned: a sliding window holds the window plus the "
+                                        "tokens of two scheduled batches (async scheduling)" if "--max-num-batched-tokens" in extra else ""))
+    return d
+
+
+def _q(value: Any) -> str:
+    return json.dumps(value)
+
+
+def recipe_text(d: Draft, src: ModelSource, nodes: int, image: str | None = None,
+                node_memory: int = GB10_NODE_MEMORY_BYTES) -> str:
+    """The recipe file (TOML), each choice explained in a comment."""
+    model_repo = f"MODEL_REPO = {_q(src.repo)}  # `model pull`; pin MODEL_REVISION to a commit id in your env file\n" \
+        if src.repo and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}", src.repo) else ""
+    image_line = (f"IMAGE = {_q(image)}  # the stock vLLM image, pinned by digest\n" if image else
+                  "# IMAGE: set IMAGE=vllm/vllm-openai@sha256:<digest> (a stock vLLM >= 0.33 arm64 image for GB10, pinned\n"
+                  "# by its digest) in your env file: prebuilt mode, `build` gives every rank the head's copy\n")
+    lines = [
+        f"# {d.name} — written by `sparkctl recipe new` for {nodes} DGX Spark (GB10) node(s) from {src.where}.",
+        f"# TP={d.tp}: {d.why['TP']}.",
+        f"# KV per token per layer: {d.why['KV']}.",
+        f"# Memory per rank: {d.why['fit']}.",
+        f"# MAX_MODEL_LEN: {d.why['max_model_len']}.",
+        f"# KV_CACHE_DTYPE: {d.why['kv_dtype']}.",
+        f"# Quantization: {d.why['quant']}.",
+        f"# Flags: {d.why['flags']}.",
+        "# Check it: `sparkctl recipe validate FILE`, then `sparkctl --recipe FILE plan` against the real checkpoint.",
+        f"name = {_q(d.name)}",
+        f"description = {_q(f'{d.served_name} ({d.quant}), {nodes}x DGX Spark, TP{d.tp}, {d.max_model_len:,} tokens')}",
+        "",
+        "[defaults]",
+        *([model_repo.rstrip("\n")] if model_repo else []),
+        f"TP = {d.tp}",
+        "DCP = 1",
+        "GPUS_PER_NODE = 1",
+        'DCP_COMM_BACKEND = "ag_rs"',
+        f"MAX_MODEL_LEN = {d.max_model_len}",
+        f"KV_CACHE_DTYPE = {_q(d.kv_cache_dtype)}",
+        'GPU_COMPUTE_CAPABILITY = "12.1"      # GB10; `check` and `up` use what the nodes\' nvidia-smi reports',
+        "MAX_FULL_SEQS = 1",
+        "GPU_MEMORY_UTILIZATION = 0.80        # vLLM's startup guard refuses above ~0.82 on GB10",
+        f"NODE_MEMORY_BYTES = {node_memory}     # GB10: 128 GB unified; `check` uses each node's real MemTotal",
+        "PORT = 8888",
+        "MASTER_PORT = 29501",
+        f"SERVED_MODEL_NAME = {_q(d.served_name)}",
+        'SPEC_METHOD = "off"',
+        image_line.rstrip("\n"),
+        "ULIMIT_NOFILE = 1048576",
+        "ULIMIT_MEMLOCK = -1",
+        'SHM_SIZE = "64g"',
+        "",
+        "[memory]",
+        f"overhead_gib = {GB10.overhead_gib:g}                    # CUDA/NCCL state a worker holds before vLLM measures memory",
+        f"os_reserve_gib = {GB10.os_reserve_gib:g}",
+        f"gpu_memory_utilization_cap = {GB10.gpu_memory_utilization_cap:g}",
+        f"kv_block_tokens = {d.kv_block_tokens}",
+        "",
+        "[vllm]",
+        f"extra_args = {_q(d.extra_args)}",
+        "",
+        "[container]",
+        'network = "host"',
+        'ipc = "host"',
+        'gpus = "all"',
+        'devices = ["/dev/infiniband"]',
+        'cap_add = ["IPC_LOCK"]',
+        "",
+        "[container.env]",
+        'NCCL_IB_DISABLE = "0"',
+        'NCCL_NET = "IB"                      # RDMA or fail: never a silent fall-back to TCP sockets',
+        'NCCL_IGNORE_CPU_AFFINITY = "1"',
+        'VLLM_NO_USAGE_STATS = "1"',
+        'HF_HUB_OFFLINE = "1"',
+        'TRANSFORMERS_OFFLINE = "1"',
+        'PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"',
+        "",
+        "[images.prebuilt]",
+        'source = "a stock vLLM image (vllm/vllm-openai), pinned by digest in IMAGE"',
+        "",
+        "[checkpoint]",
+        'layout = "hf-safetensors"           # recipes/layouts/hf-safetensors.json: shards and headers, no model-specific rules',
+    ]
+    return "\n".join(lines) + "\n"
