@@ -57,6 +57,8 @@ PROBE_FILES = {  # the probe's section -> (the file, what it is)
     "gpu-apps": ("gpu-apps.csv", "processes holding GPU memory (nvidia-smi --query-compute-apps)"),
     "meminfo": ("meminfo.txt", "/proc/meminfo"),
     "fabric": ("fabric.txt", "RDMA devices (firmware, port state, GIDs) and their netdevs (MTU, speed, carrier, addresses)"),
+    "fabric-document": ("fabric.json", "the fabric document `sparkctl setup` recorded on this node (missing: setup "
+                                       "never ran here)"),
     "ethtool": ("ethtool-i.txt", "ethtool -i of each fabric port (driver, firmware-version)"),
     "kernel-lines": ("kernel-lines.txt", "the kernel's lines about OOM, Xid, NVRM, mlx5 (dmesg or journalctl -k)"),
     "docker-version": ("docker-version.txt", "docker version"),

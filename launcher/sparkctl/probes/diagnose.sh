@@ -140,6 +140,7 @@ section gpu-apps $T nvidia-smi --query-compute-apps=pid,process_name,used_memory
 section meminfo cat /proc/meminfo
 section fabric fabric
 section ethtool ethtool_i
+section fabric-document first "${SPARKCTL_SETUP_ROOT:-}/etc/sparkctl/$CLUSTER/fabric.json"
 section kernel-lines kernel_lines "$KLINES"
 section docker-version $T docker version
 section container-toolkit toolkit

@@ -77,6 +77,8 @@ def test_bundle_has_every_source_and_no_planted_secret(monkeypatch: pytest.Monke
     for f in manifest["files"]:
         assert f["command"] and f["what"] and ("missing" in f or f["bytes"] == len(files[f"sparkctl-diagnose/{f['path']}"]))
     assert manifest["caps"]["file_bytes"] > 0 and manifest["caps"]["archive_bytes"] > 0
+    fabric_doc = next(f for f in manifest["files"] if f["path"] == "nodes/spark1/fabric.json")
+    assert "sparkctl setup" in fabric_doc["what"] and fabric_doc.get("missing"), fabric_doc  # setup never ran here
     blob = b"\n".join(files.values())
     leaks = [k for k, v in SECRETS.items() if v.encode() in blob]
     assert leaks == [], leaks
