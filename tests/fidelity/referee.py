@@ -383,6 +383,30 @@ def gpu_async_scheduling(vllm_config: Any) -> None:
         vllm_config.scheduler_config.async_scheduling = True
 
 
+def _register_attention(vllm_config: Any, i: int, backend: Any, window: int | None) -> None:
+    """Decoder layer i's vLLM Attention (model_executor/layers/attention/attention.py), with what its
+    constructor computes: KV heads per rank (ModelConfig.get_num_kv_heads: the replication rule), head size,
+    KV dtype, sliding window; registered in the forward context where the worker's get_kv_cache_spec reads it."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backend import AttentionType
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    layer = Attention.__new__(Attention)
+    torch.nn.Module.__init__(layer)
+    layer.layer_name = f"model.layers.{i}.self_attn.attn"
+    layer.attn_type = AttentionType.DECODER
+    layer.kv_cache_dtype = cache.cache_dtype
+    layer.sliding_window = window
+    layer.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    layer.head_size = layer.head_size_v = model.get_head_size()
+    layer.kv_cache_torch_dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    layer.attn_backend = backend
+    layer.kv_sharing_target_layer_name = None
+    layer.is_draft_layer = False
+    vllm_config.compilation_config.static_forward_context[layer.layer_name] = layer
+
+
 def dense_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     """Every layer's KV spec for a dense-attention model, as the worker reports them: vLLM's own Attention
     layer (model_executor/layers/attention/attention.py) per decoder layer, with the KV heads per rank from
@@ -391,9 +415,6 @@ def dense_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     the block size CudaPlatform._preferred_block_size_for_backends picks, collected by the worker's
     get_kv_cache_spec."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backend import AttentionType
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
@@ -402,24 +423,12 @@ def dense_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     backend = select_dense_backend(vllm_config, capability, sliding="sliding_attention" in types)
     cache.block_size = _cuda_platform()._preferred_block_size_for_backends(
         [backend], type(cache).DEFAULT_BLOCK_SIZE, vllm_config)
-    dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
     ctx = vllm_config.compilation_config.static_forward_context
     ctx.clear()
     with set_current_vllm_config(vllm_config):
         for i in range(hf.num_hidden_layers):
-            layer = Attention.__new__(Attention)
-            torch.nn.Module.__init__(layer)
-            layer.layer_name = f"model.layers.{i}.self_attn.attn"
-            layer.attn_type = AttentionType.DECODER
-            layer.kv_cache_dtype = cache.cache_dtype
-            layer.sliding_window = hf.sliding_window if types[i] == "sliding_attention" else None
-            layer.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
-            layer.head_size = layer.head_size_v = model.get_head_size()
-            layer.kv_cache_torch_dtype = dtype
-            layer.attn_backend = backend
-            layer.kv_sharing_target_layer_name = None
-            layer.is_draft_layer = False
-            ctx[layer.layer_name] = layer
+            window = hf.sliding_window if types[i] == "sliding_attention" else None
+            _register_attention(vllm_config, i, backend, window)
         specs = get_kv_cache_spec(vllm_config)
     ctx.clear()
     return KvChoice(backend.get_name(), cache.cache_dtype, cache.block_size, specs, [backend])
@@ -435,14 +444,11 @@ def hybrid_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     attention block and, for a hybrid, raises it until one attention page holds a whole state page and pads
     the state page to it (platforms/interface.py `_align_hybrid_block_size`)."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
         _resolve_gdn_prefill_backend,
     )
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.gdn_attn import FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
@@ -467,7 +473,6 @@ def hybrid_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     # qwen_gdn_linear_attn.py:691-696: FlashInfer's prefill exports align-mode checkpoints every 64 tokens
     alignment = FLASHINFER_GDN_CHECKPOINT_ALIGNMENT \
         if cache.mamba_cache_mode == "align" and gdn_prefill == "flashinfer" else None
-    dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
     spec = vllm_config.speculative_config
     ctx = vllm_config.compilation_config.static_forward_context
     ctx.clear()
@@ -486,19 +491,7 @@ def hybrid_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
                 gdn.vllm_config, gdn._checkpoint_alignment = vllm_config, alignment
                 ctx[gdn.prefix] = gdn
                 continue
-            layer = Attention.__new__(Attention)
-            torch.nn.Module.__init__(layer)
-            layer.layer_name = f"model.layers.{i}.self_attn.attn"
-            layer.attn_type = AttentionType.DECODER
-            layer.kv_cache_dtype = cache.cache_dtype
-            layer.sliding_window = None
-            layer.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
-            layer.head_size = layer.head_size_v = model.get_head_size()
-            layer.kv_cache_torch_dtype = dtype
-            layer.attn_backend = backend
-            layer.kv_sharing_target_layer_name = None
-            layer.is_draft_layer = False
-            ctx[layer.layer_name] = layer
+            _register_attention(vllm_config, i, backend, None)
         with _as_gpu(capability), _cuda_only_modules_unavailable():
             _cuda_platform().update_block_size_for_backend(vllm_config)
         specs = get_kv_cache_spec(vllm_config)

@@ -104,9 +104,9 @@ def _id(recipe: str, knobs: dict[str, str]) -> str:
     return ",".join([recipe, *(f"{k}={v}" for k, v in knobs.items())])
 
 
-@pytest.mark.parametrize(("recipe", "knobs"), COMBOS, ids=[_id(r, k) for r, k in COMBOS])
-def test_dense_recipe_argv_builds_vllms_config_and_its_kv_is_the_minimum(referee, models, recipe, knobs):
-    settings, plan, argvs = render(recipe, knobs, models)
+def _argv_builds(referee: Any, settings: Any, argvs: list[list[str]]) -> Any:
+    """Every rank's argv parses and builds vLLM's config with the plan's TP, nodes and length; rank 0's config,
+    with the GPU's async scheduling."""
     for rank, argv in enumerate(argvs):
         assert referee.abbreviated_flags(argv) == []
         cfg = referee.parse_serve(argv).vllm_config
@@ -115,6 +115,13 @@ def test_dense_recipe_argv_builds_vllms_config_and_its_kv_is_the_minimum(referee
         assert cfg.model_config.max_model_len == settings.getint("MAX_MODEL_LEN")
     cfg = referee.parse_serve(argvs[0]).vllm_config
     referee.gpu_async_scheduling(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize(("recipe", "knobs"), COMBOS, ids=[_id(r, k) for r, k in COMBOS])
+def test_dense_recipe_argv_builds_vllms_config_and_its_kv_is_the_minimum(referee, models, recipe, knobs):
+    settings, plan, argvs = render(recipe, knobs, models)
+    cfg = _argv_builds(referee, settings, argvs)
     choice = referee.dense_kv_specs(cfg, GB10)
     planned = plan.kv_cache_memory_bytes
     assert choice.block_size == plan.kv_block_tokens, "the recipe's kv_block_tokens is not the block vLLM picks"
@@ -156,14 +163,7 @@ HYBRID_COMBOS = [pytest.param(r, k, id=_id(r, k), marks=() if k.get("MAX_FULL_SE
 
 def _hybrid(recipe: str, knobs: dict[str, str], models: dict[str, Path], referee: Any) -> tuple[Any, Any, Any, Any]:
     settings, plan, argvs = render(recipe, knobs, models)
-    for rank, argv in enumerate(argvs):
-        assert referee.abbreviated_flags(argv) == []
-        cfg = referee.parse_serve(argv).vllm_config
-        assert cfg.parallel_config.tensor_parallel_size == settings.getint("TP")
-        assert (cfg.parallel_config.nnodes, cfg.parallel_config.node_rank) == (len(argvs), rank)
-        assert cfg.model_config.max_model_len == settings.getint("MAX_MODEL_LEN")
-    cfg = referee.parse_serve(argvs[0]).vllm_config
-    referee.gpu_async_scheduling(cfg)
+    cfg = _argv_builds(referee, settings, argvs)
     assert cfg.model_config.is_hybrid
     choice = referee.hybrid_kv_specs(cfg, GB10)
     kinds = [type(s).__name__ for s in choice.specs.values()]
