@@ -383,6 +383,30 @@ def gpu_async_scheduling(vllm_config: Any) -> None:
         vllm_config.scheduler_config.async_scheduling = True
 
 
+def _register_attention(vllm_config: Any, i: int, backend: Any, window: int | None) -> None:
+    """Decoder layer i's vLLM Attention (model_executor/layers/attention/attention.py), with what its
+    constructor computes: KV heads per rank (ModelConfig.get_num_kv_heads: the replication rule), head size,
+    KV dtype, sliding window; registered in the forward context where the worker's get_kv_cache_spec reads it."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backend import AttentionType
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    layer = Attention.__new__(Attention)
+    torch.nn.Module.__init__(layer)
+    layer.layer_name = f"model.layers.{i}.self_attn.attn"
+    layer.attn_type = AttentionType.DECODER
+    layer.kv_cache_dtype = cache.cache_dtype
+    layer.sliding_window = window
+    layer.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    layer.head_size = layer.head_size_v = model.get_head_size()
+    layer.kv_cache_torch_dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    layer.attn_backend = backend
+    layer.kv_sharing_target_layer_name = None
+    layer.is_draft_layer = False
+    vllm_config.compilation_config.static_forward_context[layer.layer_name] = layer
+
+
 def dense_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     """Every layer's KV spec for a dense-attention model, as the worker reports them: vLLM's own Attention
     layer (model_executor/layers/attention/attention.py) per decoder layer, with the KV heads per rank from
@@ -391,9 +415,6 @@ def dense_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     the block size CudaPlatform._preferred_block_size_for_backends picks, collected by the worker's
     get_kv_cache_spec."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backend import AttentionType
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
@@ -402,24 +423,79 @@ def dense_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
     backend = select_dense_backend(vllm_config, capability, sliding="sliding_attention" in types)
     cache.block_size = _cuda_platform()._preferred_block_size_for_backends(
         [backend], type(cache).DEFAULT_BLOCK_SIZE, vllm_config)
-    dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
     ctx = vllm_config.compilation_config.static_forward_context
     ctx.clear()
     with set_current_vllm_config(vllm_config):
         for i in range(hf.num_hidden_layers):
-            layer = Attention.__new__(Attention)
-            torch.nn.Module.__init__(layer)
-            layer.layer_name = f"model.layers.{i}.self_attn.attn"
-            layer.attn_type = AttentionType.DECODER
-            layer.kv_cache_dtype = cache.cache_dtype
-            layer.sliding_window = hf.sliding_window if types[i] == "sliding_attention" else None
-            layer.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
-            layer.head_size = layer.head_size_v = model.get_head_size()
-            layer.kv_cache_torch_dtype = dtype
-            layer.attn_backend = backend
-            layer.kv_sharing_target_layer_name = None
-            layer.is_draft_layer = False
-            ctx[layer.layer_name] = layer
+            window = hf.sliding_window if types[i] == "sliding_attention" else None
+            _register_attention(vllm_config, i, backend, window)
         specs = get_kv_cache_spec(vllm_config)
     ctx.clear()
     return KvChoice(backend.get_name(), cache.cache_dtype, cache.block_size, specs, [backend])
+
+
+def hybrid_kv_specs(vllm_config: Any, capability: tuple[int, int]) -> KvChoice:
+    """Every layer's KV spec for a Qwen3-Next style hybrid (gated attention + Gated DeltaNet), as the worker
+    reports them: each `full_attention` layer of the text config's layer_types is vLLM's own Attention (as in
+    dense_kv_specs), each `linear_attention` layer vLLM's own QwenGatedDeltaNetAttention with what its
+    constructor reads from config.json (mamba/gdn/qwen_gdn_linear_attn.py: linear heads, head dims, conv
+    kernel; base.py: TP size, speculative tokens). Then, as the worker does once its layers exist
+    (MultiprocExecutor's worker: `current_platform.update_block_size_for_backend`), CudaPlatform picks the
+    attention block and, for a hybrid, raises it until one attention page holds a whole state page and pads
+    the state page to it (platforms/interface.py `_align_hybrid_block_size`)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+        _resolve_gdn_prefill_backend,
+    )
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.attention.backends.gdn_attn import FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    hook = MODELS_CONFIG_MAP.get(model.architecture)
+    if hook is not None:  # HybridAttentionMambaModelConfig: the Mamba cache mode and block, as on the GPU
+        with _as_gpu(capability):
+            hook.verify_and_update_config(vllm_config)
+    hf = model.hf_text_config
+    types = list(hf.layer_types)
+    backend = select_dense_backend(vllm_config, capability)
+    # qwen_gdn_linear_attn.py ChunkGatedDeltaRule: the GDN prefill kernel for this GPU; FlashInfer's needs CUDA
+    # runtime >= 13, which the GB10 serving images have (this CPU venv has no CUDA runtime to ask).
+    # The module bound vLLM's current platform (the CPU one here) when it was imported: give it the GPU's.
+    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as gdn_module
+    import vllm.platforms as platforms
+
+    with _as_gpu(capability), mock.patch.object(_cuda_platform(), "get_cuda_runtime_major", return_value=13), \
+            mock.patch.object(gdn_module, "current_platform", platforms._current_platform):
+        _, gdn_prefill = _resolve_gdn_prefill_backend(vllm_config)
+    assert gdn_prefill == "flashinfer", gdn_prefill
+    # qwen_gdn_linear_attn.py:691-696: FlashInfer's prefill exports align-mode checkpoints every 64 tokens
+    alignment = FLASHINFER_GDN_CHECKPOINT_ALIGNMENT \
+        if cache.mamba_cache_mode == "align" and gdn_prefill == "flashinfer" else None
+    spec = vllm_config.speculative_config
+    ctx = vllm_config.compilation_config.static_forward_context
+    ctx.clear()
+    with set_current_vllm_config(vllm_config):
+        for i, kind in enumerate(types):
+            if kind == "linear_attention":
+                gdn = QwenGatedDeltaNetAttention.__new__(QwenGatedDeltaNetAttention)
+                torch.nn.Module.__init__(gdn)
+                gdn.prefix = f"model.layers.{i}.linear_attn"
+                gdn.tp_size = vllm_config.parallel_config.tensor_parallel_size
+                gdn.model_config, gdn.cache_config = model, cache
+                gdn.num_spec = spec.num_speculative_tokens if spec is not None else 0
+                gdn.num_k_heads, gdn.num_v_heads = hf.linear_num_key_heads, hf.linear_num_value_heads
+                gdn.head_k_dim, gdn.head_v_dim = hf.linear_key_head_dim, hf.linear_value_head_dim
+                gdn.conv_kernel_size = hf.linear_conv_kernel_dim
+                gdn.vllm_config, gdn._checkpoint_alignment = vllm_config, alignment
+                ctx[gdn.prefix] = gdn
+                continue
+            _register_attention(vllm_config, i, backend, None)
+        with _as_gpu(capability), _cuda_only_modules_unavailable():
+            _cuda_platform().update_block_size_for_backend(vllm_config)
+        specs = get_kv_cache_spec(vllm_config)
+    backends = [backend, *{type(s): ctx[n].get_attn_backend() for n, s in specs.items()
+                           if n.endswith("linear_attn")}.values()]
+    ctx.clear()
+    return KvChoice(backend.get_name(), cache.cache_dtype, cache.block_size, specs, backends)

@@ -510,8 +510,10 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
                          "judges it for gpt-oss)")
         if any(t.state_bytes for t in terms):
             notes.append("linear-attention / Mamba state per sequence is sparkctl's own arithmetic (Gated DeltaNet "
-                         "shapes); vLLM's hybrid allocator may pad pages to one size and need more: not yet judged "
-                         "by the fidelity suite")
+                         "shapes, 16-token attention pages); vLLM 0.33 pages a hybrid's attention to hold a whole "
+                         "state page (576 tokens for Qwen3-Next at TP 2) and pads the state to it, so it needs more "
+                         "than planned: for Qwen3-Next it refuses the planned bytes at start-up (judged by the fidelity "
+                         "suite)")
     return Plan(
         tp=tp, dcp=dcp, max_model_len=max_len, max_full_seqs=seqs, kv_cache_dtype=kv_dtype,
         weights_total=total,
