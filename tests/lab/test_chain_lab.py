@@ -67,7 +67,8 @@ def test_the_checkpoints_chain_builds_on_four_hosts_and_serves_through_the_entry
         # the version probe ran in every layer: the base's exllamav3 until v145, 1.4.5 from v145 on
         versions = {x["layer"]: x["versions"] for x in rank["layers"]}
         assert [versions[n]["exllamav3"] for n in RECIPE.layer_names()] == ["0.0.43", "0.0.43", "1.4.5", "1.4.5", "1.4.5"]
-        assert versions["keys3"] == {"exllamav3": "1.4.5", "nccl": "absent", "torch": "absent", "vllm": "0.33.0"}
+        assert versions["keys3"] == {"exllamav3": "1.4.5", "nccl": "absent", "torch": "absent", "vllm": "0.33.0",
+                                     "cuda": "absent", "nccl.conf": "absent"}
         top = inspect(lab, rank["node"], TAGS[-1])
         assert top is not None and json.loads(top["Config"]["Labels"]["sparkctl.versions"]) == versions["keys3"]
     # Every layer's change is in the top image (the checkpoint's self-tests ran at build time; this

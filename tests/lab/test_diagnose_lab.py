@@ -152,9 +152,13 @@ def test_planted_secrets_never_reach_the_bundle_of_a_real_service(secret_env: tu
     # a log line (the engine's stdout) and an audit line that carry secrets
     lab.docker("spark2", "exec", container, "sh", "-c",
                f"echo 'loading with token {SECRETS['HF_TOKEN']} key={SECRETS['VLLM_API_KEY']}' > /proc/1/fd/1")
-    lab.ssh("spark3", "sh", "-c", f"echo '{{\"action\":\"note\",\"detail\":\"password={SECRETS['STANDIN_DB_PASSWORD']}\"}}'"
-            f" >> ~/.sparkctl/{env['CLUSTER_NAME']}/audit.log")
-    manifest, files = bundle(env, cwd)
+    planted = f'{{"action":"note","detail":"password={SECRETS["STANDIN_DB_PASSWORD"]}"}}'
+    audit = HostPaths.of("spark3", lab.root).home / ".sparkctl" / env["CLUSTER_NAME"] / "audit.log"
+    lab.ssh("spark3", "sh", "-c", f"echo '{planted}' >> ~/.sparkctl/{env['CLUSTER_NAME']}/audit.log")
+    try:
+        manifest, files = bundle(env, cwd)
+    finally:  # the planted line leaves the audit: later tests of this cluster read it
+        audit.write_text("".join(ln for ln in audit.read_text().splitlines(keepends=True) if planted not in ln))
     assert leaks("\n".join(files.values())) == []
     assert "HF_TOKEN=[REDACTED]" in files["nodes/spark2/docker-inspect.json"]  # the container env was there
     assert "token [REDACTED]" in files[f"nodes/spark2/logs/{container}.log"]
