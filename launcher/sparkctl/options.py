@@ -14,6 +14,9 @@ import click
 # Commands (by click name: `model sync` is "sync") that change the cluster: an unknown env-file key is an error.
 CHANGES_CLUSTER = frozenset({"up", "down", "build", "bake", "rollback", "watch", "pull", "sync", "systemd", "deploy",
                              "setup"})
+# Commands that refuse an unknown or twice-set env-file key (exit 2) where the others only warn: those that
+# change the cluster, and `check`, their preflight, which must say what `up` will say, not let it through.
+STRICT_KEYS = CHANGES_CLUSTER | {"check"}
 
 
 @dataclass
@@ -47,7 +50,7 @@ class Globals:
 
         # Commands that change the cluster refuse unknown env-file keys (exit 2); the others warn.
         ctx = click.get_current_context(silent=True)
-        kwargs.setdefault("strict_keys", bool(ctx and ctx.info_name in CHANGES_CLUSTER))
+        kwargs.setdefault("strict_keys", bool(ctx and ctx.info_name in STRICT_KEYS))
 
         return load_settings(
             env_file=self.env_file,

@@ -342,7 +342,7 @@ def test_unknown_key_is_an_error_only_when_strict(tmp_path: Path) -> None:
     assert "did you mean MAX_MODEL_LEN" in exc.value.message and "SKIP_OLD_THING" not in exc.value.message
 
 
-@pytest.mark.parametrize("command, code", [("up", 2), ("down", 2), ("build", 2), ("config", 0)])
+@pytest.mark.parametrize("command, code", [("up", 2), ("down", 2), ("build", 2), ("check", 2), ("config", 0)])
 def test_cli_refuses_unknown_keys_for_commands_that_change_the_cluster(tmp_path: Path, command: str,
                                                                         code: int) -> None:
     env = tmp_path / "env"
@@ -352,6 +352,8 @@ def test_cli_refuses_unknown_keys_for_commands_that_change_the_cluster(tmp_path:
                        env={**os.environ, "SPARKCTL_SSH_CONFIG": str(tmp_path / "none")})
     assert r.returncode == code, r.stderr
     assert "MAX_MODEL_LENGTH" in r.stderr and "did you mean MAX_MODEL_LEN" in r.stderr and "Traceback" not in r.stderr
+    said = "error: unknown key MAX_MODEL_LENGTH" if code == 2 else "warning: unknown key MAX_MODEL_LENGTH"
+    assert said in r.stderr, r.stderr  # check says what up says: the same refusal, not a warning
 
 
 def test_a_key_set_twice_is_an_error_only_when_strict(tmp_path: Path) -> None:

@@ -670,7 +670,7 @@ def load_settings(
                 warnings.append(f"unknown key {key} in env file {path}{hint}; it is ignored")
         if strict_keys and warnings:
             raise UsageError("\n".join(w.replace("; it is ignored", "") for w in warnings),
-                             fix="correct or remove the key(s) (commands that change the cluster refuse unknown "
+                             fix="correct or remove the key(s) (check and the commands that change the cluster refuse unknown "
                                  "keys; read-only ones only warn; every knob: env/env.tp4.example)")
         dups = _duplicate_keys(path) if file_values else {}
         if dups:
@@ -678,7 +678,7 @@ def load_settings(
                     f"the last one is used" for key, at in sorted(dups.items())]
             if strict_keys:  # which NODES= did the operator mean? the one another operator's file has?
                 raise UsageError("\n".join(line.replace(": the last one is used", "") for line in said),
-                                 fix="keep one line per key (commands that change the cluster refuse a key set "
+                                 fix="keep one line per key (check and the commands that change the cluster refuse a key set "
                                      "twice; read-only ones only warn)")
             warnings.extend(said)
 
