@@ -204,7 +204,7 @@ run_tests() {
   bootstrap
   lap ".venv"
   say "ruff"
-  "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench"
+  "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench" "$here/scripts"
   say "mypy"
   (cd "$here" && "$venv/bin/mypy")
   lap "ruff and mypy"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launcher"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kit: the lab client
 
-from tests.kit.lab import Lab  # noqa: E402
+from tests.kit.lab import running_lab  # noqa: E402
 
 TARGET_S = 10.0
 NODES = ["spark1", "spark2", "spark3", "spark4"]
@@ -34,13 +33,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-check", action="store_true", help="leave check out of the bundle")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("needs root and a running lab (sparkctl lab up --nodes 4)", file=sys.stderr)
-        return 2
-    try:
-        lab = Lab.load()
-    except Exception as exc:  # noqa: BLE001 - no lab: nothing to measure
-        print(f"no lab: {exc}", file=sys.stderr)
+    lab = running_lab()
+    if lab is None:
         return 2
     env = {**lab.env(), "NODES": " ".join(NODES), **lab.pin_knobs(NODES)}
     times: list[float] = []

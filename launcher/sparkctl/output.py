@@ -20,9 +20,22 @@ def console(as_json: bool) -> Console:
     Piped into a file or a CI log there is no terminal width: use a wide one rather than rich's 80
     columns, so tables keep whole image IDs and hashes instead of cutting them with an ellipsis.
     """
+    if _recorder and not as_json:
+        return _recorder[0]
     stream = sys.stderr if as_json else sys.stdout
     width = None if stream.isatty() else 200
     return Console(stderr=as_json, highlight=False, soft_wrap=False, width=width)
+
+
+_recorder: list[Console] = []  # while set: the one console human text goes to (record_into)
+
+
+def record_into(recording: Console | None) -> None:
+    """Send every command's human text to `recording` (a Console made with record=True), or stop with None:
+    how `scripts/capture_svgs.py` turns what a person sees into the pictures in docs/img/."""
+    _recorder.clear()
+    if recording is not None:
+        _recorder.append(recording)
 
 
 _documents = [0]  # JSON documents printed on stdout by this command (cli.main resets it per command)

@@ -150,3 +150,18 @@ class Lab:
     def logs(self, name: str, container: str) -> str:
         res = self.docker(name, "logs", container)
         return res.stdout + res.stderr
+
+
+def running_lab(needs: str = "a running lab (sparkctl lab up --nodes 4)") -> Lab | None:
+    """For scripts (bench/, scripts/): the lab, or None after saying on stderr why there is none (not root, or
+    no lab up); the script then exits 2."""
+    import sys
+
+    if os.geteuid() != 0:
+        print(f"needs root and {needs}", file=sys.stderr)
+        return None
+    try:
+        return Lab.load()
+    except Exception as exc:  # noqa: BLE001 - no lab: nothing to run against
+        print(f"no lab: {exc}", file=sys.stderr)
+        return None

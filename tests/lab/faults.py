@@ -69,3 +69,54 @@ def path_dropped(lab: Lab, src: str, dst: str) -> Iterator[str]:
         yield ip
     finally:
         subprocess.run(["ip", "netns", "exec", src, "iptables", "-D", *rule], check=True, timeout=10)
+
+
+def _reset_setup_root(paths: HostPaths) -> None:
+    """Everything `sparkctl setup` wrote on the host removed: its root holds only the host's machine-id."""
+    import shutil
+
+    root = paths.setup_root
+    if root.exists():
+        for child in root.iterdir():
+            if child.name != "etc":
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        for child in (root / "etc").iterdir():
+            if child.name != "machine-id":
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
+
+def _ip(name: str, *argv: str) -> None:
+    subprocess.run(["ip", "-n", name, *argv], check=True, timeout=10, capture_output=True)
+
+
+@contextmanager
+def fresh_fabric(lab: Lab) -> Iterator[None]:
+    """The lab as a new owner's nodes are: the fabric ports cabled (on the lab's switch) and up, without an
+    address, at MTU 1500, and nothing of `sparkctl setup`'s on any host. After: setup's files removed, and each
+    host's ports as the lab made them (its address on its own port, the other up or down as before, MTU 1500)."""
+    from sparkctl.lab.state import FABRIC_NET, PORT_IFS
+
+    was_up = {(h.name, p): hosts_port_up(h.name, p) for h in lab.hosts for p in PORT_IFS}
+    for h in lab.hosts:
+        _reset_setup_root(HostPaths.of(h.name, lab.root))
+        for port in PORT_IFS:
+            _ip(h.name, "addr", "flush", "dev", port, "scope", "global")
+            _ip(h.name, "link", "set", "dev", port, "mtu", "1500")
+        _ip(h.name, "link", "set", "dev", h.fabric_if, "up")
+    try:
+        yield
+    finally:
+        for h in lab.hosts:
+            _reset_setup_root(HostPaths.of(h.name, lab.root))
+            for port in PORT_IFS:
+                _ip(h.name, "addr", "flush", "dev", port, "scope", "global")
+                _ip(h.name, "link", "set", "dev", port, "mtu", "1500")
+                _ip(h.name, "link", "set", "dev", port, "up" if was_up[(h.name, port)] else "down")
+            _ip(h.name, "addr", "add", f"{h.fabric_ip}/{FABRIC_NET.prefixlen}", "dev", h.fabric_if)
+
+
+def hosts_port_up(name: str, port: str) -> bool:
+    r = subprocess.run(["ip", "-n", name, "-o", "link", "show", "dev", port], capture_output=True, text=True,
+                       timeout=10)
+    flags = r.stdout.split("<", 1)[-1].split(">", 1)[0].split(",")
+    return "UP" in flags

@@ -1,12 +1,11 @@
-"""`sparkctl setup` on a fresh lab (as a new owner has the nodes: fabric links cabled but unaddressed, no sudoers
-line, a non-root SSH user with sudo, no earlyoom): the plan lists every change and changes nothing; `--yes`
-applies it; `check` then passes; a second `setup` has nothing to change.
+"""`sparkctl setup` on a fresh lab (as a new owner has the nodes: fabric links cabled but without addresses, nothing
+of setup's on them): the plan lists every change and changes nothing; `--yes` applies it; `check` then passes; a
+second `setup` has nothing to change; a port taken down after fails `check` naming it and setup.
 
-Needs a lab made by `sparkctl lab up --fresh` (not built yet): each host with its own copy of every path setup
-writes (SPARKCTL_SETUP_ROOT in the hosts' sshd environment, or a mount namespace per host), the
-SPARKCTL_NETPLAN_APPLY seam that applies what `netplan generate` derived (the hosts cannot run networkd), and
-netplan.io and sudo in the hosts' base image. The lab says so with SPARKCTL_LAB_FRESH=1 in its env; without it
-these tests skip.
+The lab gives each host its own root for setup's files (SPARKCTL_SETUP_ROOT in its sshd environment: setup on
+the lab never writes this machine's /etc) and a stand-in for `netplan apply` that applies what the real
+`netplan generate` made of setup's file (the hosts have no networkd). `faults.fresh_fabric` makes the lab fresh
+and puts it back after.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,10 +28,11 @@ ENV = {"NODES": " ".join(NODES), "CLUSTER_NAME": "setuptest"}
 
 
 @pytest.fixture
-def fresh(lab: Lab) -> Lab:
-    if lab.env().get("SPARKCTL_LAB_FRESH") != "1" and os.environ.get("SPARKCTL_LAB_FRESH") != "1":
-        pytest.skip("needs `sparkctl lab up --fresh` (per-host /etc, the netplan apply seam)")
-    return lab
+def fresh(lab: Lab) -> Iterator[Lab]:
+    from tests.lab.faults import fresh_fabric
+
+    with fresh_fabric(lab):
+        yield lab
 
 
 def _sparkctl(lab: Lab, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

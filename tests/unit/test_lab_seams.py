@@ -178,3 +178,52 @@ def test_kernel_and_firmware_seams_reach_the_probes(tmp_path: Path) -> None:
     got = facts()
     assert got.kernel is not None and got.kernel.release == os.uname().release
     assert got.firmware and set(got.firmware.values()) == {seams.LAB_FW}
+
+
+NETPLAN_APPLY = Path(seams.__file__).with_name("netplan_apply.sh")
+FAKE_IP = """#!/bin/sh
+echo "$*" >>"$IP_LOG"
+case "$*" in
+  "-o -4 addr show dev enp1s0f0np0 scope global") echo "5: enp1s0f0np0    inet 10.232.0.11/24 brd x scope global";
+                                                  echo "5: enp1s0f0np0    inet 192.168.100.1/24 brd x scope global" ;;
+esac
+exit 0
+"""
+
+
+def test_the_netplan_apply_seam_applies_what_the_real_netplan_generate_makes(tmp_path: Path) -> None:
+    """The lab's `netplan apply`: the real `netplan generate` turns setup's YAML into networkd files, and the
+    seam applies exactly their addresses and MTU to the links they name (an `ip` that records its calls),
+    removing an IPv4 address the file does not list; a port the YAML leaves out is not touched."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("netplan") is None and not Path("/usr/sbin/netplan").exists():
+        if __import__("os").environ.get("CI"):
+            pytest.fail("netplan is not installed (netplan.io is in one-shot.sh's TEST_PACKAGES)")
+        pytest.skip("netplan is not installed")
+    root = tmp_path / "root"
+    (root / "etc" / "netplan").mkdir(parents=True)
+    yaml = root / "etc" / "netplan" / "60-sparkctl-fabric.yaml"
+    yaml.write_text("network:\n  version: 2\n  ethernets:\n    enp1s0f0np0:\n      dhcp4: false\n"
+                    "      addresses: [192.168.100.1/24]\n      mtu: 9000\n")
+    yaml.chmod(0o600)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ip").write_text(FAKE_IP)
+    (bin_dir / "ip").chmod(0o755)
+    log = tmp_path / "ip.log"
+    env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin", "IP_LOG": str(log)}
+    r = subprocess.run(["sh", str(NETPLAN_APPLY), str(root)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    assert calls == [
+        "link show dev enp1s0f0np0",
+        "link set dev enp1s0f0np0 mtu 9000",
+        "addr replace 192.168.100.1/24 dev enp1s0f0np0",
+        "-o -4 addr show dev enp1s0f0np0 scope global",
+        "addr del 10.232.0.11/24 dev enp1s0f0np0",
+        "link set dev enp1s0f0np0 up",
+    ]
+    assert "enp1s0f1np1" not in log.read_text()

@@ -131,6 +131,8 @@ def sshd_config_text(paths: HostPaths) -> str:
         "DOCKER_HOST": paths.docker_host,
         "SPARKCTL_SYSFS_ROOT": str(paths.sysfs),
         "SPARKCTL_KERNEL_SEAM": str(paths.kernel_seam),
+        "SPARKCTL_SETUP_ROOT": str(paths.setup_root),
+        "SPARKCTL_NETPLAN_APPLY": str(paths.bin_dir / "netplan-apply"),
     }
     setenv = " ".join(f'"{k}={v}"' for k, v in env.items())
     return f"""# sshd of lab host {paths.root.name} (written by `sparkctl lab up`; runs in its netns + mount ns)

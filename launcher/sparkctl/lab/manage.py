@@ -212,6 +212,7 @@ def _prepare_host_files(files: LabFiles, spec: HostSpec, client_pub: str) -> Hos
     hosts.write_home(paths)
     hosts.write_sshd(paths, client_pub)
     seams.write_nvidia_smi(paths.bin_dir, spec)
+    seams.write_setup_seams(paths)
     macs = {ifname: net.iface_mac(spec, ifname) for ifname in PORT_IFS}
     up = {ifname: net.iface_up(spec, ifname) for ifname in PORT_IFS}
     seams.write_sysfs(paths.sysfs, spec, macs, up)

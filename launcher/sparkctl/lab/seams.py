@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .state import FABRIC_NET, PORT_HCAS, PORT_IFS, HostSpec
+from .state import FABRIC_NET, PORT_HCAS, PORT_IFS, HostPaths, HostSpec
 
 HERE = Path(__file__).resolve().parent
 GID_SLOTS = 16  # real tables have up to 256 entries; the lab's unused ones read all-zero like real ones
@@ -46,6 +46,22 @@ exec python3 "$here/nvidia_smi.py" "$@"
 # containers (the lab recipe's [container] mounts and SPARKCTL_SYSFS_ROOT): the stand-in engine checks
 # NCCL_IB_HCA and NCCL_IB_GID_INDEX against it, as NCCL checks them against /sys/class/infiniband.
 CONTAINER_SYSFS = "/run/sparkctl-lab/sysfs"
+
+
+def write_setup_seams(paths: HostPaths) -> None:
+    """What `sparkctl setup` needs on a lab host: its own / for setup's files (with the host's machine-id in
+    it) and the stand-in for `netplan apply` (netplan_apply.sh: the real `netplan generate`, applied with
+    `ip`). Files setup wrote there earlier are kept: the lab keeps what a real node would."""
+    etc = paths.setup_root / "etc"
+    etc.mkdir(parents=True, exist_ok=True)
+    machine_id = etc / "machine-id"
+    if not machine_id.is_symlink():
+        machine_id.unlink(missing_ok=True)
+        machine_id.symlink_to(paths.root / "machine-id")  # made with the host's mount namespace
+    paths.bin_dir.mkdir(parents=True, exist_ok=True)
+    seam = paths.bin_dir / "netplan-apply"
+    shutil.copyfile(HERE / "netplan_apply.sh", seam)
+    seam.chmod(0o755)
 
 
 def write_nvidia_smi(bin_dir: Path, spec: HostSpec) -> None:

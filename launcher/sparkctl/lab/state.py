@@ -146,6 +146,13 @@ class HostPaths:
         return self.root / "sysfs"
 
     @property
+    def setup_root(self) -> Path:
+        """$SPARKCTL_SETUP_ROOT: the host's own / for every file `sparkctl setup` reads or writes (netplan,
+        sudoers, limits, earlyoom, the fabric document), so that setup on the lab never writes this machine's
+        /etc; the commands it would run as root are recorded in its commands.log."""
+        return self.root / "setup-root"
+
+    @property
     def kernel_seam(self) -> Path:
         """$SPARKCTL_KERNEL_SEAM: files that stand in for the kernel's (release, cmdline, kmsg); empty: the real ones."""
         return self.root / "kernel"
