@@ -79,6 +79,7 @@ class Draft:
     weights_per_rank: int
     kv_bytes: int
     quant: str
+    weights_kind: str  # what the description names: the quantization, else the stored dtype (bf16)
     extra_args: list[str]
     served_name: str
     why: dict[str, str] = field(default_factory=dict)
@@ -90,6 +91,18 @@ def quant_method(src: ModelSource) -> str:
         if isinstance(q, dict) and isinstance(q.get("quant_method"), str):
             return q["quant_method"].lower()
     return "none"
+
+
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def weights_kind(config: dict[str, Any], method: str) -> str:
+    """How the recipe's description names the weights: the quantization method, or for an unquantized checkpoint
+    its stored dtype (config.json's torch_dtype, or dtype in newer transformers), never "none"."""
+    if method != "none":
+        return method
+    dtype = _text_config(config).get("torch_dtype") or _text_config(config).get("dtype")
+    return DTYPE_NAMES.get(str(dtype), str(dtype)) if dtype else "unquantized"
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +186,8 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
         extra += ["--max-num-batched-tokens", str(batched_tokens)]
     base = name or _NAME_RE.sub("-", (src.repo or Path(src.where).name).split("/")[-1]).strip("-").lower()
     d = Draft(name=f"{base}-tp{tp}", tp=tp, max_model_len=max_len, kv_cache_dtype=kv_dtype, kv_block_tokens=block,
-              weights_per_rank=weights, kv_bytes=kv, quant=method, extra_args=extra,
+              weights_per_rank=weights, kv_bytes=kv, quant=method, weights_kind=weights_kind(config, method),
+              extra_args=extra,
               served_name=(src.repo or base).split("/")[-1], why={})
     heads, kvh = int(config["num_attention_heads"]), (None if mla else kv_heads(config, where))
     if mla:
@@ -225,7 +239,7 @@ def recipe_text(d: Draft, src: ModelSource, nodes: int, image: str | None = None
         f"# Flags: {d.why['flags']}.",
         "# Check it: `sparkctl recipe validate FILE`, then `sparkctl --recipe FILE plan` against the real checkpoint.",
         f"name = {_q(d.name)}",
-        f"description = {_q(f'{d.served_name} ({d.quant}), {nodes}x DGX Spark, TP{d.tp}, {d.max_model_len:,} tokens')}",
+        f"description = {_q(f'{d.served_name} ({d.weights_kind}), {nodes}x DGX Spark, TP{d.tp}, {d.max_model_len:,} tokens')}",
         "",
         "[defaults]",
         *([model_repo.rstrip("\n")] if model_repo else []),

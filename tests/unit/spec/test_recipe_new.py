@@ -111,3 +111,13 @@ def test_layer_kinds_follow_layer_types_else_the_interval():
         ["state", "state", "state", "full"] * 2
     with pytest.raises(UsageError, match=r"layer_types\[1\] is 'moe_attention'"):
         layer_kinds({"num_hidden_layers": 2, "layer_types": ["full_attention", "moe_attention"]}, Path("/m"))
+
+
+def test_the_description_names_the_stored_dtype_or_the_quantization():
+    """An unquantized checkpoint is named by what it stores (bf16), never "(none)"; a quantized one by its method."""
+    plain = draft(ModelSource(real("qwen3-4b"), 8_044_000_000, "/models/Qwen3-4B", repo="Qwen/Qwen3-4B"), 2)
+    quant = draft(ModelSource(real("gpt-oss-20b"), 13_800_000_000, "/models/gpt-oss-20b", repo="openai/gpt-oss-20b"), 2)
+    assert plain.weights_kind == "bf16" and quant.weights_kind == "gptq"  # this mirror's method (fixtures README)
+    text = recipe_text(plain, ModelSource(real("qwen3-4b"), 8_044_000_000, "/m", repo="Qwen/Qwen3-4B"), 2,
+                       image="vllm/vllm-openai@sha256:" + "a" * 64)
+    assert 'description = "Qwen3-4B (bf16), 2x DGX Spark' in text and "(none)" not in text
