@@ -64,7 +64,7 @@ def scene(tmp_path: Path) -> dict[str, str]:
             "PORT": str(_free_port()),  # nothing answers there: the head never gets healthy
             "WATCH_INTERVAL_S": "0.2", "WATCH_CANARY_S": "3600", "WATCH_MAX_RESTARTS": "50",
             "WATCH_BACKOFF_S": "0.05", "WATCH_READY_TIMEOUT_S": "1.5", "WATCH_NODE_WAIT_S": "60",
-            "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+            "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "COLUMNS": "200"}
     return env
 
 
@@ -100,7 +100,17 @@ class Watch:
                 self.cond.wait(min(left, 0.5))
 
     def end(self, timeout: float = 90) -> tuple[int, str]:  # a bound on a loaded machine, not a speed claim
-        code = self.proc.wait(timeout=timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # say where it stood: its words, and every thread's stack
+            # (SIGABRT: PYTHONFAULTHANDLER makes the child print them on stderr)
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.reader.join(timeout=10)
+            raise AssertionError(f"watch did not end within {timeout:g}s of the signal:\n" + "".join(self.lines)) from None
         self.reader.join(timeout=10)
         return code, "".join(self.lines)
 
