@@ -146,6 +146,8 @@ def reference_text() -> str:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     target = Path(args[0]) if args else REFERENCE_FILE
+    if not target.parent.is_dir():  # an installed sparkctl: no checkout's docs/ beside it
+        sys.exit(f"{target.parent} is not a folder: give the file to write (python -m sparkctl.reference FILE)")
     target.write_text(reference_text())
     print(f"wrote {target}")
 
