@@ -8,15 +8,17 @@
 #   ./one-shot.sh test    CI's test command: as root it first installs every Debian package the tests need,
 #                         then lint, type-check, unit tests, the fidelity suite (vLLM's code), the real-engine
 #                         suite (vLLM for CPU), the lab tests (root), the lab tests on the real engine
-#   ./one-shot.sh <any sparkctl command> [args]
+#   ./one-shot.sh <any sparkctl command> [args]   (`./one-shot.sh --help` lists sparkctl's commands below this)
 #
 # It bootstraps .venv on first use (and again whenever pyproject.toml changes), so the only thing a
-# machine needs is python3 (>= 3.11) with venv. demo and test, run as root on a fresh Debian/Ubuntu
-# machine, also install the Debian packages they need (LAB_PACKAGES, TEST_PACKAGES below).
+# machine needs is python3 (>= 3.11) with venv. A sparkctl command installs only what sparkctl needs;
+# demo and `lab` add the lab's extra, `bench --tool llama-benchy` llama-benchy, test every extra the tests
+# need. demo and test, run as root on a fresh Debian/Ubuntu machine, also install the Debian packages
+# they need (LAB_PACKAGES, TEST_PACKAGES in this script).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-venv="$here/.venv"
+venv="${SPARKCTL_VENV:-$here/.venv}"  # SPARKCTL_VENV: another venv (tests give a stand-in)
 py="${PYTHON:-python3}"
 
 # Debian packages: the one list of each (.ci/run installs none of its own).
@@ -33,24 +35,48 @@ TEST_PACKAGES=(nginx systemd python3-venv netcat-openbsd netplan.io sudo iperf3 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'one-shot.sh: %s\n' "$*" >&2; exit 2; }
 
-bootstrap() {
+extras_for() {  # extras_for VERB [ARGS...]: the extras of pyproject.toml that `./one-shot.sh VERB ARGS` needs
+  case "${1:-}" in
+    test) echo "lab llama-benchy test" ;;
+    demo|lab) echo "lab" ;;
+    bench) [[ " ${*:2} " == *llama-benchy* ]] && echo "llama-benchy" || true ;;
+    *) ;;  # a production command: sparkctl's own dependencies only
+  esac
+}
+
+bootstrap() {  # bootstrap [EXTRA...]: .venv with sparkctl (editable) and these extras, and whatever it had
   command -v "$py" >/dev/null || die "python3 not found: install Python 3.11 or newer"
   "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python 3.11 or newer is needed ($("$py" -V))"
-  local stamp="$venv/.sparkctl-stamp" want
-  want="$(cat "$here/pyproject.toml" | sha256sum | cut -c1-16)"
-  if [[ -x "$venv/bin/sparkctl" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  # The stamp: pyproject.toml's hash, then the extras installed (a stamp of one line, from before extras were
+  # chosen per verb, stands for every extra: that bootstrap installed them all).
+  local stamp="$venv/.sparkctl-stamp" want have=() all=() missing=() e spec
+  want="$(sha256sum < "$here/pyproject.toml" | cut -c1-16)"
+  if [[ -x "$venv/bin/sparkctl" && -f "$stamp" ]]; then
+    if (($(wc -l < "$stamp") >= 2)); then
+      read -r -a have <<< "$(sed -n 2p "$stamp")"
+    else
+      have=(lab llama-benchy test)
+    fi
+  fi
+  for e in "$@"; do
+    [[ " ${have[*]} " == *" $e "* ]] || missing+=("$e")
+  done
+  if [[ -x "$venv/bin/sparkctl" && "$(sed -n 1p "$stamp" 2>/dev/null)" == "$want" ]] && ((${#missing[@]} == 0)); then
     return
   fi
-  say "preparing $venv (first run, or pyproject.toml changed)"
+  read -r -a all <<< "$(printf '%s\n' "${have[@]}" "$@" | sort -u | tr '\n' ' ')"
+  say "preparing $venv (first run, pyproject.toml changed, or it lacks: ${missing[*]:-nothing})"
   if [[ ! -x "$venv/bin/python" ]]; then
     "$py" -m venv "$venv" 2>/dev/null || {
       as_root_install python3-venv
       "$py" -m venv "$venv"
     }
   fi
+  spec="$here"
+  ((${#all[@]} == 0)) || spec="${here}[$(IFS=,; echo "${all[*]}")]"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -e "${here}[test,lab,llama-benchy]" >&2
-  echo "$want" > "$stamp"
+  "$venv/bin/python" -m pip install -q -e "$spec" >&2
+  printf '%s\n%s\n' "$want" "${all[*]}" > "$stamp"
 }
 
 missing_packages() {  # the Debian packages of "$@" that are not installed, one line
@@ -136,7 +162,7 @@ demo() {
   [[ "$nodes" =~ ^[1-9][0-9]*$ ]] || die "demo: --nodes must be a whole number, not '$nodes'"
   [[ $(id -u) -eq 0 ]] || die "demo builds the lab (network namespaces, sshd, dockerd per host): run it as root"
   lab_packages
-  bootstrap
+  bootstrap $(extras_for demo)
   local replicas=1
   ((nodes % 4 == 0)) && replicas=$((nodes / 4))
   if [[ "$engine" == vllm ]]; then
@@ -201,7 +227,8 @@ run_tests() {
   lap_start=$SECONDS
   test_packages
   lap "Debian packages"
-  bootstrap
+  # shellcheck disable=SC2046 # the extras are words
+  bootstrap $(extras_for test)
   lap ".venv"
   say "ruff"
   "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench" "$here/scripts"
@@ -266,16 +293,31 @@ run_tests() {
   return "$rc"
 }
 
+usage() {  # this script's header (its own verbs), then sparkctl's commands (the venv made if need be)
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+  echo
+  echo "sparkctl's own commands (\`./one-shot.sh COMMAND ...\` runs \`sparkctl COMMAND ...\`):"
+  echo
+  if (bootstrap) && "$venv/bin/sparkctl" --help; then
+    return 0
+  fi
+  echo "(sparkctl's own commands are listed here once .venv can be made: python3 >= 3.11 with venv, and pip)"
+}
+
 main() {
   local cmd="${1:-}"
-  [[ -n "$cmd" ]] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+  [[ -n "$cmd" ]] || { usage; exit 2; }
   shift
   case "$cmd" in
-    -h|--help|help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h|--help|help) usage ;;
     demo) demo "$@" ;;
     test) run_tests "$@" ;;
-    *) bootstrap; exec "$venv/bin/sparkctl" "$cmd" "$@" ;;
+    *)
+      # shellcheck disable=SC2046 # the extras are words
+      bootstrap $(extras_for "$cmd" "$@")
+      exec "$venv/bin/sparkctl" "$cmd" "$@" ;;
   esac
 }
 
-main "$@"
+# Sourced (tests call its functions), it defines them and runs nothing.
+[[ "${BASH_SOURCE[0]}" != "$0" ]] || main "$@"

@@ -89,13 +89,18 @@ def served(chain: Lab) -> Iterator[Lab]:
 
 
 def unit_command(lab: Lab) -> tuple[list[str], dict[str, str]]:
-    """The `export systemd` unit's ExecStart argv and Environment, as systemd would run them."""
-    text = sk(lab, "export", "systemd", "--print", check=True).stdout
+    """The `export systemd` unit's ExecStart argv and Environment, as systemd would run them on the head --
+    which in the lab is this machine: the head's copies the unit names are the local files its comment says
+    they are copied from (`/etc/sparkctl/... <- LOCAL`), and the head's ssh config is the lab's."""
+    text = sk(lab, "export", "systemd", "--print", "--sparkctl", f"{sys.executable} -m sparkctl", check=True).stdout
     lines = text.splitlines()
+    copies = dict(ln.removeprefix("#").strip().split(" <- ", 1) for ln in lines
+                  if ln.startswith("#") and " <- " in ln)
     argv = unquote_exec(next(ln for ln in lines if ln.startswith("ExecStart=")).removeprefix("ExecStart="))
+    argv = [copies.get(a, a) for a in argv]
     envs = dict(unquote_exec(ln.removeprefix("Environment="))[0].split("=", 1)
                 for ln in lines if ln.startswith("Environment="))
-    return argv, envs
+    return argv, {**envs, "SPARKCTL_SSH_CONFIG": lab.env()["SPARKCTL_SSH_CONFIG"]}
 
 
 def start_watch(lab: Lab, extra: dict[str, str] | None = None, *, via_unit: bool = False) -> subprocess.Popen[str]:

@@ -4,7 +4,8 @@ Records every call (argv, node, order) in $STUB_ROOT/docker-calls.jsonl and keep
 $STUB_ROOT/docker-<node>.json: enough of run / ps / inspect / rm / logs / image inspect for sparkctl's
 lifecycle commands. $STUB_ROOT/docker-fail-<node> makes `docker run` fail on that node;
 $STUB_ROOT/docker-exited-<node> shows that node's containers exited (code 1), and
-$STUB_ROOT/docker-logs-<node> is what `docker logs` prints there.
+$STUB_ROOT/docker-logs-<node> is what `docker logs` prints there. `container inspect NAME`, `logs NAME`
+and `exec NAME CMD...` know a container by its name or ID (`exec` prints what it would run).
 """
 import fcntl
 import hashlib
@@ -92,6 +93,22 @@ def main():
     images = state.setdefault("images", {})
     state = state.setdefault("containers", {})
     full = {"containers": state, "images": images}
+    def known(ref):
+        return ref in state or any(c["Name"] == "/" + ref for c in state.values())
+
+    if cmd == "container" and rest[:1] == ["inspect"]:
+        _, refs = options(rest[1:])
+        missing = [r for r in refs if not known(r)]
+        for r in missing:
+            print(f"Error: No such container: {r}", file=sys.stderr)
+        return 1 if missing or not refs else 0
+    if cmd == "exec":
+        _, tail = options(rest)
+        if not tail or not known(tail[0]):
+            print(f"Error response from daemon: No such container: {tail[0] if tail else ''}", file=sys.stderr)
+            return 1
+        print(f"exec in {tail[0]}: {' '.join(tail[1:])}")
+        return 0
     if cmd == "tag":  # another name for the same image (same ID), as Docker does
         _, words = options(rest)
         src, dst = (words + ["", ""])[:2]
@@ -188,6 +205,9 @@ def main():
         return 0
     if cmd == "logs":
         _, names = options(rest)
+        if names and not known(names[-1]):
+            print(f"Error response from daemon: No such container: {names[-1]}", file=sys.stderr)
+            return 1
         given = os.path.join(ROOT, f"docker-logs-{NODE}")
         if os.path.exists(given):
             with open(given) as f:

@@ -126,9 +126,23 @@ with open(os.path.join(opt("--result-dir"), opt("--result-filename")), "w") as f
 '''
 
 
+# A `docker` whose one container is $FAKE_CONTAINER: `container inspect NAME` answers for it alone, and
+# `exec [-i] NAME CMD...` runs CMD here (the container's part dropped). Every call is logged.
+FAKE_DOCKER = r'''#!/bin/sh
+echo "$*" >> "$FAKE_DOCKER_LOG"
+case "$1" in
+  container) [ "$3" = "$FAKE_CONTAINER" ]; exit $? ;;
+  exec) shift; [ "$1" = "-i" ] && shift; name="$1"; shift
+        [ "$name" = "$FAKE_CONTAINER" ] || { echo "Error: No such container: $name" >&2; exit 1; }
+        exec "$@" ;;
+esac
+exit 1
+'''
+
+
 class _LocalNode:
-    """Runs what `bench --tool vllm` sends the head: `docker exec -i CONTAINER sh -c SCRIPT sh ARGV...`,
-    here with the container's part dropped (the script runs under the real sh, `vllm` the fake above)."""
+    """Runs what `bench --tool vllm` sends the head under the real sh, with the fake `docker` above and the
+    fake `vllm` on PATH."""
 
     def __init__(self, env: dict[str, str], calls: list[list[str]]) -> None:
         self.env, self.calls = env, calls
@@ -139,8 +153,7 @@ class _LocalNode:
         from sparkctl.cluster import RunResult
 
         self.calls.append(list(argv))
-        assert argv[:3] == ["docker", "exec", "-i"] and argv[4:6] == ["sh", "-c"]
-        p = subprocess.run(argv[4:], input=stdin, capture_output=True, env=self.env, timeout=60, check=False)
+        p = subprocess.run(argv, input=stdin, capture_output=True, env=self.env, timeout=60, check=False)
         return RunResult(p.stdout.decode(), p.stderr.decode(), p.returncode, 0.0)
 
 
@@ -164,18 +177,22 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch, node: object) -> None:
     monkeypatch.setattr(cluster, "Cluster", FakeCluster)
 
 
+@pytest.mark.parametrize("running", ["sparkctl-rank0", "sparkctl-sparkctl-rank0"])
 def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_load(standin, capsys, tmp_path,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, running):
+    """The head's container is the default cluster's `sparkctl-rank0`, or `sparkctl-sparkctl-rank0` for a
+    service an earlier sparkctl started (the name it gave then): either is the one the bench runs in."""
     import os
-
 
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "vllm").write_text(FAKE_VLLM)
-    (bindir / "vllm").chmod(0o755)
+    for name, text in (("vllm", FAKE_VLLM), ("docker", FAKE_DOCKER)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
     log = tmp_path / "vllm.log"
     calls: list[list[str]] = []
-    node_env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_VLLM_LOG": str(log), "TMPDIR": str(tmp_path)}
+    node_env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_VLLM_LOG": str(log), "TMPDIR": str(tmp_path),
+                "FAKE_DOCKER_LOG": str(tmp_path / "docker.log"), "FAKE_CONTAINER": running}
 
     fake_cluster(monkeypatch, _LocalNode(node_env, calls))
     port = standin.rsplit(":", 1)[1]
@@ -183,7 +200,7 @@ def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_lo
     ssh.write_text("Host spark1\n  HostName 127.0.0.1\n  User root\n")
     monkeypatch.chdir(tmp_path)
     for k in list(os.environ):
-        if k in ("SPARKCTL_ENV_FILE", "RECIPE", "TP", "DCP", "VLLM_API_KEY", "REPLICAS"):
+        if k in ("SPARKCTL_ENV_FILE", "RECIPE", "TP", "DCP", "VLLM_API_KEY", "REPLICAS", "CLUSTER_NAME"):
             monkeypatch.delenv(k)
     monkeypatch.setenv("NODES", "spark1 spark2 spark3 spark4")
     monkeypatch.setenv("MODEL", "/models/x y")
@@ -203,7 +220,8 @@ def test_tool_vllm_runs_vllm_bench_serve_in_the_heads_container_with_the_same_lo
             a[a.index("--num-prompts") + 1]) == ("16", "8", "2")
     assert "--ignore-eos" in a and runs[0]["key"] == "s3cret-key"  # the key reached vLLM's client ...
     assert not any("s3cret" in w for c in calls for w in c)  # ... on stdin, on no command line
-    assert calls[0][3] == "sparkctl-sparkctl-rank0" or calls[0][3].endswith("-rank0")
+    execs = [ln for ln in (tmp_path / "docker.log").read_text().splitlines() if ln.startswith("exec")]
+    assert len(execs) == 2 and all(ln.startswith(f"exec -i {running} sh -c") for ln in execs), execs
     assert "| mean TTFT (ms) |" in out and "| 12.5 |" in out and "vllm bench serve" in out
     assert not list(tmp_path.glob("tmp*"))  # the result's temp dir is removed
 

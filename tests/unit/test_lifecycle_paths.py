@@ -278,3 +278,71 @@ def test_force_unlock_breaks_a_live_foreign_holder_and_audits_it(nodes: LocalNod
     assert len(broken) == 1 and "alice@laptop" in broken[0]["detail"], broken
     code, out, err = run(["--json", "lock", "--force-unlock"], capsys)  # nothing to break: says so
     assert code == 0 and json.loads(out)["broken"] is None
+
+
+@pytest.fixture
+def legacy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalNodes]:
+    """The default cluster ("sparkctl") serving under the names an earlier sparkctl gave its ranks
+    (`sparkctl-sparkctl-rankN`): today's `up`, then every container renamed in the nodes' engines."""
+    with served_scene(monkeypatch, tmp_path, NODES, {"SERVED_MODEL_NAME": SERVED, "CLUSTER_NAME": "sparkctl"}) as ln:
+        assert run_cli_quiet(["up"]) == 0
+        for n in NODES:
+            state_file = ln.root / f"docker-{n}.json"
+            state = json.loads(state_file.read_text())
+            for c in state["containers"].values():
+                assert c["Name"].startswith("/sparkctl-rank"), c["Name"]  # today's name
+                c["Name"] = c["Name"].replace("/sparkctl-rank", "/sparkctl-sparkctl-rank")
+            state_file.write_text(json.dumps(state))
+        (ln.root / "docker-calls.jsonl").unlink()
+        yield ln
+
+
+def run_cli_quiet(argv: list[str]) -> int:
+    from sparkctl.cli import main
+
+    try:
+        main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def _names(ln: LocalNodes) -> dict[str, list[str]]:
+    out = {}
+    for n in NODES:
+        state = json.loads((ln.root / f"docker-{n}.json").read_text())
+        out[n] = sorted(c["Name"].lstrip("/") for c in state["containers"].values())
+    return out
+
+
+def test_a_service_under_the_legacy_names_is_the_running_service(legacy: LocalNodes, capsys: Any) -> None:
+    """An identical `up` keeps it (labels, not names, say what is ours); status, logs and exec reach it."""
+    code, out, err = run(["up"], capsys)
+    assert code == 0, err
+    assert calls(legacy, "run") == [] and calls(legacy, "rm") == [], "the running service was replaced"
+    code, out, err = run(["--json", "status"], capsys)  # exit 1: no engine answers /health in this scene
+    doc = json.loads(out)
+    assert [(r["rank"], r["state"], r["config_current"]) for r in doc["ranks"]] == [
+        (i, "running", True) for i in range(4)], out
+    assert doc["orphans"] == [] and doc["problems"] == ["head /health: no answer"], out
+    code, out, err = run(["logs", "--rank", "1", "--tail", "5"], capsys)
+    assert code == 0 and "serving sparkctl-sparkctl-rank1" in out, out + err
+    code, out, err = run(["exec", "--rank", "2", "--", "echo", "hi"], capsys)
+    assert code == 0 and "exec in sparkctl-sparkctl-rank2: echo hi" in out, out + err
+
+
+def test_a_changed_up_replaces_the_legacy_names_and_down_removes_them(legacy: LocalNodes, capsys: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, err = run(["up", "--recreate"], capsys)
+    assert code == 0, err
+    assert _names(legacy) == {n: [f"sparkctl-rank{i}"] for i, n in enumerate(NODES)}
+    code, out, err = run(["logs", "--rank", "1", "--tail", "5"], capsys)
+    assert code == 0 and "serving sparkctl-rank1" in out, out + err
+    code, out, err = run(["down"], capsys)
+    assert code == 0 and _names(legacy) == {n: [] for n in NODES}, err
+
+
+def test_down_removes_a_service_under_the_legacy_names(legacy: LocalNodes, capsys: Any) -> None:
+    code, out, err = run(["down"], capsys)
+    assert code == 0, err
+    assert _names(legacy) == {n: [] for n in NODES}

@@ -204,13 +204,17 @@ def _changes(ln: LocalNodes, since: int) -> list[str]:
 
 
 def _systemd_seam(ln: LocalNodes, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`export systemd` installs into a folder of the head's, with a systemctl that does nothing."""
+    """`export systemd` installs into a folder of the head's, with a systemctl that does nothing and a
+    `sparkctl` where the unit's program is looked for."""
     from sparkctl.spec import systemd_unit
 
     monkeypatch.setattr(systemd_unit, "UNIT_DIR", "units")
-    stub = ln.root / "hw" / "spark1" / "bin" / "systemctl"
-    stub.write_text("#!/bin/sh\nexit 0\n")
-    stub.chmod(0o755)
+    bin_dir = ln.root / "hw" / "spark1" / "bin"
+    monkeypatch.setattr(systemd_unit, "SEARCH_PATH", str(bin_dir))
+    for name in ("systemctl", "sparkctl"):
+        stub = bin_dir / name
+        stub.write_text("#!/bin/sh\nexit 0\n")
+        stub.chmod(0o755)
 
 
 CHANGERS = {

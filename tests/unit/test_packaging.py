@@ -33,6 +33,26 @@ def test_wheel_contains_data(wheel: Path) -> None:
     assert any(n.startswith("sparkctl/_data/images/") for n in names)
 
 
+def _shipped(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+
+
+def test_wheel_holds_every_file_of_the_package_and_its_data(wheel: Path) -> None:
+    """Everything the code loads beside itself (probes, recipes and layouts, data/*.json, the lab's Dockerfiles
+    and scripts, templates, images) is in the wheel that `pip install .`, `pipx install .` or `uv tool install .`
+    builds from the repository: every file under launcher/sparkctl/ at its place, templates/ and images/ under
+    sparkctl/_data/."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    pkg = ROOT / "launcher" / "sparkctl"
+    want = {f"sparkctl/{p.relative_to(pkg).as_posix()}" for p in _shipped(pkg)}
+    for top in ("templates", "images"):
+        want |= {f"sparkctl/_data/{top}/{p.relative_to(ROOT / top).as_posix()}" for p in _shipped(ROOT / top)}
+    assert {n for n in want if n.rpartition("/")[2] not in (".gitignore",)} - names == set()
+    for kind in ("probes/node_facts.sh", "probes/ckpt_scan.py", "recipes/layouts/tiny.json", "data/recipe.schema.json",
+                 "data/events.schema.json", "lab/ckpt_serving/Dockerfile.keys3", "lab/nvidia_smi_help_query.txt"):
+        assert f"sparkctl/{kind}" in names, kind
+
+
 def test_installed_wheel_renders_from_another_directory(wheel: Path, tmp_path: Path, model_308: Path) -> None:
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

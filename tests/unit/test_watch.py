@@ -308,7 +308,7 @@ def test_export_systemd_print_leaves_secrets_from_the_environment_out_and_warns(
         envs = [ln for ln in text.splitlines() if ln.startswith("Environment=")]
         # exactly what came from the environment, less RECIPE (ExecStart's --recipe) and the secrets
         pinned = sorted(ln.split("=", 2)[1].lstrip('"') for ln in envs)
-        assert pinned == ["CLUSTER_NAME", "MODEL", "NODES", "PORT", "SPARKCTL_SSH_CONFIG"], envs
+        assert pinned == ["CLUSTER_NAME", "MODEL", "NODES", "PORT"], envs
         assert 'Environment="PORT=8123"' in envs and 'Environment="CLUSTER_NAME=u"' in envs, envs
         for key, value in secrets.items():
             assert value not in out + err, f"{key}'s value was printed"

@@ -35,7 +35,8 @@ STATE_FILE = "deploy-state.json"
 @click.option("--timeout", "wait_timeout", type=click.FloatRange(min=1), default=3600, show_default=True,
               help="Seconds the wait step waits for the engine.")
 @click.option("--sparkctl", "program", metavar="PATH",
-              help="With --supervise: the sparkctl on the head (default: this one's Python, `-m sparkctl`).")
+              help="With --supervise: the sparkctl on the head, an absolute path there (default: `sparkctl`, "
+                   "as systemd finds it; `export systemd --sparkctl`).")
 @click.pass_context
 def command(ctx: click.Context, plan_only: bool, yes: bool, supervise: bool, no_bench: bool, wait_timeout: float,
             program: str | None) -> None:
@@ -57,9 +58,8 @@ def command(ctx: click.Context, plan_only: bool, yes: bool, supervise: bool, no_
     if supervise:
         from .export import unit_for
 
-        def supervisor() -> tuple[str, str, str, tuple[str, bytes]]:
-            name, text, copy, content = unit_for(g, s, program)
-            return s.head, name, text, (copy, content)
+        def supervisor() -> tuple[str, Any]:
+            return s.head, unit_for(s, program)
 
     where = dp.state_dir(s.cluster_name)
     state = dp.read_doc(where / STATE_FILE) or {}

@@ -16,7 +16,8 @@ from .common import globals_of, one_replica, settings_of
 
 
 @click.command("history")
-@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True,
+              help="Show this many entries at most, newest first.")
 @click.pass_context
 def history_cmd(ctx: click.Context, limit: int) -> None:
     """What `up` started on this cluster, newest first: when, by whom, image content hash, config."""

@@ -11,7 +11,6 @@ from ..completion import rank_numbers
 from ..errors import UsageError
 from ..orchestrate.rank_exec import run_in_rank
 from ..output import emit_json
-from ..spec.builders import container_name
 from .common import globals_of, settings_of
 
 
@@ -33,7 +32,7 @@ def exec_cmd(ctx: click.Context, rank: int, replica: int, timeout: float, argv: 
     if not 0 <= rank < len(ranks):
         raise UsageError(f"--rank {rank}: ranks are 0..{len(ranks) - 1}")
     node_name = ranks[rank].node
-    r = run_in_rank(g.ssh_config_path(), node_name, container_name(s.cluster_name, rank), words, timeout)
+    r = run_in_rank(g.ssh_config_path(), node_name, s.cluster_name, rank, words, timeout)
     if g.json:
         emit_json({"rank": rank, "node": node_name, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr})
     else:

@@ -148,7 +148,7 @@ def run_vllm_tool(s: Settings, ssh_config: str | Path | None, cfg: BenchConfig, 
     of `doc` (sparkctl's run, just measured), over one SSH connection to the head; its results (lists left
     out) and the side-by-side table."""
     from ..cluster import Cluster
-    from ..spec.builders import container_name
+    from ..spec.builders import CONTAINER, container_name, rank_docker_argv
 
     head, container = s.head, container_name(s.cluster_name, 0)
     task, levels = next(iter(doc["workloads"].items()))
@@ -165,7 +165,7 @@ def run_vllm_tool(s: Settings, ssh_config: str | Path | None, cfg: BenchConfig, 
                 max_concurrency=c, request_rate=cfg.request_rate, seed=cfg.seed, temperature=cfg.temperature,
                 top_p=cfg.top_p)
             say(f"vllm bench serve in {container} on {head}, C={c}, {lv['requests']} prompts ...")
-            r = node.run(vllmbench.exec_argv(container, argv), stdin=((cfg.api_key or "") + "\n").encode(),
+            r = node.run(rank_docker_argv(s.cluster_name, 0, vllmbench.exec_argv(CONTAINER, argv)), stdin=((cfg.api_key or "") + "\n").encode(),
                          timeout=level_bound_s(cfg) + 120)
             if r.exit_code != 0:
                 raise CheckFailed(f"vllm bench serve in {container} on {head} exited {r.exit_code}: "

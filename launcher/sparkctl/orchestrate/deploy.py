@@ -35,6 +35,7 @@ from ..facts.parsing import ParseError, parse_json
 from ..progress import Feed
 from ..spec import deploy_plan as dp
 from ..spec.settings import Settings
+from ..spec.systemd_unit import UnitInstall
 
 COMMIT_LEN = 40
 
@@ -51,8 +52,8 @@ class Context:
     bench: bool = True
     wait_timeout: float = 3600.0
     prompt: str = "Say hello in five words."
-    # export systemd's unit, made by the command layer: (node, unit name, unit text, (recipe copy, bytes))
-    supervisor: Callable[[], tuple[str, str, str, tuple[str, bytes]]] | None = None
+    # export systemd's unit, made by the command layer: (node, systemd_unit.UnitInstall)
+    supervisor: Callable[[], tuple[str, UnitInstall]] | None = None
     state: dict[str, Any] = field(default_factory=dict)  # deploy's saved state (check's last pass)
     memo: dict[str, Any] = field(default_factory=dict)  # probe results shared between steps
     cluster: Cluster | None = None  # the probes' connections (one per node), opened on first use
@@ -600,7 +601,8 @@ def _supervise_applies(ctx: Context) -> str | None:
 
 def probe_supervise(ctx: Context) -> dp.StepPlan:
     assert ctx.supervisor is not None
-    target, name, text, _ = ctx.supervisor()
+    target, unit = ctx.supervisor()
+    name, text = unit.name, unit.text
     node = ctx.nodes_cluster().node(target)
     r = node.run(["cat", "--", f"/etc/systemd/system/{name}"], timeout=20)
     if r.ok and r.stdout == text:
@@ -615,9 +617,9 @@ def apply_supervise(ctx: Context, plan: dp.StepPlan) -> dict[str, Any]:
     from .export_systemd import install_unit
 
     assert ctx.supervisor is not None
-    target, name, text, recipe = ctx.supervisor()
-    install_unit(ctx.ssh_config, target, ctx.settings.cluster_name, name, text, recipe)
-    return {"unit": name, "node": target, "recipe": recipe[0]}
+    target, unit = ctx.supervisor()
+    install_unit(ctx.ssh_config, target, ctx.settings.cluster_name, unit)
+    return {"unit": unit.name, "node": target, "recipe": unit.recipe}
 
 
 # ------------------------------------------------------------------------------------ the registry

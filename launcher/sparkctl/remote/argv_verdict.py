@@ -171,7 +171,10 @@ def _identify(head: Node, settings: Settings) -> tuple[str | None, str, str]:
         elif line.startswith("@@noimage"):
             why = line.split(" ", 1)[1].strip() if " " in line else ""
     if image is None and not why:
-        why = (r.stderr or r.stdout).strip()[-300:] or f"exit {r.exit_code}"
+        # docker said nothing: the user is told that, or what the shell said, never this script's own marker lines
+        said = "\n".join(ln for ln in (r.stderr or r.stdout).splitlines() if not ln.startswith("@@")).strip()
+        why = said[-300:] or ("`docker image inspect` found no such image and said nothing more"
+                              if "@@noimage" in r.stdout else f"the image lookup ended with exit {r.exit_code}")
     return image, config, why
 
 

@@ -27,7 +27,6 @@ from ..facts.engine_lines import (
     phase_patterns,
     unreachable_master,
 )
-from ..spec.builders import container_name
 from ..spec.settings import Settings
 from .headapi import MAX_JSON_ANSWER, MAX_METRICS_ANSWER, BadAnswer, HeadApi  # noqa: F401 - readiness.HeadApi: status, wait, watch
 from .service import ContainerState, inspect_cluster, log_tail, why_dead
@@ -159,7 +158,7 @@ def wait_ready(
     def poll_rank(node: Node) -> tuple[list[ContainerState], list[str]]:
         rank = rank_of[node.name]
         states = inspect_cluster(node, name)
-        lines = log_tail(node, container_name(name, rank), 200)
+        lines = log_tail(node, name, rank, 200)
         return states, lines
 
     def once() -> dict[str, Any] | None:

@@ -28,11 +28,13 @@ from ..facts.parsing import ParseError
 from ..rules import death
 from ..rules.memory import DEFAULT_WAIT_S, NodeMemory, not_back
 from ..spec.builders import (
+    CONTAINER,
     LABEL_CLUSTER,
     RankSpec,
     container_name,
     docker_run_argv,
     env_file_text,
+    rank_docker_argv,
     remote_env_file,
 )
 from ..spec.settings import Settings
@@ -408,7 +410,7 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
     for spec in specs:
         mine = [c for c in running[spec.node] if c.rank == spec.rank]
         if not mine or not mine[0].running:
-            tail = log_tail(cluster.node(spec.node), container_name(settings.cluster_name, spec.rank), 50)
+            tail = log_tail(cluster.node(spec.node), settings.cluster_name, spec.rank, 50)
             status = f"{mine[0].status}, exit {mine[0].exit_code}" if mine else "gone"
             found = failure_in(tail)  # vLLM's words for the cause, even with lines after it
             said = f"{found[0]}: {found[1]}" if found else (tail[-1] if tail else "")
@@ -471,9 +473,10 @@ def down(cluster: Cluster, settings: Settings, say: Callable[[str], None] = lamb
 
 # ------------------------------------------------------------------------------------------ logs
 
-def log_tail(node: Node, container: str, n: int) -> list[str]:
+def log_tail(node: Node, cluster: str, rank: int, n: int) -> list[str]:
+    """The last `n` lines of rank `rank`'s container of `cluster` on `node` ([] when they cannot be read)."""
     try:
-        r = node.run(["docker", "logs", "--tail", str(int(n)), container], timeout=20)
+        r = node.run(rank_docker_argv(cluster, rank, ["docker", "logs", "--tail", str(int(n)), CONTAINER]), timeout=20)
     except NodeError:
         return []
     return (r.stdout + r.stderr).splitlines()[-n:]
@@ -519,7 +522,8 @@ def stream_logs(cluster: Cluster, settings: Settings, ranks: Sequence[int], *, t
         node_name = settings.service.ranks[rank].node
         try:
             node = cluster.node(node_name)
-            for line in node.stream(log_argv(container_name(name, rank), tail=tail, follow=follow), stop=stop):
+            argv = rank_docker_argv(name, rank, log_argv(CONTAINER, tail=tail, follow=follow))
+            for line in node.stream(argv, stop=stop):
                 emit(rank, node_name, line)
         except NodeError as exc:
             errors[node_name] = exc

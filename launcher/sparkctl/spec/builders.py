@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,50 @@ class RankSpec:
     vllm_argv: list[str]
 
 
+DEFAULT_CLUSTER = "sparkctl"  # CLUSTER_NAME's default
+CONTAINER = "@@sparkctl-container@@"  # the word of a rank's docker argv where its container's name goes
+
+
 def container_name(cluster: str, rank: int) -> str:
-    return f"sparkctl-{cluster}-rank{rank}"
+    """`sparkctl-rankN` for the default cluster, `sparkctl-<cluster>-rankN` for any other. Names are for
+    people: sparkctl finds its containers by their labels (cluster, rank), never by name, except where
+    docker wants one name (logs, exec), and those go through `rank_docker_argv`."""
+    return f"sparkctl-rank{rank}" if cluster == DEFAULT_CLUSTER else f"sparkctl-{cluster}-rank{rank}"
+
+
+def legacy_container_name(cluster: str, rank: int) -> str | None:
+    """The name earlier versions gave the default cluster's ranks (`sparkctl-sparkctl-rankN`), under which a
+    service they started still runs (`up` keeps an identical service, whatever its names); None for the
+    clusters whose name did not change."""
+    old = f"sparkctl-{cluster}-rank{rank}"
+    return None if old == container_name(cluster, rank) else old
+
+
+# Run argv with its first CONTAINER word replaced by the rank's container name: the current name, or the
+# legacy one when only a container of that name exists on the node. Names are positional arguments.
+_PICK_CONTAINER = r'''new="$1"; old="$2"; mark="$3"; shift 3; n="$new"
+if ! docker container inspect "$new" >/dev/null 2>&1 && docker container inspect "$old" >/dev/null 2>&1; then
+  n="$old"
+fi
+swapped=0
+for a in "$@"; do
+  shift
+  if [ "$swapped" = 0 ] && [ "$a" = "$mark" ]; then set -- "$@" "$n"; swapped=1; else set -- "$@" "$a"; fi
+done
+exec "$@"'''
+
+
+def rank_docker_argv(cluster: str, rank: int, argv: Sequence[str]) -> list[str]:
+    """A docker command about one rank's container (`argv` holds CONTAINER where the name goes), which also
+    reaches a container that still has the legacy name (`legacy_container_name`)."""
+    new, old = container_name(cluster, rank), legacy_container_name(cluster, rank)
+    if old is None:
+        out, done = [], False
+        for a in argv:
+            out.append(new if a == CONTAINER and not done else a)
+            done = done or a == CONTAINER
+        return out
+    return ["sh", "-c", _PICK_CONTAINER, "sparkctl-rank", new, old, CONTAINER, *argv]
 
 
 def remote_env_file(cluster: str, rank: int) -> str:

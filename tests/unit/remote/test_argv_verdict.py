@@ -194,6 +194,27 @@ def test_a_head_without_the_image_is_not_judged() -> None:
     assert f.status == "warn" and "build" in f.fix
 
 
+@pytest.mark.parametrize("stdout", ["@@noimage \n", "@@noimage\n"])
+def test_a_silent_image_lookup_is_told_in_words_never_as_the_scripts_marker(stdout: str) -> None:
+    """docker's inspect failing without a word: check's warning names the image and says so, and never shows
+    the lookup script's internal marker line."""
+    from sparkctl.cluster.channel import RunResult
+    from sparkctl.remote import argv_verdict as argvjudge
+
+    class Head:
+        name = "spark1"
+
+        def run(self, argv: list[str], **_: Any) -> RunResult:
+            return RunResult(stdout, "", 0, 0.0)
+
+    S, spec = _OneRank, _one_rank()
+    (v,) = argvjudge.judge(Head(), S(), [spec]).verdicts  # type: ignore[arg-type]
+    assert v.stage == "image" and "@@" not in v.words
+    assert f"has no image {S.image}" in v.words and "said nothing more" in v.words
+    (f,) = argvjudge.findings(argvjudge.judge(Head(), S(), [spec]), S())  # type: ignore[arg-type]
+    assert "@@" not in f.reason and "@@" not in f.short and "@@" not in f.fix
+
+
 def test_the_verdict_lines_are_read_among_vllms_own_output() -> None:
     from sparkctl.remote.argv_verdict import MARK, parse_output
 

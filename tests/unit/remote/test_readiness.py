@@ -146,7 +146,7 @@ def cluster_logs(monkeypatch: pytest.MonkeyPatch, clean_env: Any) -> Callable[[d
 
     def run(logs: dict[str, list[str]], timeout: float, grace: float) -> CheckFailed:
         monkeypatch.setattr(readiness, "inspect_cluster", lambda node, name: [running(rank_of[node.name])])
-        monkeypatch.setattr(readiness, "log_tail", lambda node, cname, n: logs[node.name])
+        monkeypatch.setattr(readiness, "log_tail", lambda node, cluster, rank, n: logs[node.name])
         with pytest.raises(CheckFailed) as info:
             readiness.wait_ready(FakeCluster(), settings, NeverReady(), timeout=timeout,  # type: ignore[arg-type]
                                  poll_s=0.05, unreachable_grace_s=grace)

@@ -117,7 +117,7 @@ def test_only_a_replica_of_several_carries_the_replica_label(clean_env: Any, mod
     for index, view in enumerate(two.replicas()):
         specs = rank_specs(view, plan, _pins(view))
         assert [_flag(docker_run_argv(view, spec, "h"), "--name") for spec in specs] == \
-            [f"sparkctl-sparkctl-rank{r}" for r in range(2)]
+            [f"sparkctl-rank{r}" for r in range(2)]
         for spec in specs:
             labels = [w for w in docker_run_argv(view, spec, "h") if w.startswith("sparkctl.replica=")]
             assert labels == [f"sparkctl.replica={index}"]
@@ -166,3 +166,35 @@ def test_an_unknown_head_fabric_ip_names_the_heads_own_pin_knob(clean_env: Any, 
         assert key in (exc.value.fix or "")
     s = _load(model, {"MASTER_ADDR": "10.9.9.9"}, pins=False)
     assert master_addr(s, _pins(s)) == "10.9.9.9"
+
+
+@pytest.mark.parametrize(("present", "used"), [
+    (["sparkctl-rank1"], "sparkctl-rank1"),
+    (["sparkctl-sparkctl-rank1"], "sparkctl-sparkctl-rank1"),
+    (["sparkctl-rank1", "sparkctl-sparkctl-rank1"], "sparkctl-rank1"),
+    ([], "sparkctl-rank1"),  # neither: docker's own error names today's name
+])
+def test_a_ranks_docker_command_reaches_its_container_under_either_name(tmp_path, present, used):
+    """The default cluster's rank containers are `sparkctl-rankN`; a service an earlier sparkctl started runs
+    as `sparkctl-sparkctl-rankN`: docker commands about one rank (logs, exec) reach whichever is there, under
+    the real sh. Only the first marker word is the name; the rest of the argv is untouched."""
+    import subprocess
+
+    from sparkctl.spec.builders import CONTAINER, rank_docker_argv
+
+    fake = tmp_path / "docker"
+    fake.write_text('#!/bin/sh\nif [ "$1" = container ]; then for n in $PRESENT; do [ "$n" = "$3" ] && exit 0; done;'
+                    ' exit 1; fi\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    argv = rank_docker_argv("sparkctl", 1, ["docker", "exec", CONTAINER, "echo", CONTAINER, "a b"])
+    r = subprocess.run(argv, env={"PATH": f"{tmp_path}:/usr/bin:/bin", "PRESENT": " ".join(present)},
+                       capture_output=True, text=True, timeout=30, check=True)
+    assert r.stdout.splitlines() == ["exec", used, "echo", CONTAINER, "a b"]
+
+
+def test_another_clusters_names_are_unchanged_and_need_no_lookup():
+    from sparkctl.spec.builders import CONTAINER, container_name, legacy_container_name, rank_docker_argv
+
+    assert container_name("prod", 2) == "sparkctl-prod-rank2" and legacy_container_name("prod", 2) is None
+    assert container_name("sparkctl", 2) == "sparkctl-rank2"
+    assert rank_docker_argv("prod", 2, ["docker", "logs", CONTAINER]) == ["docker", "logs", "sparkctl-prod-rank2"]

@@ -183,7 +183,7 @@ def test_render_two_replicas_on_eight_nodes(eight: Path, capsys: Any) -> None:
         for r in rep["ranks"]:
             argv = r["docker_argv"]
             assert f"sparkctl.replica={rep['replica']}" in argv and f"sparkctl.rank={r['rank']}" in argv
-            assert argv[argv.index("--name") + 1] == f"sparkctl-sparkctl-rank{r['rank']}"
+            assert argv[argv.index("--name") + 1] == f"sparkctl-rank{r['rank']}"
             assert argv[argv.index("--master-addr") + 1] == f"10.0.0.{11 + 4 * rep['replica']}"
             pos = rep["replica"] * 4 + r["rank"]  # the pins of position pos in NODES: RANK4..7 for replica 1
             assert r["env"]["VLLM_HOST_IP"] == f"10.0.0.{pos + 11}" and r["env"]["NCCL_IB_HCA"] == f"roce{pos}"
