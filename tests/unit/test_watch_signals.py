@@ -73,9 +73,12 @@ class Watch:
 
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
         self.tmp = tmp
+        # SIGHUP as a terminal leaves it: a suite started under `nohup` hands an ignored SIGHUP down, which
+        # watch keeps ignoring by design (signals.install), so the hangup cases would wait forever.
         self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp), str(REPO), " ".join(NODES)],
                                      cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         self.lines: list[str] = []
         self.cond = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
