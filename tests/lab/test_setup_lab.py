@@ -50,10 +50,10 @@ def test_a_fresh_lab_reaches_a_passing_check_through_setup_alone(fresh: Lab) -> 
     plan = _plan(fresh)
     kinds = {(c["node"], c.get("path") or c["command"]) for c in plan["changes"]}
     for n in NODES:
-        for what in ("/etc/netplan/60-sparkctl-fabric.yaml", "/etc/sudoers.d/sparkctl",
-                     "/etc/security/limits.d/60-sparkctl.conf", "/etc/default/earlyoom",
-                     "/etc/sparkctl/setuptest/fabric.json", "netplan apply"):
+        for what in ("/etc/netplan/60-sparkctl-fabric.yaml", "/etc/security/limits.d/60-sparkctl.conf",
+                     "/etc/default/earlyoom", "/etc/sparkctl/setuptest/fabric.json", "netplan apply"):
             assert (n, what) in kinds, (n, what, plan["changes"])
+        assert (n, "/etc/sudoers.d/sparkctl") not in kinds  # the lab logs in as root: no sudo line needed
     assert plan["cabling"]["layout"] in ("switch", "ring", "direct pair")
     assert _plan(fresh)["changes"] == plan["changes"]  # planning changed nothing
 
@@ -63,7 +63,7 @@ def test_a_fresh_lab_reaches_a_passing_check_through_setup_alone(fresh: Lab) -> 
     assert r.returncode == 0, r.stdout + r.stderr
     assert _plan(fresh)["changes"] == []
     audit = _sparkctl(fresh, "audit", "--json")
-    assert "wrote /etc/sudoers.d/sparkctl" in audit.stdout
+    assert "/etc/netplan/60-sparkctl-fabric.yaml" in audit.stdout
 
 
 def test_a_port_taken_down_after_setup_fails_check_naming_it_and_setup(fresh: Lab) -> None:

@@ -227,3 +227,30 @@ def test_the_netplan_apply_seam_applies_what_the_real_netplan_generate_makes(tmp
         "link set dev enp1s0f0np0 up",
     ]
     assert "enp1s0f1np1" not in log.read_text()
+
+
+def test_the_gid_table_follows_the_ports_addresses_as_the_kernels_does(tmp_path: Path) -> None:
+    """roce_gids.rewrite on the tree write_sysfs made: the IPv4-mapped RoCE v1/v2 pair of the old address is
+    replaced by one pair per new address, after the link-local (and IPv6) entries, which stay where they were;
+    no address: only those remain. The GID index of RoCE v2 for the first address is what `check` pins."""
+    import ipaddress
+
+    from sparkctl.lab import roce_gids
+    from sparkctl.lab.state import PORT_HCAS, PORT_IFS
+
+    spec = HostSpec.of(2)
+    macs = {p: f"02:00:00:00:02:0{i}" for i, p in enumerate(PORT_IFS)}
+    seams.write_sysfs(tmp_path, spec, macs, {p: True for p in PORT_IFS})
+    port = tmp_path / PORT_HCAS[PORT_IFS.index(spec.fabric_if)] / "ports" / "1"
+    gids = lambda: [(port / "gids" / str(n)).read_text().strip() for n in range(seams.GID_SLOTS)]  # noqa: E731
+    kinds = lambda: [(port / "gid_attrs" / "types" / str(n)).read_text().strip() for n in range(seams.GID_SLOTS)]  # noqa: E731
+    before = gids()
+    assert before[spec.gid_index] == seams.gid_text(ipaddress.IPv6Address(f"::ffff:{spec.fabric_ip}"))
+    roce_gids.rewrite(port, spec.fabric_if, ["192.168.100.2", "192.168.100.9"])
+    after = gids()
+    assert after[:spec.gid_index - 1] == before[:spec.gid_index - 1]  # link-local (and IPv6) entries kept
+    assert after[spec.gid_index] == "0000:0000:0000:0000:0000:ffff:c0a8:6402"
+    assert after[spec.gid_index + 2] == "0000:0000:0000:0000:0000:ffff:c0a8:6409"
+    assert kinds()[spec.gid_index] == "RoCE v2" and kinds()[spec.gid_index - 1] == "IB/RoCE v1"
+    roce_gids.rewrite(port, spec.fabric_if, [])
+    assert all(g == seams.ZERO_GID for g in gids()[spec.gid_index - 1:]) and kinds()[spec.gid_index] == ""

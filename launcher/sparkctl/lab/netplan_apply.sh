@@ -4,7 +4,7 @@
 # The real `netplan generate` turns ROOT/etc/netplan/*.yaml into systemd-networkd files, and this applies
 # what those files say, as networkd would on a real node, to the links they match in this host's network
 # namespace: each `Address=` (IPv4 ones not listed are removed from that link), `MTUBytes=`, the link up.
-# Links no file matches are left as they are. Installed in each lab host's bin/ by `sparkctl lab up` and
+# Links no file matches are left as they are. The port's RoCE GID table then follows its addresses (roce_gids.py). Installed in each lab host's bin/ by `sparkctl lab up` and
 # named by $SPARKCTL_NETPLAN_APPLY in the host's sshd environment (setup_apply.sh runs it with the root).
 set -eu
 R=$1
@@ -34,4 +34,6 @@ for f in "$out"/run/systemd/network/*.network; do
         esac
     done
     ip link set dev "$name" up
+    # the kernel adds and drops a port's RoCE GIDs with its addresses: so does the lab's sysfs seam
+    python3 "$(dirname "$0")/roce_gids.py" "$name"
 done

@@ -59,9 +59,9 @@ def write_setup_seams(paths: HostPaths) -> None:
         machine_id.unlink(missing_ok=True)
         machine_id.symlink_to(paths.root / "machine-id")  # made with the host's mount namespace
     paths.bin_dir.mkdir(parents=True, exist_ok=True)
-    seam = paths.bin_dir / "netplan-apply"
-    shutil.copyfile(HERE / "netplan_apply.sh", seam)
-    seam.chmod(0o755)
+    for name, target in (("netplan_apply.sh", "netplan-apply"), ("roce_gids.py", "roce_gids.py")):
+        shutil.copyfile(HERE / name, paths.bin_dir / target)
+        (paths.bin_dir / target).chmod(0o755)
 
 
 def write_nvidia_smi(bin_dir: Path, spec: HostSpec) -> None:

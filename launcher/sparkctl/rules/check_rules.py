@@ -271,6 +271,16 @@ def rule_fabric_record(node: str, facts: F.NodeFacts) -> Finding | None:
               "fabric as it is cabled now (it plans first)")
 
 
+def with_fabric_record(fabric: Finding, recorded: Finding | None) -> Finding:
+    """The fabric row when setup's document disagrees with the node: the document's finding (the port, its cable,
+    `sparkctl setup` as the fix), with what the discovery also found wrong after it; else the discovery's."""
+    if recorded is None:
+        return fabric
+    if fabric.status == FAIL and fabric.reason not in recorded.reason:
+        return replace(recorded, reason=f"{recorded.reason}; {fabric.reason}")
+    return recorded
+
+
 def rule_limits(node: str, facts: F.NodeFacts, needs: Needs) -> Finding:
     if facts.nofile_hard is None or facts.memlock_hard_kib is None:
         return _unknown(node, "limits", facts, "nofile" if facts.nofile_hard is None else "memlock")
@@ -779,9 +789,7 @@ def evaluate(
             continue
         facts = good[n] = got[0]
         fabric, pin = discover_fabric(n, rank, facts, needs)
-        recorded = rule_fabric_record(n, facts)
-        if recorded is not None and fabric.status != FAIL:
-            fabric = recorded
+        fabric = with_fabric_record(fabric, rule_fabric_record(n, facts))
         if pin is not None:
             pins[rank] = pin
             if (overridden := rule_pin_env(n, pin, needs.pin_env, needs.recipe_path)) is not None:

@@ -85,3 +85,19 @@ def test_check_fails_the_fabric_row_where_a_recorded_port_was_readdressed_and_on
     assert by[("spark1", "fabric")].status != FAIL
     assert by[("spark2", "fabric")].status == FAIL
     assert "port enp1s0f0np0 has address 10.232.0.99/24, not 10.232.0.12/24" in by[("spark2", "fabric")].reason
+
+
+def test_check_names_setup_for_a_port_down_even_when_discovery_failed_on_it_too() -> None:
+    """The fabric row: where the node disagrees with setup's document, its finding (the port, the cable, and
+    `sparkctl setup` as the fix) is the row, with what discovery found wrong after it; else discovery's."""
+    from sparkctl.rules.check_rules import OK, Finding, with_fabric_record
+
+    recorded = rule_fabric_record("s1", facts(DOC, up=False))
+    assert recorded is not None
+    down = Finding("s1", "fabric", FAIL, "p0 down", "s1: fabric netdev p0 (192.168.100.1/30) is DOWN",
+                   "bring it up on s1 (`ip link set p0 up`)")
+    row = with_fabric_record(down, recorded)
+    assert "`sparkctl setup`" in row.fix and "is down" in row.reason and "is DOWN" in row.reason
+    fine = Finding("s1", "fabric", OK, "p0", "s1: p0", "")
+    assert with_fabric_record(fine, None) is fine and with_fabric_record(down, None) is down
+    assert with_fabric_record(fine, recorded) is recorded

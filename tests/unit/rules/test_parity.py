@@ -67,6 +67,20 @@ def test_mtu_1500_on_one_fabric_port_fails() -> None:
     assert d.status == FAIL and "enp1s0f0np0=1500" in d.reason and "(a, b, c)" in d.reason  # type: ignore[attr-defined]
 
 
+def test_a_port_without_a_cable_keeps_its_mtu_out_of_the_comparison() -> None:
+    """A node cabled on both ports (both at 9000) beside nodes whose second port is down at 1500: no difference
+    that drops frames, so no failure; the down port's MTU is not compared."""
+    def one_port_down() -> F.NodeFacts:
+        f = facts()
+        assert f.netdevs is not None
+        f.netdevs[1] = F.NetDev("enP2p1s0f0np0", "DOWN", ("BROADCAST",), (), mtu=1500)
+        return f
+
+    by = {"a": one_port_down(), "b": one_port_down(), "c": facts(), "d": one_port_down()}
+    got = run(by)
+    assert all(f.status == OK for f in got.values()), got  # type: ignore[attr-defined]
+
+
 def test_a_tie_takes_the_heads_value_as_the_reference() -> None:
     by = {"a": facts(), "b": facts(), "c": facts(driver="590.44.01"), "d": facts(driver="590.44.01")}
     got = run(by)
