@@ -17,7 +17,7 @@ import click
 
 from . import __version__, output, signals
 from .completion import node_names
-from .errors import SparkctlError, UsageError
+from .errors import SparkctlError, UsageError, failure_document
 from .options import Globals, globals_from, line_globals
 from .signals import signal_name
 
@@ -198,10 +198,13 @@ def _wants_json(words: list[str]) -> bool:
 
 
 def _json_failure(wanted: bool, doc: dict[str, Any]) -> None:
-    """`--json` promises one document on stdout: a command that fails before printing its own ends with
-    this one (ok false, the error, the node, the fix, the exit code). Never a second document."""
+    """`--json` promises one document on stdout: a failing command ends with the failure's, of the one shape
+    (errors.failure_document: ok false, error, fix, node, failures, exit_code). Never a second document."""
     if wanted and not output.documents_emitted():
-        output.emit_json({"ok": False, "error": None, "node": None, "fix": None} | doc)
+        if set(doc) >= {"ok", "error", "fix", "node", "failures", "exit_code"}:
+            output.emit_json(doc)
+        else:
+            output.emit_json(failure_document(doc["error"], exit_code=doc["exit_code"], fix=doc.get("fix")))
 
 
 def _main(argv: list[str] | None) -> None:
@@ -236,7 +239,8 @@ def _main(argv: list[str] | None) -> None:
         _json_failure(as_json, {"error": exc.format_message(), "fix": f"see `{where} --help`", "exit_code": code})
         sys.exit(code)
     except SparkctlError as exc:
-        click.echo(f"error: {exc}", err=True)
+        if not exc.shown:
+            click.echo(f"error: {exc}", err=True)
         _json_failure(as_json, exc.to_json())
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:
@@ -263,10 +267,12 @@ def _main(argv: list[str] | None) -> None:
 
 
 def _status_words(code: int) -> str:
-    """A status a command gave without an error to show (its own text went to stderr)."""
+    """A status a command gave without raising its reason (commands raise a SparkctlError; this is the
+    net under them): the last warning it printed, else the status itself."""
     if code > 128:
         return f"interrupted ({signal_name(code - 128)})"
-    return f"failed (exit {code}): see stderr"
+    said = output.last_said()
+    return said if said else f"the command ended with exit status {code} without saying why"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 without it, human text on stdout. Warnings always go to stderr.
 
 emit_json counts the documents it prints, so that a command given --json that fails before printing
-one still ends with one: `cli.main` prints the failure's (`ok: false`, the error, the node, the fix).
+one still ends with one: `cli.main` prints the failure's (errors.failure_document: one shape for every
+command). A command with a report of its own ends with `finish`: its document on success, or its failure
+raised with the report beside it, so the failure's document is the one it prints.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 from typing import Any
 
 from rich.console import Console
+
+from .errors import SparkctlError
 
 
 def console(as_json: bool) -> Console:
@@ -43,6 +47,7 @@ _documents = [0]  # JSON documents printed on stdout by this command (cli.main r
 
 def reset_documents() -> None:
     _documents[0] = 0
+    _said.clear()
 
 
 def documents_emitted() -> int:
@@ -70,7 +75,26 @@ def emit_json_line(doc: Any) -> None:
     sys.stdout.flush()
 
 
+def finish(as_json: bool, doc: dict[str, Any], failure: SparkctlError | None = None) -> None:
+    """The end of a command with a report: with --json its document when it succeeded; when it failed,
+    `failure` is raised carrying the report (`extra`), and cli.main prints the one failure document."""
+    if failure is not None:
+        if as_json:
+            failure.extra = {**doc, **(failure.extra or {})}
+        raise failure
+    if as_json:
+        emit_json(doc)
+
+
+_said: list[str] = []  # the last warning printed by this command (cli.main's last word on a bare exit status)
+
+
+def last_said() -> str | None:
+    return _said[-1] if _said else None
+
+
 def warn(lines: list[str]) -> None:
     c = warn_console()
     for line in lines:
         c.print(f"[yellow]warning:[/] {line}", markup=True)
+        _said[:] = [line]

@@ -631,7 +631,10 @@ def test_cli_failures_mid_run_reported_per_request_and_summary(capsys):
                                   "--requests", "2", "--warmup", "0", "--max-tokens", "4"], capsys)
     doc = json.loads(out)
     assert code == 1
-    assert doc["failures"]["total"] >= 1 and "boom" in doc["failures"]["by_kind"]["http"]["first"]
+    # a failure's `failures` is the list every command's failure has; bench's request counts are beside it
+    counts = doc["request_failures"]
+    assert counts["total"] >= 1 and "boom" in counts["by_kind"]["http"]["first"]
+    assert doc["exit_code"] == 1 and doc["failures"] and "\n" not in doc["error"]
     assert "request(s) failed" in err and "HTTP 500" in err and "Traceback" not in err
 
 

@@ -106,6 +106,26 @@ def test_no_key_accepted_says_where_to_put_the_public_key(tmp_path: Path) -> Non
     assert err.fix == "add your public key to ~root/.ssh/authorized_keys on a, or set IdentityFile for 'a' in the ssh config"
 
 
+
+@needs_ssh
+@pytest.mark.usefixtures("no_keys")
+def test_a_missing_identity_file_is_named_as_ssh_names_it(tmp_path: Path) -> None:
+    """An IdentityFile the ssh config names that is not there: ssh says `no such identity: PATH`; the fix is
+    that path (create the key or fix it), not "set IdentityFile" (it is set). The defaults `ssh -G` lists
+    when none is set are not named."""
+    missing = tmp_path / "keys" / "id_gone"
+    cfg = tmp_path / "config"
+    cfg.write_text(f"Host a\n  HostName host-a\n  User root\n  IdentityFile {missing}\n  IdentitiesOnly yes\n"
+                   "Host b\n  HostName host-b\n  User root\n")
+    target = _resolve(cfg, "a")
+    assert target.missing_identity_files == (str(missing),) and target.identity_files == ()
+    assert _resolve(cfg, "b").missing_identity_files == ()
+    err = _authenticate(target)
+    assert err.kind == "auth" and f"no such identity: {missing}" in err.reason
+    assert err.fix == (f"the IdentityFile {missing} (from the ssh config {cfg}) does not exist: create the key or "
+                       "fix the path")
+
+
 # ---- connecting: the error kinds, the hops -------------------------------------------------------
 
 @pytest.mark.parametrize(("exc", "kind"), [(TimeoutError(), "timeout"), (ConnectionResetError(104, "reset"), "unreachable")])

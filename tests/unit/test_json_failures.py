@@ -20,7 +20,7 @@ import pytest
 from sparkctl import cli
 from sparkctl.cluster import NodeError
 
-FIELDS = {"ok", "error", "node", "fix", "exit_code"}
+FIELDS = {"ok", "error", "node", "fix", "failures", "exit_code"}
 
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -123,11 +123,13 @@ def test_a_command_ending_itself_after_stderr_still_prints_a_document(refused: t
 
 def test_check_json_on_a_refused_connection_is_the_reports_document_only(
         refused: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    """check turns a refused node into a finding and prints its report: no failure document after it."""
+    """check turns a refused node into a finding: its report is the failure's document (its findings beside
+    the failure's keys), one document."""
     node, cfg = refused
     code, out, _ = _main(["--ssh-config", cfg, "--nodes", node, "check", "--json", "--connect-timeout", "3"], capsys)
     doc = _one_document(out)
-    assert code == 1 and doc["ok"] is False and "findings" in doc and "exit_code" not in doc
+    assert code == 1 and doc["ok"] is False and "findings" in doc and doc["exit_code"] == 1
+    assert doc["node"] == node and doc["failures"][0]["kind"] == "ssh" and "sshd" in doc["fix"]
     ssh = next(f for f in doc["findings"] if f["check"] == "ssh")
     assert ssh["node"] == node and ssh["status"] == "fail" and ssh["short"] == "refused"
 
@@ -145,7 +147,9 @@ def test_a_node_error_out_of_check_is_one_document(env: Path, monkeypatch: pytes
     doc = _one_document(out)
     assert code == 1 and doc == {"ok": False, "error": "spark2: ProxyCommand is not supported", "node": "spark2",
                                  "fix": "use ProxyJump for 'spark2'", "exit_code": 1, "kind": "config",
-                                 "reason": "ProxyCommand is not supported"}, doc
+                                 "reason": "ProxyCommand is not supported",
+                                 "failures": [{"node": "spark2", "kind": "config", "reason": "ProxyCommand is not "
+                                               "supported", "fix": "use ProxyJump for 'spark2'"}]}, doc
     assert "error: spark2: ProxyCommand is not supported" in err
 
 
@@ -223,13 +227,14 @@ def test_a_bug_is_one_document_too(env: Path, monkeypatch: pytest.MonkeyPatch,
 
 def test_a_document_already_printed_is_never_followed_by_a_second(env: Path, capsys: pytest.CaptureFixture[str],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """`down` prints its document, then exits 1: the failure path adds nothing."""
+    """`down`'s failure is one document: its own keys beside the failure's."""
     from sparkctl.commands import lifecycle
 
     monkeypatch.setattr(lifecycle, "down", lambda *a, **k: {"nodeA": NodeError("nodeA", "refused", "refused")})
     code, out, _ = _main(["--nodes", "nodeA", "down", "--json"], capsys)
     doc = _one_document(out)
-    assert code == 1 and set(doc) == {"ok", "failed", "seconds"} and doc["ok"] is False
+    assert code == 1 and set(doc) == {"ok", "failed", "seconds", *FIELDS} and doc["ok"] is False
+    assert doc["node"] == "nodeA" and doc["error"] == "down did not finish on 1 node(s): nodeA: refused"
 
 
 def test_help_and_version_print_no_failure_document(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,10 @@ _GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
 _USER_KNOWN_HOSTS = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
 
 
+# The identity files `ssh -G` lists when the config sets none (OpenSSH's defaults, whether they exist or not).
+_SSH_DEFAULT_IDENTITIES = ("id_rsa", "id_ecdsa", "id_ecdsa_sk", "id_ed25519", "id_ed25519_sk", "id_xmss", "id_dsa")
+
+
 @dataclass(frozen=True)
 class SshTarget:
     """What an alias resolves to, the way ssh(1) would resolve it."""
@@ -38,6 +42,7 @@ class SshTarget:
     certificate_files: tuple[str, ...] = ()  # CertificateFile, tokens and ~ expanded (missing ones kept: said so)
     pkcs11_provider: str | None = None  # PKCS11Provider: not usable here; named if no other key is accepted
     agent: bool = True  # False for `IdentityAgent none`: ssh then asks no agent, and neither does sparkctl
+    missing_identity_files: tuple[str, ...] = ()  # IdentityFile paths the config names that do not exist
 
     @property
     def known_hosts_name(self) -> str:
@@ -175,7 +180,12 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
     # (ssh itself skips the missing ones).
     # `IdentityFile none` is no file (ssh skips it), never a file named none in the current directory.
     named = [w for w in " ".join(opts.get("identityfile", [])).split() if w.lower() != "none"]
-    identities = tuple(p for p in _split_paths(" ".join(named), tokens) if os.path.exists(p))
+    named_paths = _split_paths(" ".join(named), tokens)
+    identities = tuple(p for p in named_paths if os.path.exists(p))
+    # What ssh says "no such identity: PATH" of: a file the config names that is not there (not one of the
+    # defaults `ssh -G` lists whether or not they exist).
+    defaults = {os.path.expanduser(f"~/.ssh/{n}") for n in _SSH_DEFAULT_IDENTITIES}
+    missing_identities = tuple(p for p in named_paths if not os.path.exists(p) and p not in defaults)
     certificates = _split_paths(" ".join(opts.get("certificatefile", [])), tokens)
     known = _known_hosts_paths(opts.get("userknownhostsfile"), _USER_KNOWN_HOSTS)
     global_known = _known_hosts_paths(opts.get("globalknownhostsfile"), _GLOBAL_KNOWN_HOSTS)
@@ -186,6 +196,7 @@ def resolve_target(alias: str, config: SshConfig, config_path: str | None = None
         port=port,
         user=user,
         identity_files=identities,
+        missing_identity_files=missing_identities,
         identities_only=_one(opts, "identitiesonly", "no").lower() == "yes",
         known_hosts_files=tuple(p for p in known if p != "/dev/null"),
         global_known_hosts_files=tuple(p for p in global_known if p != "/dev/null"),

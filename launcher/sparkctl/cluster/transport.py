@@ -307,6 +307,16 @@ def _authenticate(transport: paramiko.Transport, target: SshTarget, keys: KeyCac
             f"node, `IdentityFile ~/.ssh/id_sparkctl` for {target.alias!r}; or hold the token's keys in ssh-agent "
             "(`ssh-add -s PROVIDER` for PKCS#11)",
         )
+    if target.missing_identity_files:  # ssh: "no such identity: PATH"; the fix is the path, not "set IdentityFile"
+        path = target.missing_identity_files[0]
+        tried = [f"no such identity: {p}" for p in target.missing_identity_files] + tried
+        raise NodeError(
+            target.alias,
+            "auth",
+            f"no key was accepted for {target.user}@{target.hostname} ({'; '.join(tried)})",
+            f"the IdentityFile {path} (from the ssh config{f' {target.ssh_config}' if target.ssh_config else ''}) "
+            "does not exist: create the key or fix the path",
+        )
     raise NodeError(
         target.alias,
         "auth",

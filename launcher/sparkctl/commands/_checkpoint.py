@@ -25,5 +25,6 @@ def checkpoint_for(g: Globals, s: Settings, *, local_only: bool = False) -> Chec
             err = cluster.errors[s.head]
             raise CheckFailed(f"MODEL={s.model} is not on this machine and the head is unreachable: {err.reason}",
                               fix="run sparkctl where the checkpoint is, or fix SSH to the head "
-                                  f"({err.fix or 'see `sparkctl check`'}); --local forces reading it here")
+                                  f"({err.fix or 'see `sparkctl check`'}); --local forces reading it here",
+                              node=s.head, failures=[err.as_dict()])
         return read_checkpoint_on(cluster.node(s.head), s.model, drafter_dir(s))

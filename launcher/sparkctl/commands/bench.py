@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import signals
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, Failure, UsageError
 from ..loadgen.inputs import (
     DEFAULT_WORKLOADS,
     Workload,
@@ -51,7 +51,7 @@ from ..loadgen.request import RequestResult, list_models
 from ..measure import llama_benchy as llamabenchy
 from ..measure import vllm_bench as vllmbench
 from ..orchestrate import bench as flow
-from ..output import emit_json, warn
+from ..output import finish, warn
 from ..remote.headapi import Endpoint
 
 MAX_ERROR_LINES = 20  # per-request failure lines shown while running; the summary counts them all
@@ -165,13 +165,14 @@ def command(g: object, url: str | None, model: str | None, workload: str | None,
         Path(save).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     _report(g, doc, run, base, save, side)
     if run.interrupted:
-        raise click.exceptions.Exit(_interrupted_status())
+        _finish(g, doc, _interrupted())
     problems = summarize_failures(doc)
     if run.stopped and not problems:
         problems = [run.stopped]
-    if problems:
-        raise CheckFailed(f"{doc['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
-                          fix="see the per-request lines above; the table counts only requests that finished")
+    _finish(g, doc, CheckFailed(
+        f"{doc['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
+        fix="see the per-request lines above; the table counts only requests that finished",
+        failures=[Failure(None, "request", p, None) for p in problems]) if problems else None)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,6 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[BenchConfig], base
             notes.setdefault(n, []).append(d["replica"])
     lines = [n if len(rs) == len(docs) else f"replica {', '.join(map(str, rs))}: {n}" for n, rs in notes.items()]
     if g.json:
-        emit_json(doc)
         for n in lines:
             err.print(f"note: {n}", markup=False)
     else:
@@ -246,16 +246,17 @@ def _bench_replicas(g: Any, targets: list[Target], cfgs: list[BenchConfig], base
             out.append(f"saved to {save}")
         click.echo("\n".join(out))
     if interrupted:
-        raise click.exceptions.Exit(_interrupted_status())
+        _finish(g, doc, _interrupted())
     problems: list[str] = []
     for t, d, run in zip(targets, docs, runs, strict=True):
         mine = summarize_failures(d)
         if run.stopped and not mine:
             mine = [run.stopped]
         problems += [f"{t.label}: {p}" for p in mine]
-    if problems:
-        raise CheckFailed(f"{total['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
-                          fix="see the per-request lines above; the tables count only requests that finished")
+    _finish(g, doc, CheckFailed(
+        f"{total['failures']['total'] or 'some'} request(s) failed:\n  " + "\n  ".join(problems),
+        fix="see the per-request lines above; the tables count only requests that finished",
+        failures=[Failure(None, "request", p, None) for p in problems]) if problems else None)
 
 
 def _base_for(base: dict[str, Any], targets: list[Target], path: str) -> dict[str, Any]:
@@ -387,6 +388,21 @@ def _interrupted_by() -> str:
     return signals.signal_name(got[0]) if got else "Ctrl-C"
 
 
+def _finish(g: Any, doc: dict[str, Any], failure: CheckFailed | None) -> None:
+    """The end (output.finish). On a failure the document's `failures` is the failure's list of every command
+    (errors.failure_document): bench's own request counts move to `request_failures`."""
+    if failure is not None and isinstance(doc.get("failures"), dict):
+        doc = {**{k: v for k, v in doc.items() if k != "failures"}, "request_failures": doc["failures"]}
+    finish(g.json, doc, failure)
+
+
+def _interrupted() -> CheckFailed:
+    """An interrupted bench: its partial document rides with the failure; the status is 128 + the signal."""
+    code = _interrupted_status()
+    return CheckFailed(f"interrupted ({signals.signal_name(code - 128)}): the figures are of what finished",
+                       exit_code=code, shown=True, fix=None)
+
+
 def _interrupted_status() -> int:
     """128 + the signal that stopped the run, as every other command exits (130 for Ctrl-C, 143 for SIGTERM)."""
     got = signals.received()
@@ -422,8 +438,7 @@ def _report(g: Any, doc: dict[str, Any], run: BenchRun, base: dict[str, Any] | N
             side: str = "") -> None:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     notes = _notes(doc, run)
-    if g.json:
-        emit_json(doc)
+    if g.json:  # the document is printed at the end (output.finish), with the failure's keys when it failed
         for n in notes:
             err.print(f"note: {n}", markup=False)
         return

@@ -17,9 +17,9 @@ from rich.live import Live
 from rich.table import Table
 
 from ..completion import layer_names
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, Failure, UsageError
 from ..orchestrate.build import RankResult, build
-from ..output import emit_json
+from ..output import finish
 from ..progress import Feed, feed_of
 
 # ------------------------------------------------------------------------------------ display
@@ -127,7 +127,7 @@ def _finish(g: Any, out: dict[str, Any], results: dict[str, RankResult], *, prin
     out["ranks"] = [r.as_dict() for r in results.values()]
     con = Console(stderr=g.json, highlight=False)
     if g.json:
-        emit_json(out)
+        pass
     elif print_plan:
         for node, p in out["plan"].items():
             if "error" in p:
@@ -157,8 +157,14 @@ def _finish(g: Any, out: dict[str, Any], results: dict[str, RankResult], *, prin
             con.print(f"[bold]{r.node}[/] {status}{ident}  {'; '.join(parts)}", markup=True)
             if r.fix and not r.ok:
                 con.print(f"  fix: {r.fix}", markup=False)
+    failure = None
     if failed:
-        names = ", ".join(f"{r.node} ({r.error})" for r in failed)
-        raise CheckFailed(f"build failed on {len(failed)} of {len(results)} rank(s): {names}")
+        names = ", ".join(f"{r.node} ({(r.error or '').splitlines()[0] if r.error else ''})" for r in failed)
+        failure = CheckFailed(f"build failed on {len(failed)} of {len(results)} rank(s): {names}",
+                              node=failed[0].node if len(failed) == 1 else None,
+                              failures=[Failure(r.node, "build", r.error or "failed",
+                                                r.fix or f"`sparkctl build --dry-run` shows the plan for {r.node}")
+                                        for r in failed])
+    finish(g.json, out, failure)
     if sys.stdout.isatty():
         sys.stdout.flush()

@@ -15,11 +15,11 @@ import click
 from rich.table import Table
 
 from ..cluster import Cluster
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, Failure, UsageError
 from ..options import Globals
 from ..orchestrate.check import CheckReport, run_check
 from ..orchestrate.fabric_test import FabricReport
-from ..output import console, emit_json, warn
+from ..output import console, finish, warn
 from ..rules.check_rules import CHECKS
 from ..rules.findings import CLUSTER_ROW, FAIL, OK, SKIP, SYMBOL, WARN, Finding
 from ..spec.renderer import OUT_FIX, env_tp4_path, render_all, resolve_pins, write_env_tp4
@@ -68,18 +68,27 @@ def command(
     env_path, render_error = None, None
     if report.ok or force_render:
         env_path, render_error = _write_env(s, report, out)
-    if g.json:
-        emit_json(_as_json(report, env_path, render_error) | ({"fabric": fabric_report.to_dict()}
-                                                               if fabric_report else {}))
-    else:
+    doc = _as_json(report, env_path, render_error) | ({"fabric": fabric_report.to_dict()} if fabric_report else {})
+    if not g.json:
         _print(report, env_path, render_error, g.verbosity, tried=report.ok or force_render)
         if fabric_report:
             _print_fabric(fabric_report)
+    finish(g.json, doc, _failure(report, render_error))
+
+
+def _failure(report: CheckReport, render_error: str | None) -> CheckFailed | None:
+    """check's exit 1: the problems (each failed finding, with its fix), or env.tp4 that could not be written."""
     if not report.ok:
         nodes = sorted({f.node for f in report.failed}, key=lambda n: [*report.nodes, CLUSTER_ROW].index(n))
-        raise CheckFailed(f"check failed: {len(report.failed)} problem(s) on {', '.join(nodes)}")
+        first = report.failed[0]
+        return CheckFailed(f"check failed: {len(report.failed)} problem(s) on {', '.join(nodes)} "
+                           f"(first: {first.node}: {first.check}: {first.short})",
+                           node=nodes[0] if len(nodes) == 1 and nodes[0] in report.nodes else None,
+                           failures=[Failure(f.node, f.check, f.text, f.fix or None) for f in report.failed])
     if render_error:
-        raise CheckFailed(f"env.tp4 not written: {render_error}")
+        return CheckFailed(f"env.tp4 not written: {render_error}",
+                           fix="fix what the line says and run `sparkctl check` again")
+    return None
 
 
 def _fabric(g: Globals, s: Any, report: CheckReport, cluster: Cluster,

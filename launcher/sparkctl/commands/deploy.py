@@ -15,9 +15,9 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ..errors import UsageError
+from ..errors import UsageError, failure_document
 from ..orchestrate import deploy as flow
-from ..output import console, emit_json, warn
+from ..output import console, emit_json, finish, warn
 from ..progress import Display, feed_of
 from ..spec import deploy_plan as dp
 from .common import globals_of, settings_of
@@ -130,20 +130,19 @@ def _apply(g: Any, c: flow.Context, where: Any, out: Any, t0: float) -> None:
                            "changed": any(r.status == dp.DONE and r.step != "report" for r in results),
                            "plan_differs": differs, "steps": [r.as_dict() for r in results],
                            "api": report or None, "seconds": round(time.monotonic() - t0, 3)}
-    if failure is not None:
-        if isinstance(failure, flow.DeployFailed):
-            doc.update(error=failure.message, node=failure.node, fix=failure.fix, exit_code=failure.exit_code)
-        else:
-            name = getattr(failure, "name", "SIGINT")
-            doc.update(error=f"interrupted ({name})", node=None,
-                       fix="run `sparkctl deploy --yes` again: it completes from where it stopped",
-                       exit_code=getattr(failure, "exit_code", 130))
-    if g.json:
-        emit_json(doc)
-    else:
+    if failure is not None and not isinstance(failure, flow.DeployFailed):
+        name = getattr(failure, "name", "SIGINT")
+        doc = failure_document(f"interrupted ({name})", exit_code=getattr(failure, "exit_code", 130),
+                               fix="run `sparkctl deploy --yes` again: it completes from where it stopped",
+                               extra=doc)
+    if not g.json:
         _print_steps(out, results, noop)
         if report:
             _print_report(out, report)
+    if isinstance(failure, flow.DeployFailed):
+        finish(g.json, doc, failure)
+    if g.json:
+        emit_json(doc)
     if failure is not None:
         raise failure
 

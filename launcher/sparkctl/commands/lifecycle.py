@@ -22,16 +22,16 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..cluster import Cluster, parallel
+from ..cluster import Cluster, NodeError, parallel, raise_failed
 from ..completion import rank_numbers
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, Failure, UsageError
 from ..options import Globals
 from ..orchestrate.audit import read_audit
 from ..orchestrate.down import down
 from ..orchestrate.locking import break_locks, read_locks, refuse_unreachable
 from ..orchestrate.status import collect_status
 from ..orchestrate.up import up, up_replicas
-from ..output import console, emit_json, emit_json_line, warn, warn_console
+from ..output import console, emit_json, emit_json_line, finish, warn
 from ..progress import feed_of
 from ..remote import service, watchstate
 from ..remote.lockdir import (
@@ -116,10 +116,8 @@ def _up_replicas(g: Globals, s: Settings, *, recreate: bool, fabric_test: bool) 
         if r.error is not None:
             row.update(error=r.error.message, fix=r.error.fix, rolled_back=True)
         rows.append(row)
-    if g.json:
-        emit_json({"ok": not failed, "changed": any(r.get("changed") for r in rows), "replicas": rows,
-                   "seconds": seconds})
-    else:
+    doc = {"ok": not failed, "changed": any(r.get("changed") for r in rows), "replicas": rows, "seconds": seconds}
+    if not g.json:
         for r in results:
             if r.outcome is None:
                 continue
@@ -133,8 +131,14 @@ def _up_replicas(g: Globals, s: Settings, *, recreate: bool, fabric_test: bool) 
         verdict = "; ".join(f"replica {r.replica} failed and was rolled back" for r in failed)
         detail = "\n".join(f"replica {r.replica} (head {r.head}): {r.error.message}"
                            for r in failed if r.error is not None)
-        raise CheckFailed(f"{verdict}; {running}\n{detail}",
-                          fix=next((r.error.fix for r in failed if r.error is not None and r.error.fix), None))
+        finish(g.json, doc, CheckFailed(
+            f"{verdict}; {running}\n{detail}",
+            fix=next((r.error.fix for r in failed if r.error is not None and r.error.fix), None),
+            failures=[Failure(r.head, "replica", f"replica {r.replica}: {r.error.message.splitlines()[0]}",
+                              r.error.fix or "see the error above; `sparkctl logs --replica "
+                                              f"{r.replica}` shows what its ranks said")
+                      for r in failed if r.error is not None]))
+    finish(g.json, doc)
     if not g.json:
         out.print(f"up: {len(results)} replicas in {seconds}s; next: `sparkctl wait`", markup=False)
 
@@ -255,12 +259,9 @@ def status_cmd(ctx: click.Context, url: str | None, live: bool, interval: float)
             _status_live(g, cluster, s, api, interval)
             return
         doc = collect_status(cluster, s, api)
-    if g.json:
-        emit_json(doc)
-    else:
+    if not g.json:
         console(False).print(_status_view(doc))
-    if doc["problems"]:
-        sys.exit(1)
+    finish(g.json, doc, _status_failure(doc["problems"]))
 
 
 def _status_replicas(g: Globals, s: Settings) -> None:
@@ -279,16 +280,23 @@ def _status_replicas(g: Globals, s: Settings) -> None:
     serving = sum(1 for d in docs if d["ok"])
     doc = {"cluster": s.cluster_name, "replicas": docs, "serving": serving, "total": len(docs),
            "problems": problems, "ok": not problems}
-    if g.json:
-        emit_json(doc)
-    else:
+    if not g.json:
         c = console(False)
         for d in docs:
             c.print(f"replica {d['replica']}", markup=False)
             c.print(_status_view(d))
         c.print(f"{serving}/{len(docs)} replicas serving", markup=False)
-    if problems:
-        sys.exit(1)
+    finish(g.json, doc, _status_failure(problems))
+
+
+def _status_failure(problems: list[str]) -> CheckFailed | None:
+    """status's exit 1: the first problem is the error, each one a failure (its view already showed them)."""
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return CheckFailed(f"{problems[0]}{more}", shown=True,
+                       fix="`sparkctl logs` shows what the ranks said; `sparkctl up` starts what is missing",
+                       failures=[Failure(None, "status", p, None) for p in problems])
 
 
 def _status_live(g: Globals, cluster: Cluster, s: Settings, api: Any, interval: float) -> None:
@@ -353,10 +361,7 @@ def logs_cmd(ctx: click.Context, ranks: tuple[int, ...], replica: int, follow: b
         errors = service.stream_logs(cluster, s, chosen, tail=tail, follow=follow, emit=emit,
                                      stop=threading.Event())
         errors |= {n: e for n, e in cluster.errors.items() if n in {node_of[r] for r in chosen}}
-    for node, err in errors.items():
-        warn_console().print(f"{node}: {err.reason}", markup=False)
-    if errors:
-        sys.exit(1)
+    raise_failed("logs", errors)
 
 
 # ----------------------------------------------------------------------------------------- down
@@ -374,15 +379,16 @@ def down_cmd(ctx: click.Context, force: bool) -> None:
     t0 = time.monotonic()
     failed = down(s, g.ssh_config_path(), say=lambda m: out.print(m, markup=False, soft_wrap=True), force=force)
     seconds = round(time.monotonic() - t0, 3)
-    if g.json:
-        emit_json({"ok": not failed, "failed": {n: e.as_dict() for n, e in failed.items()}, "seconds": seconds})
-    else:
+    doc = {"ok": not failed, "failed": {n: e.as_dict() for n, e in failed.items()}, "seconds": seconds}
+    if not g.json:
         down_nodes = [n for n in s.nodes if n not in failed]
         out.print(f"down: {len(down_nodes)}/{len(s.nodes)} nodes clean in {seconds}s", markup=False)
         for n, e in failed.items():
             out.print(f"✗ {n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else ""), markup=False)
-    if failed:
-        sys.exit(1)
+    finish(g.json, doc, CheckFailed(
+        f"down did not finish on {len(failed)} node(s): " + "; ".join(f"{n}: {e.reason}" for n, e in failed.items()),
+        node=next(iter(failed)) if len(failed) == 1 else None, shown=True,
+        failures=[e.as_dict() for e in failed.values()]) if failed else None)
 
 
 # ----------------------------------------------------------------------------------- lock, audit
@@ -406,15 +412,20 @@ def lock_cmd(ctx: click.Context, force_unlock: bool) -> None:
     warn([f"lock broken on {', '.join(broken)}; it was held by "
           + "; ".join(sorted({h.describe() for h in broken.values()}))] if broken
          else [] if res.kept else ["there was no lock"])
-    if g.json:
-        first = next(iter(broken.values()), None)
-        emit_json({"broken": first.public() if first else None, "nodes": sorted(broken),
-                   "kept": {n: user for n, (_, user) in res.kept.items()}})
+    first = next(iter(broken.values()), None)
+    doc = {"broken": first.public() if first else None, "nodes": sorted(broken),
+           "kept": {n: user for n, (_, user) in res.kept.items()}}
+    failure: CheckFailed | None = None
     if res.kept:  # another SSH user's lock: this user may not remove it (exit 1, naming each)
         node, (held, user) = next(iter(res.kept.items()))
-        raise CheckFailed(f"the lock stays on {', '.join(res.kept)}: held by {held.describe()}",
-                          fix=only_its_user(node, user, s.cluster_name))
-    refuse_unreachable(res.unreachable)  # a node that did not answer keeps its lock: exit 1, naming it
+        failure = CheckFailed(f"the lock stays on {', '.join(res.kept)}: held by {held.describe()}",
+                              fix=only_its_user(node, user, s.cluster_name))
+    else:
+        try:
+            refuse_unreachable(res.unreachable)  # a node that did not answer keeps its lock: exit 1, naming it
+        except CheckFailed as exc:
+            failure = exc
+    finish(g.json, doc, failure)
 
 
 def _show_lock(g: Globals, s: Settings, states: dict[str, LockState]) -> None:
@@ -458,17 +469,26 @@ def audit_cmd(ctx: click.Context, tail: int) -> None:
     g = globals_of(ctx)
     s = settings_of(g)
     entries, unreachable = read_audit(s, g.ssh_config_path(), tail)
-    if g.json:
-        emit_json({"entries": entries, "unreachable": sorted(unreachable)})
-        return
-    out = console(False)
-    for e in entries:
-        rank = f" rank {e['rank']}" if "rank" in e else ""
-        cfg = f" config {e['config_hash']}" if e.get("config_hash") else ""
-        out.print(f"{e.get('when')} {e['node']} {e.get('who')} {e.get('action')}{rank}{cfg} {e.get('detail', '')}",
-                  markup=False)
-    for n in unreachable:
-        warn([f"{n}: unreachable, its audit log is not shown"])
+    doc = {"entries": entries, "unreachable": list(unreachable)}
+    if not g.json:
+        out = console(False)
+        for e in entries:
+            rank = f" rank {e['rank']}" if "rank" in e else ""
+            cfg = f" config {e['config_hash']}" if e.get("config_hash") else ""
+            out.print(f"{e.get('when')} {e['node']} {e.get('who')} {e.get('action')}{rank}{cfg} "
+                      f"{e.get('detail', '')}", markup=False)
+    finish(g.json, doc, _audit_failure(s.nodes, unreachable))
+
+
+def _audit_failure(nodes: list[str], unreachable: dict[str, NodeError]) -> CheckFailed | None:
+    """audit is incomplete when a node did not answer (exit 1, naming each); no answer at all says so."""
+    if not unreachable:
+        return None
+    missing = ", ".join(unreachable)
+    what = (f"no node answered, so there is no audit to show ({missing})" if len(unreachable) == len(nodes)
+            else f"the audit is incomplete: no answer from {missing} (the other nodes' lines are shown)")
+    return CheckFailed(what, node=next(iter(unreachable)) if len(unreachable) == 1 else None,
+                       failures=[e.as_dict() for e in unreachable.values()])
 
 
 COMMANDS = {

@@ -18,9 +18,9 @@ from typing import Any
 
 import click
 
-from ..errors import UsageError
+from ..errors import CheckFailed, Failure, UsageError
 from ..orchestrate.model_pull import pull_on_head, raise_for_status, verify_head
-from ..output import console, emit_json
+from ..output import console, finish
 from ..progress import feed_of
 
 PERIOD = 5.0  # seconds between progress lines when the output is not a terminal
@@ -128,9 +128,7 @@ def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
     if status == "downloaded":
         report = _verify_head(g, s, layout_name)
         report_doc.update(ok=report.ok, verify=report.to_dict())
-    if as_json:
-        emit_json(report_doc)
-    else:
+    if not as_json:
         pinned = "" if doc.get("commit") == revision else f" (resolved {revision} -> {doc.get('commit')}; pin it)"
         if status == "up-to-date":
             out.print(f"{head}:{s.model} already holds {repo}@{doc.get('commit')}{pinned}: nothing to download "
@@ -143,7 +141,12 @@ def pull(ctx: click.Context, as_json: bool, layout_name: str | None) -> None:
             for f in report_doc.get("verify", {}).get("findings", []):
                 if f["severity"] != "info":
                     out.print(f"  {f['severity']} {f['code']}: {f['message']}", markup=False, highlight=False)
-    ctx.exit(0 if report_doc["ok"] else 1)
+    errors = [f for f in report_doc.get("verify", {}).get("findings", []) if f["severity"] == "error"]
+    finish(as_json, report_doc, None if report_doc["ok"] else CheckFailed(
+        f"{head}:{s.model} was downloaded but fails verify-model: {len(errors)} error(s)"
+        + (f", first {errors[0]['code']}: {errors[0]['message']}" if errors else ""), node=head, shown=True,
+        fix=next((f["fix"] for f in errors if f.get("fix")), None) or "`sparkctl verify-model` says what is wrong",
+        failures=[Failure(head, f["code"], f["message"], f.get("fix") or None) for f in errors]))
 
 
 def _verify_head(g: Any, s: Any, layout_name: str | None) -> Any:
@@ -191,9 +194,7 @@ def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...],
         except KeyboardInterrupt:
             raise click.exceptions.Exit(130) from None
     doc = report.as_dict()
-    if as_json:
-        emit_json(doc)
-    else:
+    if not as_json:
         for r in report.ranks.values():
             sent = "" if r.bytes_sent is None else f", {_fmt_bytes(r.bytes_sent)} sent"
             what = {"up-to-date": "up to date, nothing sent", "complete": f"complete: {len(r.files)} file(s){sent}",
@@ -207,7 +208,26 @@ def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...],
                 out.print(f"    fix: {f.fix}", markup=False, highlight=False)
         out.print(("OK" if report.ok else ("INTERRUPTED" if report.interrupted else "FAILED"))
                   + f" in {report.seconds:.1f}s", markup=False, highlight=False)
-    ctx.exit(0 if report.ok else (130 if report.interrupted else 1))
+    finish(as_json, doc, None if report.ok else _sync_failure(report))
+
+
+def _sync_failure(report: Any) -> CheckFailed:
+    """model sync's failure: each rank that is not up to date (and each error finding), with its fix."""
+    if report.interrupted:
+        return CheckFailed("model sync was interrupted; what was copied is kept", exit_code=130, shown=True,
+                           fix="run `sparkctl model sync` again: it resumes")
+    fixes = {"resumable": "run `sparkctl model sync` again: it resumes",
+             "unreachable": "check that the node is up and reachable over SSH, then `sparkctl model sync`",
+             "refused": "free space on the node (or fix what the message says), then `sparkctl model sync`"}
+    bad = [Failure(r.node, r.status, r.message or r.status,
+                   fixes.get(r.status, "see the message; then `sparkctl model sync` again"))
+           for r in report.ranks.values() if r.status not in ("up-to-date", "complete")]
+    bad += [Failure(f.where if f.where in report.ranks else None, f.code, f.reason, f.fix or None) for f in report.findings
+            if f.severity == "error"]
+    first = bad[0] if bad else None
+    return CheckFailed(f"model sync did not complete on {len(bad)} rank(s)"
+                       + (f": {first.node or first.kind}: {first.reason}" if first else ""),
+                       node=first.node if len(bad) == 1 and first else None, failures=bad, shown=True)
 
 
 COMMANDS = {"model": group}

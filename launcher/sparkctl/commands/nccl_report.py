@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, Failure, UsageError
 from ..options import Globals
-from ..output import console, emit_json
+from ..output import console, finish
 from ..rules import nccl
 from ..rules.findings import FAIL, OK, SYMBOL, WARN
 
@@ -61,12 +61,12 @@ def command(g: Globals, logs: tuple[str, ...], expect_rdma: bool | None, floor_g
                          fix="run the job with NCCL_DEBUG=INFO and give its output (docker logs, sparkctl logs)")
     findings = nccl.report(merged, expect_rdma=expect_rdma, floor_gbps=floor_gbps)
     failed = [f for f in findings if f.status == FAIL]
-    if g.json:
-        emit_json(_doc(merged, findings))
-    else:
+    if not g.json:
         _print(merged, findings)
-    if failed:
-        raise CheckFailed(f"nccl-report: {len(failed)} finding(s) failed")
+    first = failed[0] if failed else None
+    finish(g.json, _doc(merged, findings), CheckFailed(
+        f"nccl-report: {len(failed)} finding(s) failed (first: {first.node}: {first.check}: {first.short})",
+        failures=[Failure(f.node, f.check, f.text, f.fix or None) for f in failed]) if first else None)
 
 
 def _doc(log: nccl.NcclLog, findings: list[Any]) -> dict[str, Any]:

@@ -8,9 +8,9 @@ import sys
 import click
 
 from ..completion import rank_numbers
-from ..errors import UsageError
+from ..errors import CheckFailed, UsageError
 from ..orchestrate.rank_exec import run_in_rank
-from ..output import emit_json
+from ..output import finish
 from .common import globals_of, settings_of
 
 
@@ -33,12 +33,19 @@ def exec_cmd(ctx: click.Context, rank: int, replica: int, timeout: float, argv: 
         raise UsageError(f"--rank {rank}: ranks are 0..{len(ranks) - 1}")
     node_name = ranks[rank].node
     r = run_in_rank(g.ssh_config_path(), node_name, s.cluster_name, rank, words, timeout)
-    if g.json:
-        emit_json({"rank": rank, "node": node_name, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr})
-    else:
+    doc = {"rank": rank, "node": node_name, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr}
+    if not g.json:
         sys.stdout.write(r.stdout)
         sys.stderr.write(r.stderr)
-    sys.exit(r.exit_code if 0 <= r.exit_code < 256 else 1)
+    code = r.exit_code if 0 <= r.exit_code < 256 else 1
+    last = next((ln.strip() for ln in reversed(r.stderr.splitlines()) if ln.strip()), "")
+    # The command's own status is exec's: with --json, its document is the failure's (its own exit code
+    # stays in `command_exit_code`; its stderr, in full, in `stderr`).
+    finish(g.json, doc, CheckFailed(
+        f"`{' '.join(words)[:200]}` exited {r.exit_code} in rank {rank}'s container on {node_name}"
+        + (f": {last[:300]}" if last else ""), node=node_name, shown=True, exit_code=code,
+        fix=f"see its stderr; `sparkctl logs --rank {rank}` shows the rank's own log",
+        extra={"command_exit_code": r.exit_code}) if code else None)
 
 
 COMMANDS = {"exec": exec_cmd}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import UsageError
+from ..errors import Failure, UsageError
 from ..orchestrate.recipe import read_model
 from ..output import console, emit_json
 from ..spec.recipe_new import GB10_NODE_MEMORY_BYTES, draft, recipe_text
@@ -76,7 +76,8 @@ def validate_cmd(ctx: click.Context, file: str) -> None:
     """Judge a recipe file (or a shipped NAME): exit 0 when it loads, 2 with one line per problem."""
     problems = validate_file(file)
     if problems:
-        raise UsageError("\n".join(problems))
+        raise UsageError("\n".join(problems), fix="fix each value as its line says (the knobs: docs/recipes.md)",
+                         failures=[Failure(None, "recipe", p, None) for p in problems])
     _report(ctx, {"file": file, "valid": True}, f"{file}: valid")
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from ..errors import CheckFailed
+from ..errors import CheckFailed, Failure
 from ..options import Globals
 from ..orchestrate.setup import SetupReport, apply, measure_cables, plan
-from ..output import console, emit_json
+from ..output import console, finish
 from .common import open_cluster, settings_of
 
 
@@ -32,13 +32,15 @@ def command(g: Globals, yes: bool, speed: bool) -> None:
             apply(cluster, s, report, g.ssh_config_path())
         if speed:
             measure_cables(cluster, s, report)
-    if g.json:
-        emit_json(report.to_dict())
-    else:
+    if not g.json:
         _print(report, applied=yes)
-    if report.failed:
-        raise CheckFailed(f"setup failed on {', '.join(report.failed)}",
-                          fix="each node's fix is above; the other nodes completed")
+    outcomes = report.applied or {}
+    finish(g.json, report.to_dict(), CheckFailed(
+        f"setup failed on {', '.join(report.failed)}", fix="each node's fix is above; the other nodes completed",
+        node=report.failed[0] if len(report.failed) == 1 else None,
+        failures=[Failure(n, outcomes[n].status, outcomes[n].error or outcomes[n].status,
+                          outcomes[n].fix or "fix what the message names, then run `sparkctl setup` again")
+                  for n in report.failed]) if report.failed else None)
 
 
 def _print(r: SetupReport, *, applied: bool) -> None:

@@ -86,12 +86,16 @@ def _trust(g: Globals, nodes: tuple[str, ...], yes: bool, replace: bool, timeout
             click.echo("  already trusted; nothing to do", err=g.json)
             continue
         if verdict.status == "revoked":
-            raise CheckFailed(f"{name}: this host key is marked @revoked in known_hosts; not trusting it")
+            raise CheckFailed(f"{name}: this host key is marked @revoked in known_hosts; not trusting it", node=name,
+                              fix=f"do not connect to {name} until its administrator says why the key was revoked "
+                                  "and which key it offers now")
         if verdict.status == "changed":
             _changed(name, target, key_type, verdict, replace)
         question = "Replace the old key with this one?" if verdict.status == "changed" else "Trust this key?"
         if not yes and not click.confirm(f"  {question}", default=False, err=True):
-            raise CheckFailed(f"{name}: host key not trusted (you declined)")
+            raise CheckFailed(f"{name}: host key not trusted (you declined)", node=name,
+                              fix=f"compare the fingerprint with the one {name} shows (ssh-keygen -lf on its host "
+                                  "key), then run `sparkctl trust` again and answer y")
         entry["recorded_in"] = record_host_key(target, key_type, blob)
         click.echo(f"  recorded in {entry['recorded_in']}", err=g.json)
         elsewhere = [e for e in verdict.known if os.path.realpath(e.path) != entry["recorded_in"]]

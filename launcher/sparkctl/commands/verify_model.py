@@ -20,10 +20,10 @@ from typing import Any
 import click
 
 from ..checkpoint.verify import Report, issue
-from ..errors import UsageError
+from ..errors import CheckFailed, Failure, UsageError
 from ..orchestrate import verify_model
 from ..orchestrate.verify_model import verify_local
-from ..output import console, emit_json
+from ..output import console, finish
 from ..rules.findings import INFO
 from ..spec.recipes import load_layout
 
@@ -144,17 +144,43 @@ def command(ctx: click.Context, local_dir: Path | None, deep: bool, as_json: boo
     layout, layout_src, settings = resolve_layout(g, layout_name)
     max_header = max_header_mb * 1024 * 1024
     if local_dir is not None:
+        if not local_dir.is_dir():  # bad input, as `plan` says of a MODEL that is not a folder: exit 2
+            raise UsageError(f"--local {local_dir}: {'not a folder' if local_dir.exists() else 'no such folder'}",
+                             fix="pass the checkpoint folder on this machine")
         report, extra = _verify_local(local_dir, layout, deep, workers, max_header, show_progress=True)
         where = str(local_dir.resolve())
     else:
         report, extra = verify_cluster(g, settings, layout, deep, max_header)
-        where = f"{extra.get('head')}:{settings.model if settings else '?'} (+{len(extra.get('nodes', {})) - 1} nodes)"
+        where = checked_where(extra.get("head"), settings.model if settings else g.settings().model,
+                              len(extra.get("asked", [])))
     if layout is None:
         report.findings.append(issue(INFO, "no-layout", "no recipe layout: only structure and the EXL3 ABI "
                                        "were checked, not the recipe's scope and bits",
                                        "pass --layout NAME or set RECIPE"))
-    if as_json:
-        emit_json({"ok": report.ok, "checkpoint": where, "rules": layout_src, **report.to_dict(), **extra})
-    else:
+    if not as_json:
         _human(report, where, layout_src, as_json)
-    ctx.exit(0 if report.ok else 1)
+    extra = {k: v for k, v in extra.items() if k != "asked"}
+    finish(as_json, {"ok": report.ok, "checkpoint": where, "rules": layout_src, **report.to_dict(), **extra},
+           None if report.ok else _failure(report))
+
+
+def checked_where(head: str | None, model: Any, asked: int) -> str:
+    """What was checked: MODEL on the head, and how many other nodes were asked (those that did not
+    answer are findings of their own)."""
+    others = asked - 1
+    return f"{head}:{model}" + (f" and {others} other node{'s' if others > 1 else ''}" if others > 0 else "")
+
+
+def _failure(report: Report) -> CheckFailed:
+    """verify-model's exit 1: its first error is the error, each error finding a failure (with its fix)."""
+    errors = [f for f in report.findings if f.severity == "error"]
+    first = errors[0] if errors else None
+    return CheckFailed(f"the checkpoint failed verification: {len(errors)} error(s)"
+                       + (f", first {first.code}: {first.reason}" if first else ""), shown=True,
+                       node=_node_of(first) if len(errors) == 1 else None,
+                       failures=[Failure(_node_of(f), f.code, f.reason, f.fix or None) for f in errors])
+
+
+def _node_of(f: Any) -> str | None:
+    """The node a checkpoint finding is about (the node-* findings name it in `where`), else None."""
+    return str(f.where) if f is not None and f.code.startswith("node-") and f.where else None

@@ -12,8 +12,9 @@ import sys
 import click
 
 from .. import signals
+from ..errors import CheckFailed
 from ..orchestrate.watch import WatchOps
-from ..output import console, emit_json
+from ..output import console, finish
 from ..rules.supervisor import STOPPED, Policy, Supervisor
 from .common import globals_of, one_replica, settings_of
 
@@ -54,11 +55,17 @@ def watch_cmd(ctx: click.Context) -> None:
     finally:
         ops.close()
     reason = sup.detail or sup.state
-    if g.json:
-        emit_json({"exit": code, "state": sup.state, "reason": reason, "restarts": sup.restarts})
-    else:
+    if not g.json:
         ops.say(f"watch ends ({code}): {reason}")
-    sys.exit(code)
+    doc = {"exit": code, "state": sup.state, "reason": reason, "restarts": sup.restarts}
+    if code:
+        finish(g.json, doc, CheckFailed(f"watch ended: {reason}", exit_code=code, shown=True,
+                                        fix=None if code > 128 else
+                                        "the restart budget is spent and the cluster is down: `sparkctl logs` "
+                                        "and `sparkctl diagnose` say why the ranks died; `sparkctl up` (or "
+                                        "`sparkctl deploy --yes --supervise`) starts it again"))
+    finish(g.json, doc)
+    sys.exit(0)
 
 
 COMMANDS = {"watch": watch_cmd}

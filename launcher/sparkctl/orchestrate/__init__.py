@@ -18,4 +18,5 @@ def require_all(cluster: Cluster, what: str) -> None:
     if cluster.errors:
         lines = [f"{n}: {e.reason}" + (f"\n    fix: {e.fix}" if e.fix else "") for n, e in cluster.errors.items()]
         raise CheckFailed(f"{what}: {len(cluster.errors)} node(s) unreachable, nothing was changed:\n  "
-                          + "\n  ".join(lines))
+                          + "\n  ".join(lines), node=next(iter(cluster.errors)) if len(cluster.errors) == 1 else None,
+                          failures=[e.as_dict() for e in cluster.errors.values()])

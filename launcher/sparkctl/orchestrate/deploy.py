@@ -111,9 +111,11 @@ class DeployFailed(CheckFailed):
         failed = next(r for r in results if r.status == dp.FAILED)
         later = [r.step for r in results if r.status == dp.NOT_RUN]
         where = f" on {failed.node}" if failed.node else ""
-        msg = (f"deploy failed at step {failed.step}{where}: {cause.message}"
-               + (f"\nnot run: {', '.join(later)}" if later else ""))
-        super().__init__(msg, fix=cause.fix, node=cause.node, failures=cause.failures)
+        first, *rest = cause.message.splitlines() or [""]
+        msg = (f"deploy failed at step {failed.step}{where}: {first}" + (f"; not run: {', '.join(later)}" if later else "")
+               + "".join(f"\n{line}" for line in rest))  # the first line is the whole story; the cause's detail after
+        own = cause.as_dict() if isinstance(cause, NodeError) else None  # one node's failure is its own row
+        super().__init__(msg, fix=cause.fix, node=cause.node, failures=cause.failures or ([own] if own else None))
         self.exit_code = cause.exit_code
         self.results = results
 

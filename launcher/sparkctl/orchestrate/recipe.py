@@ -81,4 +81,5 @@ def read_model(model: str, download: Downloader | None = None, listing: Lister |
         return read_local(path)
     if model.count("/") == 1 and not model.startswith((".", "/")):
         return read_hub(model, download or hub_downloader, listing or hub_lister)
-    raise UsageError(f"--model {model}: not a folder on this machine and not a Hub repo id (org/name)")
+    raise UsageError(f"--model {model}: not a folder on this machine and not a Hub repo id (org/name)",
+                     fix="pass the checkpoint folder holding config.json, or the model's Hub repo id (org/name)")

@@ -101,9 +101,10 @@ class SetupReport:
 def discover(cluster: Cluster, s: Settings) -> dict[str, SetupFacts]:
     """setup_facts.sh on every node at once; a node that does not answer stops setup (exit 1)."""
     if cluster.errors:
-        raise CheckFailed("setup needs every node: " + "; ".join(str(e) for e in cluster.errors.values()),
+        raise CheckFailed("setup needs every node: " + "; ".join(e.message for e in cluster.errors.values()),
                           fix="make every node of NODES reachable over SSH (`sparkctl check` says why), then run "
-                              "`sparkctl setup` again")
+                              "`sparkctl setup` again", node=next(iter(cluster.errors)) if len(cluster.errors) == 1
+                          else None, failures=[e.as_dict() for e in cluster.errors.values()])
     script = probe_script("setup_facts.sh")
     nonce = secrets.token_hex(8)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..cluster import Cluster, Node, NodeError, parallel
-from ..errors import CheckFailed, SparkctlError
+from ..errors import CheckFailed, Failure, SparkctlError
 from ..output import warn
 from ..remote import service
 from ..rules import memory
@@ -200,7 +200,7 @@ class Preflight(NamedTuple):
 def refuse_foreign_gpu_processes(s: Settings, ok: dict[str, Preflight]) -> None:
     """A live process outside this cluster's containers holding GPU memory on a rank node: up refuses
     before anything changes, naming it (its container, another sparkctl cluster's); never stops it."""
-    problems, fixes = [], []
+    problems, fixes, failures = [], [], []
     for n in s.nodes:
         facts, state = ok[n].facts, ok[n].state
         own = {c.id for c in (state[0] if state else [])}
@@ -208,9 +208,10 @@ def refuse_foreign_gpu_processes(s: Settings, ok: dict[str, Preflight]) -> None:
         if held:
             problems.append(f"{n}: GPU memory is held by {memory.describe(held)}")
             fixes.append(memory.foreign_fix(n, held))
+            failures.append(Failure(n, "gpu-held", f"GPU memory is held by {memory.describe(held)}", fixes[-1]))
     if problems:
         raise CheckFailed("up refused, nothing was changed: another process holds GPU memory on a rank node\n  "
-                          + "\n  ".join(problems), fix="; ".join(fixes))
+                          + "\n  ".join(problems), fix="; ".join(fixes), failures=failures)
 
 
 def node_memory(s: Settings, plan: Plan, ok: dict[str, Preflight]) -> dict[str, memory.NodeMemory]:
@@ -248,7 +249,8 @@ def preflight_all(cluster: Cluster, s: Settings) -> dict[str, Preflight]:
     failed = rounds.failed
     if failed:
         raise CheckFailed("up refused, nothing was changed:\n  " + "\n  ".join(
-            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()))
+            f"{n}: {e.reason}" + (f" (fix: {e.fix})" if e.fix else "") for n, e in failed.items()),
+            node=next(iter(failed)) if len(failed) == 1 else None, failures=[e.as_dict() for e in failed.values()])
     return dict(rounds.ok)
 
 
@@ -301,6 +303,8 @@ def fabric_gate(cluster: Cluster, s: Settings, pins: list[Any], states: dict[str
     bad = [f for f in report.findings if f.status == "fail"]
     if bad:
         raise CheckFailed("up refused: the fabric test failed, nothing was started:\n  " + "\n  ".join(
-            f.text + (f"\n    fix: {f.fix}" if f.fix else "") for f in bad))
+            f.text + (f"\n    fix: {f.fix}" if f.fix else "") for f in bad),
+            failures=[Failure(f.node, f.check, f.text, f.fix or "`sparkctl check --fabric` tests the fabric alone")
+                      for f in bad])
     sizes = ", ".join(f"{size_label(k)} {v:g}" for k, v in report.busbw_by_size().items())
     say(f"fabric test passed in {report.seconds:.1f}s (busbw GB/s: {sizes})")

@@ -65,7 +65,7 @@ def verify_cluster(settings: Any, ssh_config: Any, layout: dict[str, Any] | None
                     report = verify_scan(again[head], layout)
     report.findings = findings + compare_nodes(scans, head) + report.findings
     nodes_doc = {n: {"host": s.get("host"), "shards": len(s.get("shards") or {})} for n, s in scans.items()}
-    return report, {"nodes": nodes_doc, "head": head}
+    return report, {"nodes": nodes_doc, "head": head, "asked": nodes}
 
 
 def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Finding]]:
@@ -74,7 +74,7 @@ def _scans(results: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Fin
     findings: list[Finding] = []
     for node, r in results.items():
         if isinstance(r, Exception):
-            findings.append(issue(FAIL, "node-unreachable", f"{node}: {getattr(r, 'message', r)}",
+            findings.append(issue(FAIL, "node-unreachable", f"{node}: {getattr(r, 'reason', None) or r}",
                                     getattr(r, "fix", None) or f"check that {node} is up and reachable over SSH",
                                     node))
             continue

@@ -18,7 +18,7 @@ import requests
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
 from ..cluster import Cluster, Node
-from ..errors import CheckFailed
+from ..errors import CheckFailed, Failure
 from ..facts.engine_lines import (
     FAILURE_MARKERS,
     failure_in,
@@ -90,8 +90,9 @@ def rank_died(rank: int, node: str, state: ContainerState | None, lines: list[st
                "`sparkctl check` discovers it per rank (RANKn_CX7_IF); a recipe's [container.env] "
                "GLOO_SOCKET_IFNAME overrides the discovered pin for every rank, so remove it there; then "
                "`sparkctl down` and `sparkctl up`")
-    return RankDied(f"rank {rank} on {node} died ({status}) after {after_s:.1f}s{cause}; "
-                    f"its last log lines:\n    {tail}", fix=fix, node=node)
+    return RankDied(f"rank {rank} on {node} died ({status}) after {after_s:.1f}s{cause}\n"
+                    f"  its last log lines:\n    {tail}", fix=fix, node=node,
+                    failures=[Failure(node, "rank-died", f"rank {rank} died ({status}){cause}", fix)])
 
 
 def gloo_ifname(settings: Settings, rank: int) -> str | None:
@@ -114,7 +115,7 @@ UNREACHABLE_GRACE_S = 10.0
 def rank_cut_off(rank: int, node: str, position: int, head: str, addr: str, port: int, words: str,
                  for_s: float) -> RankCutOff:
     """Rank `rank` on `node` cannot reach the master ADDR:PORT on `head`: the path between the two."""
-    return RankCutOff(
+    err = RankCutOff(
         f"rank {rank} on {node} cannot reach the master {addr}:{port} on {head} (rank 0): it has said so for "
         f"{for_s:.1f}s while the master listens, in its own words: {words}",
         fix=(f"the network path from {node} to {head} is cut for TCP to {addr}:{port}: check the firewall and the "
@@ -123,6 +124,9 @@ def rank_cut_off(rank: int, node: str, position: int, head: str, addr: str, port
              "(`sparkctl check` runs the reach test between the ranks); then `sparkctl down` and `sparkctl up`. "
              "Raising --timeout does not help"),
         node=node)
+    err.failures = [Failure(node, "rank-cut-off", f"rank {rank} cannot reach the master {addr}:{port} on {head}",
+                            err.fix)]
+    return err
 
 
 def wait_ready(
@@ -214,7 +218,10 @@ def wait_ready(
     if result is None:
         phases = ", ".join(f"rank {w.rank}: {w.phase}" for w in watches.values())
         raise CheckFailed(f"the service was not ready within {timeout:g}s ({phases})",
-                          fix="`sparkctl logs` shows what each rank is doing; raise --timeout for a slow load")
+                          fix="`sparkctl logs` shows what each rank is doing; raise --timeout for a slow load",
+                          failures=[Failure(w.node, "not-ready", f"rank {w.rank} is still {w.phase}",
+                                            f"`sparkctl logs --rank {w.rank}` shows what it is doing")
+                                    for w in watches.values()])
     return result
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from .. import signals
 from ..cluster import Cluster, Node, NodeError, Results, raise_failed
-from ..errors import CheckFailed
+from ..errors import CheckFailed, Failure
 from ..facts.docker_parse import ContainerState, parse_container_inspect, parse_format_value
 from ..facts.engine_lines import failure_in
 from ..facts.node_facts import NodeFacts
@@ -211,7 +211,10 @@ def up(
             raise
         fix = exc.fix if isinstance(exc, CheckFailed) else None
         msg = exc.message if isinstance(exc, CheckFailed) else str(exc)
-        raise CheckFailed(f"{msg}\nrolled back:\n  " + "\n  ".join(lines), fix=fix) from None
+        raise CheckFailed(f"{msg}\nrolled back:\n  " + "\n  ".join(lines), fix=fix,
+                          node=exc.node if isinstance(exc, CheckFailed) else None,
+                          failures=exc.failures if isinstance(exc, CheckFailed) else None,
+                          extra={"rolled_back": lines}) from None
     outcome.started = started
     # The point of no return: every rank runs. A signal from here on is noted and changes nothing, so
     # the `up` lines (what tells this run's containers from orphans) are always written.
@@ -364,6 +367,8 @@ def wait_for_memory(cluster: Cluster, settings: Settings, need: Mapping[str, Nod
             raise CheckFailed(
                 f"the memory did not come back within {wait_s:g} s (MEMORY_WAIT_S); nothing of this release "
                 "was started:\n  " + "\n  ".join(f"{n}: {short[n]}" for n in pending),
+                failures=[Failure(n, "memory", short[n], f"see what holds the memory on {n} (nvidia-smi; "
+                                  "ps aux --sort=-rss | head) and free it") for n in pending],
                 fix="see what holds it there (nvidia-smi; ps aux --sort=-rss | head) and free it, or raise "
                     "MEMORY_WAIT_S if it is on its way back")
         if pending:
@@ -405,7 +410,7 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
         time.sleep(settle_s)
     states = cluster.run_all(lambda n: inspect_cluster(n, settings.cluster_name), nodes=settings.nodes)
     states.raise_if_failed("lost nodes while starting")
-    dead = []
+    dead, failures = [], []
     running = states.ok
     for spec in specs:
         mine = [c for c in running[spec.node] if c.rank == spec.rank]
@@ -415,8 +420,11 @@ def _confirm_running(cluster: Cluster, settings: Settings, specs: list[RankSpec]
             found = failure_in(tail)  # vLLM's words for the cause, even with lines after it
             said = f"{found[0]}: {found[1]}" if found else (tail[-1] if tail else "")
             dead.append(f"rank {spec.rank} ({spec.node}) {status}" + (f": {said}" if said else ""))
+            failures.append(Failure(spec.node, "rank-died", dead[-1],
+                                    f"`sparkctl logs --rank {spec.rank}` shows why; `sparkctl render` prints its "
+                                    "command line"))
     if dead:
-        raise CheckFailed("containers died right after start:\n  " + "\n  ".join(dead))
+        raise CheckFailed("containers died right after start:\n  " + "\n  ".join(dead), failures=failures)
 
 
 def _rollback(cluster: Cluster, settings: Settings, expected: dict[str, list[str]],

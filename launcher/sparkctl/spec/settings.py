@@ -609,6 +609,10 @@ def _duplicate_keys(path: Path) -> dict[str, list[int]]:
     return {k: v for k, v in lines.items() if len(v) > 1}
 
 
+# Where a bad value is fixed: the place its line names; `sparkctl config` shows every knob and its source.
+_VALUE_FIX = "the knobs and their rules: env/env.tp4.example; `sparkctl config` shows where each value comes from"
+
+
 def _convert(key: str, raw: str, source: str) -> Any:
     knob = KNOBS.get(key)
     m = RANK_KEY_RE.match(key)
@@ -622,12 +626,14 @@ def _convert(key: str, raw: str, source: str) -> Any:
         try:
             return int(text, 10)
         except ValueError:
-            raise UsageError(f"{key}={raw!r} (from {source}) must be a whole number") from None
+            raise UsageError(f"{key}={raw!r} (from {source}) must be a whole number",
+                             fix=f"set {key} to a whole number there ({_VALUE_FIX})") from None
     if kind == "float":
         try:
             return float(text)
         except ValueError:
-            raise UsageError(f"{key}={raw!r} (from {source}) must be a number") from None
+            raise UsageError(f"{key}={raw!r} (from {source}) must be a number",
+                             fix=f"set {key} to a number there ({_VALUE_FIX})") from None
     return text
 
 
@@ -756,7 +762,7 @@ def validate_settings(s: Settings) -> None:
             # A secret reaches the containers as one line of an env file; the value is never shown.
             problems.append(f"{key} (from {v.source}) must not contain a newline or NUL (value not shown)")
     if problems:
-        raise UsageError("\n".join(dict.fromkeys(problems)))
+        raise UsageError("\n".join(dict.fromkeys(problems)), fix=f"change each value as its line says ({_VALUE_FIX})")
 
     # Rules across knobs.
     tp, dcp = s.getint("TP"), s.getint("DCP")
@@ -799,7 +805,7 @@ def validate_settings(s: Settings) -> None:
         elif what == "GID_INDEX" and int(value) < 0:
             problems.append(f"{s.describe(key)} must be 0 or more")
     if problems:
-        raise UsageError("\n".join(problems))
+        raise UsageError("\n".join(problems), fix=f"change each value as its line says ({_VALUE_FIX})")
 
 
 def _src(s: Settings, *keys: str) -> str:

@@ -29,6 +29,7 @@ from sparkctl.lab import ckptgen
 from sparkctl.probes import ckpt_scan
 from sparkctl.spec.recipes import load_layout
 from sparkctl.spec.resources import probe_script
+from tests.conftest import run_cli
 
 TINY = load_layout("tiny")
 
@@ -105,7 +106,7 @@ Fault = Callable[[Path], Any]
     (lambda d: ckptgen.set_expert_bits(d, 7, layer=4), "exl3-bits-unsupported", "layer 4"),
     (lambda d: ckptgen.quantize_mtp(d), "exl3-out-of-scope", "mtp expert linears in layer 6"),
 ])
-def test_faults(tmp_path: Path, fault: Fault, code: str, where: str) -> None:
+def test_faults(tmp_path: Path, fault: Fault, code: str, where: str, capsys: pytest.CaptureFixture[str]) -> None:
     d = tiny(tmp_path)
     fault(d)
     r = verify_dir(d, TINY)
@@ -114,10 +115,11 @@ def test_faults(tmp_path: Path, fault: Fault, code: str, where: str) -> None:
     assert hit, r.findings
     assert where in hit[0].reason + hit[0].where
     assert hit[0].fix
-    # and the command line says the same, with exit 1 and one JSON document
-    res = CliRunner().invoke(cli, ["--json", "verify-model", "--local", str(d), "--layout", "tiny"])
-    assert res.exit_code == 1, res.output
-    doc = json.loads(res.stdout)
+    # and the command line says the same, with exit 1 and one JSON document (sparkctl's entry point prints
+    # the failure's document)
+    status, out, err = run_cli(["--json", "verify-model", "--local", str(d), "--layout", "tiny"], capsys)
+    assert status == 1, (out, err)
+    doc = json.loads(out)
     assert code in {f["code"] for f in doc["findings"]} and doc["ok"] is False
 
 

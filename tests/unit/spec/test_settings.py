@@ -55,7 +55,8 @@ def test_tp_not_divisible_by_dcp_names_values_and_sources(clean_env, tmp_path, m
     env.write_text(f'NODES="{NODES}"\nMODEL={model_308}\nDCP=3\n')
     with pytest.raises(UsageError) as exc:
         load(env)
-    assert str(exc.value) == (f"TP=4 must be divisible by DCP=3 (TP from recipe glm53-exl3-tp4, DCP from env file {env})")
+    assert exc.value.message == (f"TP=4 must be divisible by DCP=3 (TP from recipe glm53-exl3-tp4, DCP from env file {env})")
+    assert exc.value.fix and "sparkctl config" in exc.value.fix
 
 
 @pytest.mark.parametrize(
