@@ -20,7 +20,7 @@ def test_exec_json_is_the_commands_status(status: int, place: dict[str, str], mo
                                          capsys: pytest.CaptureFixture[str]) -> None:
     from sparkctl.commands import rank_exec
 
-    def ran(ssh_config: Any, node: str, container: str, argv: list[str], timeout: float) -> RunResult:
+    def ran(ssh_config: Any, node: str, cluster: str, rank: int, argv: list[str], timeout: float) -> RunResult:
         return RunResult("out\n", "first\nno such file: /x\n" if status else "", status, 0.1)
 
     monkeypatch.setattr(rank_exec, "run_in_rank", ran)
