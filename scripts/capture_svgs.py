@@ -63,30 +63,34 @@ def main() -> int:
     env = {**os.environ, **lab.env(), "NODES": " ".join(NODES), **lab.pin_knobs(NODES)}
     os.environ.clear()
     os.environ.update(env)
-    started = False
-    if _sparkctl(env, "status").returncode != 0:
+    if _sparkctl(env, "status").returncode == 0:
+        print("the lab's service is running: `check` is captured before `up` (run `sparkctl down` first)",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+
+    def capture(name: str, argv: list[str]) -> None:
+        nonlocal failed
+        code, svg = _capture(argv, f"sparkctl {' '.join(argv)}", args.width)
+        if "<svg" not in svg or code != 0:
+            print(f"sparkctl {name}: exit {code}, not captured", file=sys.stderr)
+            failed += 1
+            return
+        (args.out / f"{name}.svg").write_text(svg)
+        print(f"{args.out / (name + '.svg')}: sparkctl {' '.join(argv)}, {len(svg):,} bytes")
+
+    capture("check", ["check"])  # the preflight, as a user sees it before the first `up`
+    try:
         for step in (["up"], ["wait", "--timeout", "300"]):
             r = _sparkctl(env, *step)
             if r.returncode != 0:
                 print(f"sparkctl {' '.join(step)} failed (exit {r.returncode}):\n{r.stderr[-2000:]}",
                       file=sys.stderr)
-                _sparkctl(env, "down")
                 return 1
-        started = True
-    failed = 0
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        for name, argv in (("check", ["check"]), ("status", ["status"])):
-            code, svg = _capture(argv, f"sparkctl {' '.join(argv)}", args.width)
-            if "<svg" not in svg or code not in (0, 1):
-                print(f"sparkctl {name}: exit {code}, nothing to capture", file=sys.stderr)
-                failed += 1
-                continue
-            (args.out / f"{name}.svg").write_text(svg)
-            print(f"{args.out / (name + '.svg')}: sparkctl {name} (exit {code}), {len(svg):,} bytes")
+        capture("status", ["status"])
     finally:
-        if started:
-            _sparkctl(env, "down")
+        _sparkctl(env, "down")
     return 1 if failed else 0
 
 
