@@ -29,7 +29,7 @@ LAB_PACKAGES=(docker.io openssh-server openssh-client iproute2 iptables debootst
 # renders), systemd (systemd-analyze verifies the unit `export systemd` writes), python3-venv (the
 # fidelity venv), netcat-openbsd (ProxyCommand through `nc`), netplan.io and sudo (`setup`'s files are judged
 # by the real `netplan generate --root-dir` and `visudo -cf`; its cable test runs the real iperf3 on loopback;
-# earlyoom: the lab's hosts find it installed, as setup leaves a node, so a second setup has nothing to do). The unit tests also start private sshd
+# earlyoom: when setup installs it on a lab host, the lab links in this machine's real one). The unit tests also start private sshd
 # servers and run rsync and curl (the lab's list).
 TEST_PACKAGES=(nginx systemd python3-venv netcat-openbsd netplan.io sudo iperf3 earlyoom "${LAB_PACKAGES[@]}")
 

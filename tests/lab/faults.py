@@ -72,13 +72,14 @@ def path_dropped(lab: Lab, src: str, dst: str) -> Iterator[str]:
 
 
 def _reset_setup_root(paths: HostPaths) -> None:
-    """Everything `sparkctl setup` wrote on the host removed: its root holds only the host's machine-id."""
+    """Everything `sparkctl setup` wrote or installed on the host removed: its root holds only the host's
+    machine-id and the lab's stand-ins (sbin/)."""
     import shutil
 
     root = paths.setup_root
     if root.exists():
         for child in root.iterdir():
-            if child.name != "etc":
+            if child.name not in ("etc", "sbin"):
                 shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
         for child in (root / "etc").iterdir():
             if child.name != "machine-id":

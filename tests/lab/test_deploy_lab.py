@@ -1,5 +1,6 @@
-"""`sparkctl deploy` on the lab, the checkpoint only on the head (its own folder, /models/lab/deploytest, on
-spark1 only): --plan lists every step and changes nothing; --yes reaches a real completion; a second --yes
+"""`sparkctl deploy` on a fresh lab (fabric ports without addresses: setup is its first step), the checkpoint only
+on the head (its own folder, /models/lab/deploytest, on spark1 only): --plan lists every step and changes
+nothing; --yes sets the nodes up and reaches a real completion; a second --yes
 is a no-op; a knob change re-deploys only what changed (up, wait) with a rollback point; SIGTERM at three
 different steps (sync, up, wait), then --yes again, serves with nothing left behind.
 
@@ -52,7 +53,15 @@ def statuses(d: dict[str, Any]) -> dict[str, str]:
 
 @pytest.fixture
 def scene(lab: Lab, tmp_path: Path) -> Iterator[Path]:
-    """The head's checkpoint copied into its own folder on spark1 only; everything removed after."""
+    """A fresh lab (fabric ports without addresses, nothing of setup's) with the head's checkpoint copied into
+    its own folder on spark1 only; everything removed after, the lab's fabric as it was."""
+    from tests.lab.faults import fresh_fabric
+
+    with fresh_fabric(lab):
+        yield from _checkpoint_on_the_head(lab, tmp_path)
+
+
+def _checkpoint_on_the_head(lab: Lab, tmp_path: Path) -> Iterator[Path]:
     src = lab.host("spark1").model_dir
     for h in lab.hosts:
         shutil.rmtree(h.model_dir / FOLDER, ignore_errors=True)
@@ -83,13 +92,17 @@ def test_plan_lists_every_step_and_changes_nothing(lab: Lab, scene: Path) -> Non
     r = sk(lab, scene, "deploy", "--json", timeout=300)
     assert r.returncode == 0, r.stderr
     d = doc(r)
-    assert [s["step"] for s in d["steps"]] == ["pull", "sync", "check", "build", "up", "wait", "report", "supervise"]
+    assert [s["step"] for s in d["steps"]] == ["setup", "pull", "sync", "check", "build", "up", "wait", "report",
+                                               "supervise"]
     by = {s["step"]: s for s in d["steps"]}
+    assert by["setup"]["todo"] and "no fabric document" in by["setup"]["why"]
+    assert any("/etc/netplan/60-sparkctl-fabric.yaml" in w for w in by["setup"]["would"])
     assert by["sync"]["todo"] and len(by["sync"]["would"]) == 3
     assert by["up"]["todo"] and by["wait"]["todo"]
     for n in NODES[1:]:
         assert not (lab.host(n).model_dir / FOLDER).exists()
     assert all(not lab.docker(n, "ps", "-aq", "--filter", LABEL).stdout.strip() for n in NODES)
+    assert not any((lab.root / "hosts" / n / "setup-root/etc/netplan").exists() for n in NODES)  # setup wrote nothing
 
 
 def test_yes_serves_then_a_rerun_is_a_noop_then_a_knob_change_redeploys_only_up_and_wait(
@@ -97,8 +110,8 @@ def test_yes_serves_then_a_rerun_is_a_noop_then_a_knob_change_redeploys_only_up_
     r = sk(lab, scene, "deploy", "--yes", "--json")
     assert r.returncode == 0, r.stderr
     d = doc(r)
-    assert statuses(d)["sync"] == "done" and statuses(d)["up"] == "done" and statuses(d)["wait"] == "done"
-    assert d["api"]["completion"] and d["api"]["model"] == "lab-deploy" and d["api"]["bench"]
+    assert statuses(d)["setup"] == "done" and statuses(d)["sync"] == "done" and statuses(d)["up"] == "done"
+    assert statuses(d)["wait"] == "done" and d["api"]["completion"] and d["api"]["model"] == "lab-deploy" and d["api"]["bench"]
     nothing_left(lab, scene)
     t0 = time.monotonic()
     r = sk(lab, scene, "deploy", "--yes", "--json", "--no-bench")
@@ -112,7 +125,8 @@ def test_yes_serves_then_a_rerun_is_a_noop_then_a_knob_change_redeploys_only_up_
     d = doc(r)
     assert d["plan_differs"] == [] or any("GPU_MEMORY_UTILIZATION" in x for x in d["plan_differs"])
     st = statuses(d)
-    assert (st["sync"], st["build"], st["up"], st["wait"]) == ("skipped", "skipped", "done", "done"), st
+    assert (st["setup"], st["sync"], st["build"], st["up"], st["wait"]) == ("skipped", "skipped", "skipped", "done",
+                                                                          "done"), st
     up = next(s for s in d["steps"] if s["step"] == "up")
     assert up["changed"]["rollback_point"]["config_hash"] == first
     r = sk(lab, scene, "--json", "rollback", env={"GPU_MEMORY_UTILIZATION": "0.75"})

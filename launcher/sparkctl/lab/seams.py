@@ -50,8 +50,8 @@ CONTAINER_SYSFS = "/run/sparkctl-lab/sysfs"
 
 def write_setup_seams(paths: HostPaths) -> None:
     """What `sparkctl setup` needs on a lab host: its own / for setup's files (with the host's machine-id in
-    it) and the stand-in for `netplan apply` (netplan_apply.sh: the real `netplan generate`, applied with
-    `ip`). Files setup wrote there earlier are kept: the lab keeps what a real node would."""
+    it), the stand-in for `netplan apply` (netplan_apply.sh: the real `netplan generate`, applied with
+    `ip`) and for `apt-get install earlyoom` (setup_apt_get.sh: this machine's real earlyoom, linked in). Files setup wrote there earlier are kept: the lab keeps what a real node would."""
     etc = paths.setup_root / "etc"
     etc.mkdir(parents=True, exist_ok=True)
     machine_id = etc / "machine-id"
@@ -62,6 +62,9 @@ def write_setup_seams(paths: HostPaths) -> None:
     for name, target in (("netplan_apply.sh", "netplan-apply"), ("roce_gids.py", "roce_gids.py")):
         shutil.copyfile(HERE / name, paths.bin_dir / target)
         (paths.bin_dir / target).chmod(0o755)
+    (paths.setup_root / "sbin").mkdir(exist_ok=True)  # the commands setup runs that the lab carries out itself
+    shutil.copyfile(HERE / "setup_apt_get.sh", paths.setup_root / "sbin" / "apt-get")
+    (paths.setup_root / "sbin" / "apt-get").chmod(0o755)
 
 
 def write_nvidia_smi(bin_dir: Path, spec: HostSpec) -> None:

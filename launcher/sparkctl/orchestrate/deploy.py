@@ -1,11 +1,11 @@
 """`sparkctl deploy`'s flow: the existing flows chained, each behind a probe that says whether it has
 anything to do.
 
-  STEPS                       the ordered registry: pull, sync, check, build, up, wait, report, supervise
+  STEPS                       the ordered registry: setup, pull, sync, check, build, up, wait, report, supervise
     Step.applies(ctx)         None: part of this deploy; else why not (MODEL_REPO unset, one node, no
                               --supervise): listed in the plan as skipped, never probed
     Step.probe(ctx)           what it would do and why (StepPlan); changes nothing on any node
-    Step.apply(ctx, plan)     the existing flow: model_pull.pull_on_head, model_sync.sync, check.run_check,
+    Step.apply(ctx, plan)     the existing flow: setup.apply, model_pull.pull_on_head, model_sync.sync, check.run_check,
                               build.build, up.up, wait.wait, bench.run_bench, export_systemd.install_unit
   plan_steps(ctx)             every step's probe (a probe that fails says so: the step would run)
   apply_steps(ctx)            per step, in order: probe again (an earlier step changed the cluster), skip
@@ -16,8 +16,7 @@ anything to do.
 
 A re-run after a failure or a signal completes from where it stopped: each probe reads the cluster as it is.
 
-Adding a step is one entry in STEPS: Step(name, title, probe, apply, applies). `setup` (the fabric
-document missing or stale) goes first: STEPS.insert(0, Step("setup", ...)) or the literal's first entry.
+Adding a step is one entry in STEPS: Step(name, title, probe, apply, applies).
 """
 
 from __future__ import annotations
@@ -276,6 +275,51 @@ def apply_pull(ctx: Context, plan: dp.StepPlan) -> dict[str, Any]:
                               fix="`sparkctl verify-model` shows every finding")
     return {"node": s.head, "status": doc.get("status"), "commit": doc.get("commit"),
             "downloaded_bytes": doc.get("downloaded_bytes")}
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+
+def probe_setup(ctx: Context) -> dp.StepPlan:
+    """Nothing to do while every node's fabric document matches its ports (read without the cabling's neighbour
+    discovery); else `sparkctl setup`'s own plan over the probes' connections: a step to run when it has
+    changes (addresses, MTU, limits, earlyoom, sudoers, the document)."""
+    from .setup import document_disagrees
+    from .setup import plan as setup_plan
+
+    stale = document_disagrees(ctx.nodes_cluster(), ctx.settings)
+    if stale is None:
+        return dp.StepPlan(False, "every node's fabric document matches its ports (`sparkctl setup` checks the rest)")
+    report = setup_plan(ctx.nodes_cluster(), ctx.settings)
+    ctx.memo["setup"] = report
+    changes = report.changes
+    if not changes:
+        return dp.StepPlan(False, f"every node is as setup leaves it (cabling: {report.cabling.layout}; the fabric "
+                                  "document matches)", detail={"layout": report.cabling.layout})
+    nodes = sorted({c["node"] for c in changes})
+    would = [f"{c['node']}: {c['what']}" + (f" ({c.get('path') or c.get('command')})"
+                                            if c.get("path") or c.get("command") else "") for c in changes]
+    return dp.StepPlan(True, f"{stale}: {len(changes)} change(s) on {', '.join(nodes)} (`sparkctl setup` shows each "
+                             "file)", would, {"layout": report.cabling.layout, "changes": changes})
+
+
+def apply_setup(ctx: Context, plan: dp.StepPlan) -> dict[str, Any]:
+    from .setup import apply as setup_apply
+    from .setup import plan as setup_plan
+
+    report = ctx.memo.get("setup") or setup_plan(ctx.nodes_cluster(), ctx.settings)
+    report = setup_apply(ctx.nodes_cluster(), ctx.settings, report, ctx.ssh_config)
+    outcomes = report.applied or {}
+    for n, o in outcomes.items():
+        ctx.feed.event("setup", o.status, ", ".join(o.wrote + o.ran) or o.status, node=n)
+    if report.failed:
+        first = outcomes[report.failed[0]]
+        raise CheckFailed(f"setup failed on {', '.join(report.failed)}: {first.error or first.status}",
+                          node=report.failed[0] if len(report.failed) == 1 else None,
+                          fix=first.fix or "run `sparkctl setup` to see each node's fix",
+                          failures=[{"node": n, "kind": outcomes[n].status, "reason": outcomes[n].error or "",
+                                     "fix": outcomes[n].fix or ""} for n in report.failed])
+    return {"nodes": {n: o.as_dict() for n, o in outcomes.items()}}
 
 
 # ------------------------------------------------------------------------------------------ sync
@@ -627,6 +671,7 @@ def apply_supervise(ctx: Context, plan: dp.StepPlan) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ the registry
 
 STEPS: list[Step] = [
+    Step("setup", "setup: fabric addresses, limits, earlyoom, the fabric document", probe_setup, apply_setup),
     Step("pull", "model pull: the pinned checkpoint on the head", probe_pull, apply_pull, _pull_applies),
     Step("sync", "model sync: the head's checkpoint on every rank", probe_sync, apply_sync, _sync_applies),
     Step("check", "check: every node's preflight", probe_check, apply_check),

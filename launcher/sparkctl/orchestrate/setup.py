@@ -98,8 +98,9 @@ class SetupReport:
         return [n for n, o in (self.applied or {}).items() if o.status in ("failed", "by-hand")]
 
 
-def discover(cluster: Cluster, s: Settings) -> dict[str, SetupFacts]:
-    """setup_facts.sh on every node at once; a node that does not answer stops setup (exit 1)."""
+def discover(cluster: Cluster, s: Settings, *, neighbours: bool = True) -> dict[str, SetupFacts]:
+    """setup_facts.sh on every node at once; a node that does not answer stops setup (exit 1). neighbours=False
+    leaves out the cabling's neighbour discovery (its bounded ping of every port's link)."""
     if cluster.errors:
         raise CheckFailed("setup needs every node: " + "; ".join(e.message for e in cluster.errors.values()),
                           fix="make every node of NODES reachable over SSH (`sparkctl check` says why), then run "
@@ -109,12 +110,35 @@ def discover(cluster: Cluster, s: Settings) -> dict[str, SetupFacts]:
     nonce = secrets.token_hex(8)
 
     def one(node: Node) -> SetupFacts:
-        r = node.run_script(script, [nonce, fabric_doc_path(s.cluster_name), "yes"], timeout=60)
+        r = node.run_script(script, [nonce, fabric_doc_path(s.cluster_name), "yes" if neighbours else "no"],
+                            timeout=60)
         return setup_facts_from_probe(r.stdout, nonce, r.stderr)
 
     res = cluster.run_all(one, nodes=s.nodes)
     res.raise_if_failed("the setup probe")
     return dict(res.ok)
+
+
+def document_disagrees(cluster: Cluster, s: Settings) -> str | None:
+    """Whether setup has fabric work to do, cheaply (no neighbour discovery): None when every node holds this
+    cluster's fabric document and each port it records is there, up, with its address and MAC; else why not."""
+    facts = discover(cluster, s, neighbours=False)
+    for n in s.nodes:
+        doc = facts[n].fabric_doc
+        ports = doc.get("ports") if isinstance(doc, dict) else None
+        mine = ports.get(n) if isinstance(ports, dict) else None
+        if not isinstance(mine, dict) or not mine:
+            return f"{n} has no fabric document of cluster {s.cluster_name!r}"
+        for name, rec in sorted(mine.items()):
+            rec = rec if isinstance(rec, dict) else {}
+            live = facts[n].port(str(name))
+            if live is None or not live.carrier:
+                return f"{n}: port {name} is {'gone' if live is None else 'down'} (the fabric document has it)"
+            if rec.get("address") not in live.ipv4:
+                return f"{n}: port {name} lacks {rec.get('address')}, its address in the fabric document"
+            if isinstance(rec.get("mac"), str) and live.mac and live.mac.lower() != str(rec["mac"]).lower():
+                return f"{n}: port {name}'s MAC is not the one in the fabric document"
+    return None
 
 
 def plan(cluster: Cluster, s: Settings) -> SetupReport:

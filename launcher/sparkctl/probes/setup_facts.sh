@@ -62,6 +62,18 @@ neighbours() {
     done
 }
 
+# earlyoom's program: on the PATH, or under the seam's root when there is one (R stands for / of every path).
+has_earlyoom() {
+    if [ -z "$R" ]; then
+        command -v earlyoom
+        return
+    fi
+    for _d in /usr/bin /usr/sbin /bin /sbin /usr/local/bin; do
+        [ -x "$R$_d/earlyoom" ] && { echo "$_d/earlyoom"; return 0; }
+    done
+    return 1
+}
+
 # path, then its sha256 (or "absent" / "unreadable"): the files setup manages.
 file_hash() {
     for f do
@@ -87,7 +99,7 @@ facts() {
     section infiniband ib_walk
     section ip-addr ip -j addr show
     section neigh neighbours
-    section earlyoom command -v earlyoom
+    section earlyoom has_earlyoom
     section ctk sh -c 'command -v nvidia-ctk || command -v nvidia-container-runtime'
     section docker-group sh -c 'getent group docker'
     section files file_hash /etc/netplan/60-sparkctl-fabric.yaml /etc/sudoers.d/sparkctl \

@@ -156,12 +156,53 @@ def test_every_step_writes_its_events() -> None:
 
 
 def test_the_registry_is_the_documented_order_and_a_first_step_is_one_entry() -> None:
-    assert [s.name for s in flow.STEPS] == ["pull", "sync", "check", "build", "up", "wait", "report", "supervise"]
+    assert [s.name for s in flow.STEPS] == ["setup", "pull", "sync", "check", "build", "up", "wait", "report",
+                                           "supervise"]
     w = World()
     steps = [step(w, n) for n in ("sync", "up")]
     steps.insert(0, step(w, "setup"))
     flow.apply_steps(context(), steps)
     assert w.applied == ["setup", "sync", "up"]
+
+
+def test_the_setup_step_runs_setup_when_it_plans_changes_and_names_a_node_that_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy's setup step is `sparkctl setup`'s own plan and apply: nothing to do when setup plans no change; its
+    changes listed per node otherwise; a node whose apply failed fails the step naming it and its fix."""
+    from sparkctl.orchestrate import setup as setup_flow
+
+    class Report:
+        def __init__(self, changes: list[dict[str, str]]) -> None:
+            self.changes = changes
+            self.cabling = type("C", (), {"layout": "switch"})()
+            self.applied: dict[str, setup_flow.NodeOutcome] | None = None
+            self.failed: list[str] = []
+
+    planned = [Report([])]
+    monkeypatch.setattr(setup_flow, "plan", lambda cluster, s: planned[0])
+    stale: list[str | None] = [None]
+    monkeypatch.setattr(setup_flow, "document_disagrees", lambda cluster, s: stale[0])
+    ctx = context()
+    ctx.cluster = cast(Any, object())  # the probes' connections: never used by the fakes
+    planned[0] = Report([{"node": "spark2", "what": "limits"}])
+    assert not flow.probe_setup(ctx).todo  # the fabric document matches: setup's full plan is not read
+    stale[0] = "spark2 has no fabric document of cluster 't'"
+    planned[0] = Report([])
+    assert not flow.probe_setup(ctx).todo
+    planned[0] = Report([{"node": "spark2", "what": "the fabric document", "path": "/etc/sparkctl/t/fabric.json"}])
+    p = flow.probe_setup(ctx)
+    assert p.todo and p.would == ["spark2: the fabric document (/etc/sparkctl/t/fabric.json)"]
+    assert p.why.startswith("spark2 has no fabric document")
+
+    def failed_apply(cluster: Any, s: Any, report: Report, ssh_config: Any) -> Report:
+        report.applied = {"spark2": setup_flow.NodeOutcome("failed", error="visudo refused it", fix="see the file")}
+        report.failed = ["spark2"]
+        return report
+
+    monkeypatch.setattr(setup_flow, "apply", failed_apply)
+    with pytest.raises(CheckFailed) as exc:
+        flow.apply_setup(ctx, p)
+    assert exc.value.node == "spark2" and "visudo refused it" in exc.value.message and exc.value.fix == "see the file"
 
 
 def test_check_is_skipped_only_for_the_inputs_it_passed_with(monkeypatch: pytest.MonkeyPatch) -> None:

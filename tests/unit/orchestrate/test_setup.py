@@ -99,8 +99,9 @@ def _scene(ln: LocalNodes, root: Path) -> None:
             (hw / "bin" / name).chmod(0o755)
         sbin = {
             "usermod": '#!/bin/sh\necho docker >>"$SPARKCTL_SETUP_ROOT/groups"\n',
-            "apt-get": '#!/bin/sh\nprintf "#!/bin/sh\\n" >"$SPARKCTL_SETUP_ROOT/../bin/earlyoom"\n'
-                       'chmod 755 "$SPARKCTL_SETUP_ROOT/../bin/earlyoom"\necho "apt-get $*" >>"$SPARKCTL_SETUP_ROOT/ran"\n',
+            "apt-get": '#!/bin/sh\nmkdir -p "$SPARKCTL_SETUP_ROOT/usr/bin"\n'
+                       'printf "#!/bin/sh\\n" >"$SPARKCTL_SETUP_ROOT/usr/bin/earlyoom"\n'
+                       'chmod 755 "$SPARKCTL_SETUP_ROOT/usr/bin/earlyoom"\necho "apt-get $*" >>"$SPARKCTL_SETUP_ROOT/ran"\n',
             "systemctl": '#!/bin/sh\necho "systemctl $*" >>"$SPARKCTL_SETUP_ROOT/ran"\n',
         }
         for name, text in sbin.items():
@@ -170,6 +171,20 @@ def test_plan_changes_nothing_yes_applies_everything_and_a_second_plan_has_nothi
 
     again = _plan(s)
     assert again.changes == []
+
+
+def test_the_fabric_document_is_stale_until_setup_ran_and_again_when_a_port_changes(nodes: Any) -> None:
+    """document_disagrees (deploy's cheap probe, no neighbour discovery): no document, then a document that
+    matches every recorded port, then an address changed by hand, each said in words."""
+    ln, s = nodes
+    with Cluster(s.nodes, os.environ["SPARKCTL_SSH_CONFIG"]) as c:
+        assert flow.document_disagrees(c, s) == "n1 has no fabric document of cluster 't'"
+        flow.apply(c, s, flow.plan(c, s), os.environ["SPARKCTL_SSH_CONFIG"], try_s=600)
+        assert flow.document_disagrees(c, s) is None
+        live = _root(ln, "n2") / "ip-addr.json"
+        live.write_text(live.read_text().replace("192.168.100.2", "192.168.100.7"))
+        assert flow.document_disagrees(c, s) == ("n2: port enp1s0f0np0 lacks 192.168.100.2/24, its address in the "
+                                                 "fabric document")
 
 
 def test_a_file_the_real_tool_refuses_leaves_every_file_of_that_node_as_it_was(nodes: Any) -> None:
