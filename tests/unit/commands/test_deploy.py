@@ -106,7 +106,8 @@ def test_yes_says_what_differs_from_the_saved_plan_before_it_proceeds(world: Wor
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     code, out, err = run(["deploy"], capsys)
     assert code == 0, err
-    assert "nothing was changed. `sparkctl deploy --yes` runs: sync, check, build, up, wait" in out
+    said = " ".join(out.split())  # as read, whatever the width the console wrapped it at (the path's length)
+    assert "nothing was changed. `sparkctl deploy --yes` runs: sync, check, build, up, wait" in said
     assert "- make build" in out
     monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.75")
     code, out, err = run(["deploy", "--yes", "--json"], capsys)
