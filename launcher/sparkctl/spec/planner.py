@@ -223,6 +223,7 @@ class Plan:
     kv_block_tokens: int = 64
     kv_block_bytes: int = 0  # one block of every layer's caches: kv_block_tokens × kv_bytes_per_token
     kv_blocks_per_rank: int = 0  # MAX_FULL_SEQS × blocks of one full sequence + vLLM's null block
+    kv_group_layers: int = 0  # layers per KV cache group when the layers mix kinds of cache (0: one group of all)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -511,10 +512,12 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
     blocks = blocks_per_seq * seqs + 1
     kv_bytes = blocks * block * per_token
     block_bytes = block * per_token
+    group_layers = 0
     if any(t.window is not None or t.state_bytes for t in terms):
         in_flight = IN_FLIGHT_BATCHES * max_num_batched_tokens(settings)
         paging = hybrid_paging(terms, seq_tokens, in_flight, block)
         kv_bytes, blocks, block_bytes = paging.kv_bytes(seqs), paging.blocks(seqs), paging.block_bytes
+        group_layers = paging.group_layers
         if any(t.window is not None for t in terms):
             notes.append(f"sliding-window layers keep sliding_window − 1 + {in_flight} in-flight tokens (two batches: "
                          "vLLM's async scheduling on a GPU) + 1 block, as vLLM 0.33 sizes them (the fidelity suite "
@@ -548,6 +551,7 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         kv_block_tokens=block,
         kv_block_bytes=block_bytes,
         kv_blocks_per_rank=blocks,
+        kv_group_layers=group_layers,
         notes=notes,
     )
 

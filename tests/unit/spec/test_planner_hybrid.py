@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from sparkctl.spec.planner import (
-    STATE_BLOCKS_PER_SEQUENCE,
     hybrid_block_tokens,
     kv_group_layers,
     kv_terms,
@@ -85,9 +84,9 @@ def plan(tmp_path: Path, recipe: str, tp: int = 2, **knobs: str):
 ])
 def test_the_shipped_qwen3_next_recipes_plan_vllms_minimum(clean_env, tmp_path, recipe, block, blocks):
     p = plan(tmp_path, recipe, int(recipe.rsplit("tp", 1)[1]))
-    assert STATE_BLOCKS_PER_SEQUENCE == 3
     assert p.kv_block_tokens == block and not any("kv_block_tokens" in n for n in p.notes)
     assert p.kv_block_bytes == block * ATTENTION * 12  # a page of each of the 12 slots of a group
+    assert p.kv_group_layers == 12
     assert p.kv_blocks_per_rank == blocks
     assert p.kv_cache_memory_bytes == blocks * block * ATTENTION * 12
     assert p.kv_cache_memory_bytes == {576: 3_298_295_808, 320: 3_263_692_800}[block]
@@ -118,3 +117,17 @@ def test_a_recipe_with_another_block_is_planned_with_vllms_and_says_so(clean_env
     assert p.kv_block_tokens == 576
     assert any("kv_block_tokens=16 is not the block vLLM 0.33 pages this hybrid in: planned with 576" in n
                for n in p.notes)
+
+
+def test_a_pool_block_is_a_page_of_each_slot_of_one_group_not_of_every_layer(clean_env, tmp_path):
+    """gpt-oss-20b at TP 2 (12 full + 12 sliding-window layers, K+V of 4 KV heads × 64 per rank, bf16): groups of 12, so one
+    pool block is 16 tokens × 1,024 B × 12 layers = 196,608 B (not the 24 layers' 393,216 B); one sequence of
+    131,072 tokens holds 8,192 full blocks and ⌈(128 − 1 + 2 × 8,192) ÷ 16⌉ + 1 = 1,033 window blocks; + 1 null."""
+    config = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "gpt-oss-20b.json").read_text())
+    model = write_model(tmp_path / "gpt-oss-20b", 13_800_000_000, 3, config=config)
+    env = {"NODES": "spark1 spark2", "MODEL": str(model), "RECIPE": "gpt-oss-20b-tp2"}
+    p = make_plan(load_settings(cli={}, environ=env), read_checkpoint(model), compute_capability="12.1")
+    assert p.kv_block_bytes == 16 * 2 * 4 * 64 * 2 * 12 == 196_608
+    assert p.kv_group_layers == 12
+    assert p.kv_blocks_per_rank == 8192 + 1033 + 1
+    assert p.kv_cache_memory_bytes == p.kv_blocks_per_rank * p.kv_block_bytes
