@@ -221,7 +221,8 @@ class Plan:
     kv_cache_dtype_effective: str = ""  # what vLLM stores, e.g. fp8_ds_mla for fp8 on GB10
     kv_backend_why: str = ""
     kv_block_tokens: int = 64
-    kv_block_bytes: int = 0  # one block of every layer's caches: kv_block_tokens × kv_bytes_per_token
+    kv_block_bytes: int = 0  # one block of the pool: kv_block_tokens × kv_bytes_per_token (layers of mixed kinds:
+    #                           a page of each layer of one KV cache group)
     kv_blocks_per_rank: int = 0  # MAX_FULL_SEQS × blocks of one full sequence + vLLM's null block
     kv_group_layers: int = 0  # layers per KV cache group when the layers mix kinds of cache (0: one group of all)
     notes: list[str] = field(default_factory=list)
@@ -500,7 +501,7 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         terms += drafter_terms(drafter_config, drafter_dtype, tp, dspark)
     per_token = sum(t.bytes_per_token for t in terms)
     block = layout.block_tokens or mem.kv_block_tokens
-    if any(t.state_bytes for t in terms):
+    if aligns_to_state(terms):
         aligned = hybrid_block_tokens(terms)
         if aligned != block:
             notes.append(f"the recipe's kv_block_tokens={block} is not the block vLLM 0.33 pages this hybrid in: "
@@ -586,15 +587,20 @@ GDN_CHECKPOINT_ALIGNMENT = 64  # gdn_attn.py FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
 STATE_BLOCKS_PER_SEQUENCE = 3
 
 
+def aligns_to_state(terms: list[KvTerm]) -> bool:
+    """Whether vLLM aligns the attention block to a state page: attention layers and state layers both (a hybrid)."""
+    return any(t.state_bytes_per_layer for t in terms) and any(t.bytes_per_token_per_layer for t in terms)
+
+
 def hybrid_block_tokens(terms: list[KvTerm]) -> int:
     """The attention block vLLM 0.33 picks for a model with state layers (update_block_size_for_backend): the least
     multiple of lcm(16, 64) tokens whose page of one attention layer holds one state layer's page."""
     attention = max((t.bytes_per_token_per_layer for t in terms if not t.state_bytes_per_layer), default=0)
     state = max((t.state_bytes_per_layer for t in terms), default=0)
     if not attention or not state:
-        raise ValueError("hybrid_block_tokens needs both attention and state layers")
+        raise ValueError("hybrid_block_tokens needs both attention and state layers (see aligns_to_state)")
     unit = math.lcm(ATTENTION_KERNEL_ALIGNMENT, GDN_CHECKPOINT_ALIGNMENT)
-    return unit * math.ceil(state / (unit * attention))
+    return unit * -(-state // (unit * attention))  # cdiv, in integers
 
 
 def kv_group_layers(layer_counts: list[int]) -> int:

@@ -27,6 +27,7 @@ from .planner import (
     IN_FLIGHT_BATCHES,
     STATE_BLOCKS_PER_SEQUENCE,
     KvTerm,
+    aligns_to_state,
     attention_head_dim,
     gb,
     hybrid_block_tokens,
@@ -158,7 +159,7 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
     block = MLA_BLOCK_TOKENS if mla else DENSE_BLOCK_TOKENS
     stored = "fp8_ds_mla" if sparse_mla else kv_dtype
     terms = kv_terms(config, stored, tp, where, mtp_layers=False)
-    if any(t.state_bytes for t in terms):  # vLLM pages a hybrid's attention to hold a state page (planner.py)
+    if aligns_to_state(terms):  # vLLM pages a hybrid's attention to hold a state page (planner.py)
         block = hybrid_block_tokens(terms)
     weights = math.ceil(src.weight_bytes / tp)
     overhead = int(GB10.overhead_gib * GIB)
@@ -208,7 +209,7 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
                    f"{'-' if mla else attention_head_dim(config, where)}")
     d.why["fit"] = (f"{numbers}: {gb(budget)} left for the KV cache; {max_len:,} tokens need {gb(kv)} "
                     f"(blocks of {block} tokens, {max_full_seqs} full sequence(s) + vLLM's null block)")
-    if any(t.state_bytes for t in terms):
+    if aligns_to_state(terms):
         paging = hybrid_paging(terms, max_len, IN_FLIGHT_BATCHES * batched_tokens, block)
         state = max(t.state_bytes_per_layer for t in terms)
         d.why["block"] = (f"vLLM 0.33 pages a hybrid's attention in blocks of a multiple of 64 tokens whose page of "

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from sparkctl.spec.planner import (
+    aligns_to_state,
     hybrid_block_tokens,
     kv_group_layers,
     kv_terms,
@@ -131,3 +132,15 @@ def test_a_pool_block_is_a_page_of_each_slot_of_one_group_not_of_every_layer(cle
     assert p.kv_group_layers == 12
     assert p.kv_blocks_per_rank == 8192 + 1033 + 1
     assert p.kv_cache_memory_bytes == p.kv_blocks_per_rank * p.kv_block_bytes
+
+
+def test_only_a_model_with_attention_and_state_layers_is_aligned(clean_env, tmp_path):
+    """A config of linear-attention layers only (written here, not a real model) has no attention page to align:
+    the plan keeps the recipe's block instead of failing."""
+    config = dict(CONFIG, layer_types=["linear_attention"] * 48)
+    assert not aligns_to_state(kv_terms(config, "auto", 2, Path("/m")))
+    assert aligns_to_state(kv_terms(CONFIG, "auto", 2, Path("/m")))
+    model = write_model(tmp_path / "linear-only", 1_000_000_000, 1, config=config)
+    env = {"NODES": "spark1 spark2", "MODEL": str(model), "RECIPE": "qwen3-next-80b-a3b-thinking-tp2"}
+    p = make_plan(load_settings(cli={}, environ=env), read_checkpoint(model), compute_capability="12.1")
+    assert p.kv_block_tokens == 576 and not any("is not the block" in n for n in p.notes)
