@@ -136,6 +136,11 @@ def parse_serve(argv: list[str]) -> Parsed:
     # V1 (config/vllm.py:751), which refuses DSpark; with it, vLLM's own feature check picks the runner.
     with mock.patch("vllm.config.vllm.HAS_TRITON", True):
         vllm_config = engine_args.create_engine_config()
+    # CpuPlatform.check_and_update_config (vllm/platforms/cpu.py:318-337), on a CPU with AVX-512 BF16, sets the
+    # Mamba SSM state dtype to float32 for its own GDN kernel; CudaPlatform leaves the command line's value. Put
+    # that back, so a hybrid's state is judged as on the GPU whatever CPU runs the suite (a model's own config
+    # hook that sets it, e.g. Qwen3.5's, runs again in hybrid_kv_specs).
+    vllm_config.cache_config.mamba_ssm_cache_dtype = engine_args.mamba_ssm_cache_dtype
     return Parsed(args, engine_args, vllm_config)
 
 

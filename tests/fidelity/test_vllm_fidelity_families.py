@@ -5,9 +5,9 @@ the per-layer specs vLLM's Attention layers report on GB10 (and the GPU's async 
 flight), accepts the planned --kv-cache-memory-bytes and refuses one block less.
 
 Qwen3-30B-A3B (GQA MoE) is judged as the dense ones. Qwen3-Next-80B-A3B (gated attention + Gated DeltaNet
-state) is judged with vLLM's own hybrid layers and block alignment: its argv builds vLLM's config, and vLLM's
-KV planner REFUSES the planned bytes for one sequence (the cases are strict xfails, so fixing the planner
-turns them into failures to un-mark): see PLAN_SHORT below.
+state) is judged with vLLM's own hybrid layers and block alignment: its argv builds vLLM's config, the plan's
+block is the one vLLM aligns the attention to, and vLLM's KV planner accepts the planned bytes and, for one
+sequence, refuses one block less.
 """
 
 from __future__ import annotations
@@ -28,13 +28,6 @@ DENSE = {"qwen3-4b-tp2": "qwen3-4b", "qwen3-4b-tp4": "qwen3-4b", "gpt-oss-20b-tp
 HYBRID = {"qwen3-next-80b-a3b-thinking-tp2": "qwen3-next-80b-a3b-thinking",
           "qwen3-next-80b-a3b-thinking-tp4": "qwen3-next-80b-a3b-thinking"}
 MODELS = {**DENSE, **HYBRID}
-# The hybrid recipes are not shipped (vLLM refuses their KV bytes, below): they are test inputs here.
-FIXTURE_RECIPES = Path(__file__).resolve().parents[1] / "fixtures" / "recipes"
-
-
-def recipe_ref(name: str) -> str:
-    """RECIPE for `name`: a shipped recipe by name, a hybrid one by its fixture's path."""
-    return str(FIXTURE_RECIPES / f"{name}.toml") if name in HYBRID else name
 
 # openai's published config.json says mxfp4 where the mirror we copied says gptq (fixtures README)
 PUBLISHED = {"gpt-oss-20b": {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -101,7 +94,7 @@ def render(recipe: str, knobs: dict[str, str], models: dict[str, Path]) -> tuple
     pins = {f"RANK{r}_{k}": v for r in range(tp) for k, v in (
         ("FABRIC_IP", f"192.168.100.{r + 1}"), ("CX7_IF", "enp1s0f0np0"), ("CX7_IB", "rocep1s0f0"), ("GID_INDEX", "3"))}
     env = {"NODES": " ".join(f"spark{r + 1}" for r in range(tp)), "MODEL": str(models[MODELS[recipe]]),
-           "RECIPE": recipe_ref(recipe), "IMAGE": "vllm/vllm-openai@sha256:" + "0" * 64, **pins, **knobs}
+           "RECIPE": recipe, "IMAGE": "vllm/vllm-openai@sha256:" + "0" * 64, **pins, **knobs}
     settings = load_settings(cli={}, environ=env)
     plan = planmod.make_plan(settings, planmod.read_checkpoint(settings.model), compute_capability="12.1")
     resolved = resolve_pins(settings)
@@ -138,6 +131,7 @@ def test_dense_recipe_argv_builds_vllms_config_and_its_kv_is_the_minimum(referee
     less = referee.kv_verdict(cfg, choice, planned - ok.bytes_per_block)
     where = f"{recipe} {knobs} ({choice.backend}, block {choice.block_size}): sparkctl plans {planned:,} B"
     assert ok.accepted, f"{where}; vLLM refuses it: {ok.error}"
+    assert (plan.kv_block_bytes, plan.kv_blocks_per_rank) == (ok.bytes_per_block, ok.num_blocks), where
     seqs = settings.getint("MAX_FULL_SEQS")
     from vllm.v1.core.kv_cache_planning import max_memory_usage_bytes
 
@@ -157,16 +151,7 @@ def test_kv_heads_per_rank_follow_vllms_replication_rule(referee, models):
     assert plan.kv_terms[0].bytes_per_token_per_layer == 2 * 2 * 128 * 2
 
 
-# What vLLM 0.33 does with a hybrid and sparkctl does not plan yet: with prefix caching on (the default) the
-# Gated DeltaNet state is cached in "align" mode; the worker raises the attention block until one page holds
-# a layer's whole state, in multiples of FlashInfer's 64-token checkpoint grid (576 tokens at TP 2, 320 at
-# TP 4, against the plan's 16), pads every state page to it, and holds several state blocks per sequence in
-# each linear-attention group. sparkctl plans 16-token pages and one unpadded state per layer: vLLM refuses
-# those bytes ("To serve at least one request ..."), by 2-3 % at full context and up to 30 % at 8,192.
-PLAN_SHORT = "sparkctl's hybrid plan is below vLLM 0.33's minimum (page alignment and padded state blocks)"
-HYBRID_COMBOS = [pytest.param(r, k, id=_id(r, k), marks=() if k.get("MAX_FULL_SEQS") == "3" else
-                              pytest.mark.xfail(strict=True, raises=AssertionError, reason=PLAN_SHORT))
-                 for r in HYBRID for k in _knobs(r)]
+HYBRID_COMBOS = [(r, k) for r in HYBRID for k in _knobs(r)]
 
 
 def _hybrid(recipe: str, knobs: dict[str, str], models: dict[str, Path], referee: Any) -> tuple[Any, Any, Any, Any]:
@@ -179,23 +164,36 @@ def _hybrid(recipe: str, knobs: dict[str, str], models: dict[str, Path], referee
     return settings, plan, cfg, choice
 
 
-@pytest.mark.parametrize(("recipe", "knobs"), HYBRID_COMBOS)
-def test_hybrid_recipe_argv_builds_vllms_config_and_vllm_accepts_its_kv(referee, models, recipe, knobs):
+@pytest.mark.parametrize(("recipe", "knobs"), HYBRID_COMBOS, ids=[_id(r, k) for r, k in HYBRID_COMBOS])
+def test_hybrid_recipe_argv_builds_vllms_config_and_its_kv_is_the_minimum(referee, models, recipe, knobs):
     """Qwen3-Next: 12 gated-attention layers and 36 Gated DeltaNet layers, every rank's argv parses and builds
-    vLLM's config, and vLLM's KV planner, with the specs its layers report on GB10, accepts the planned
-    --kv-cache-memory-bytes (and, for one sequence, refuses one block less)."""
+    vLLM's config; the plan's block is the one vLLM's worker aligns the attention to (a page holding a state
+    page), its pool block and block count are vLLM's, and vLLM's KV planner, with the specs its layers report on
+    GB10, accepts the planned --kv-cache-memory-bytes and refuses one block less (for several sequences: one
+    block less no longer holds them all)."""
     settings, plan, cfg, choice = _hybrid(recipe, knobs, models, referee)
     planned = plan.kv_cache_memory_bytes
+    assert choice.block_size == plan.kv_block_tokens, f"vLLM pages {choice.block_size} tokens, the plan {plan.kv_block_tokens}"
     ok = referee.kv_verdict(cfg, choice, planned)
     where = f"{recipe} {knobs} ({choice.backend}, block {choice.block_size}): sparkctl plans {planned:,} B"
     assert ok.accepted, f"{where}; vLLM refuses it: {ok.error}"
-    if settings.getint("MAX_FULL_SEQS") == 1:
-        less = referee.kv_verdict(cfg, choice, planned - ok.bytes_per_block)
+    assert (plan.kv_block_bytes, plan.kv_blocks_per_rank) == (ok.bytes_per_block, ok.num_blocks), where
+    less = referee.kv_verdict(cfg, choice, planned - ok.bytes_per_block)
+    seqs = settings.getint("MAX_FULL_SEQS")
+    if seqs == 1:
         assert not less.accepted and "To serve at least one request" in less.error, where
+    else:
+        from vllm.v1.core.kv_cache_planning import max_memory_usage_bytes
+
+        per_request = max_memory_usage_bytes(cfg, choice.specs.values()) // ok.bytes_per_block
+        assert ok.num_blocks - 1 == seqs * per_request and less.num_blocks - 1 < seqs * per_request, where
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="vLLM aligns a hybrid's attention block to its state page; the plan keeps 16")
-@pytest.mark.parametrize("recipe", list(HYBRID))
-def test_hybrid_recipe_block_is_the_block_vllm_picks(referee, models, recipe):
+@pytest.mark.parametrize(("recipe", "block"), [("qwen3-next-80b-a3b-thinking-tp2", 576),
+                                               ("qwen3-next-80b-a3b-thinking-tp4", 320)])
+def test_hybrid_recipe_block_is_the_block_vllm_picks(referee, models, recipe, block):
+    """The shipped recipe's kv_block_tokens, the plan's block and vLLM's aligned block are one number."""
+    from sparkctl.spec.recipes import load_recipe
+
     _, plan, _, choice = _hybrid(recipe, {}, models, referee)
-    assert choice.block_size == plan.kv_block_tokens, f"vLLM pages {choice.block_size} tokens, the plan {plan.kv_block_tokens}"
+    assert choice.block_size == plan.kv_block_tokens == load_recipe(recipe).memory.kv_block_tokens == block

@@ -48,15 +48,25 @@ def command(g: object, node_memory: int | None, local_only: bool) -> None:
         t.add_row(f"weights: {gb(plan.weights_total)} of shards ÷ TP={plan.tp}",
                   f"{plan.weights_per_rank:,}", gb(plan.weights_per_rank))
         for term in plan.kv_terms:
-            t.add_row(f"  KV/token: {term.name} × {term.layers} layers", f"{term.bytes_per_token:,}", "")
+            if term.state_bytes_per_layer:  # a fixed state per sequence (before padding to the page)
+                t.add_row(f"  KV/sequence: {term.name} × {term.layers} layers", f"{term.state_bytes:,}", "")
+            else:
+                t.add_row(f"  KV/token: {term.name} × {term.layers} layers", f"{term.bytes_per_token:,}", "")
         stored = plan.kv_cache_dtype_effective
         t.add_row(f"KV per token (all layers, {stored}" + (f", asked {plan.kv_cache_dtype}" if stored !=
                   plan.kv_cache_dtype else "") + ")", f"{plan.kv_bytes_per_token:,}", "")
-        t.add_row(f"KV block: {plan.kv_block_tokens} tokens × {plan.kv_bytes_per_token:,} B",
-                  f"{plan.kv_block_bytes:,}", "")
         blocks_per_seq = (plan.kv_blocks_per_rank - 1) // plan.max_full_seqs
-        t.add_row(f"KV blocks per rank: ⌈⌈{plan.max_model_len:,} / DCP={plan.dcp}⌉ / {plan.kv_block_tokens}⌉ = "
-                  f"{blocks_per_seq:,} × {plan.max_full_seqs} seq + 1 null block", f"{plan.kv_blocks_per_rank:,}", "")
+        if plan.kv_group_layers:  # layers of several kinds of cache: one pool of groups of kv_group_layers pages
+            page = plan.kv_block_bytes // plan.kv_group_layers
+            t.add_row(f"KV block: {plan.kv_block_tokens} tokens, a page of {page:,} B × {plan.kv_group_layers} "
+                      "layers (one KV cache group)", f"{plan.kv_block_bytes:,}", "")
+            t.add_row(f"KV blocks per rank: {blocks_per_seq:,} per sequence (every group) × {plan.max_full_seqs} seq "
+                      "+ 1 null block", f"{plan.kv_blocks_per_rank:,}", "")
+        else:
+            t.add_row(f"KV block: {plan.kv_block_tokens} tokens × {plan.kv_bytes_per_token:,} B",
+                      f"{plan.kv_block_bytes:,}", "")
+            t.add_row(f"KV blocks per rank: ⌈⌈{plan.max_model_len:,} / DCP={plan.dcp}⌉ / {plan.kv_block_tokens}⌉ = "
+                      f"{blocks_per_seq:,} × {plan.max_full_seqs} seq + 1 null block", f"{plan.kv_blocks_per_rank:,}", "")
         t.add_row("KV cache per rank (the minimum vLLM accepts)", f"{plan.kv_cache_memory_bytes:,}",
                   gb(plan.kv_cache_memory_bytes))
         t.add_row(f"overhead (CUDA/NCCL, {plan.overhead_bytes / GIB:g} GiB)", f"{plan.overhead_bytes:,}",

@@ -13,6 +13,8 @@ suite in tests/fidelity/ runs vLLM's own planner against these figures):
   - vLLM reserves one null block, then refuses to start unless the longest request fits.
 So bytes = (MAX_FULL_SEQS × ceil(ceil(len / DCP) / 64) + 1) × 64 × bytes per token: the minimum vLLM
 accepts, in whole blocks. 1,000,000 tokens at DCP 4 on GB10: 3,908 × 3,984,128 = 15,569,972,224 B.
+A model mixing kinds of cache (sliding windows, linear-attention state) is paged in KV cache groups of one page
+size, a hybrid's attention block raised to hold a state page (the comment above `hybrid_block_tokens`).
 """
 
 from __future__ import annotations
@@ -184,11 +186,12 @@ class KvTerm:
         return self.state_bytes_per_layer * self.layers
 
     def blocks_held(self, seq_tokens: int, in_flight_tokens: int, block: int) -> int:
-        """Blocks of one sequence of `seq_tokens` this term keeps: all its tokens' blocks; for a window, the
-        last window − 1 tokens plus every token scheduled but not yet settled, and one more block because
-        the window need not start at a block's edge (vLLM's SlidingWindowSpec.max_admission_blocks_per_request)."""
+        """Blocks of one sequence of `seq_tokens` this term keeps in each of its KV cache groups: all its tokens'
+        blocks; for a window, the last window − 1 tokens plus every token scheduled but not yet settled, and one
+        more block because the window need not start at a block's edge (vLLM's
+        SlidingWindowSpec.max_admission_blocks_per_request); for a state, STATE_BLOCKS_PER_SEQUENCE."""
         if self.state_bytes_per_layer:
-            return 0
+            return STATE_BLOCKS_PER_SEQUENCE
         if self.window is None:
             return math.ceil(seq_tokens / block)
         return math.ceil(min(seq_tokens, self.window - 1 + in_flight_tokens) / block) + 1
@@ -218,8 +221,10 @@ class Plan:
     kv_cache_dtype_effective: str = ""  # what vLLM stores, e.g. fp8_ds_mla for fp8 on GB10
     kv_backend_why: str = ""
     kv_block_tokens: int = 64
-    kv_block_bytes: int = 0  # one block of every layer's caches: kv_block_tokens × kv_bytes_per_token
+    kv_block_bytes: int = 0  # one block of the pool: kv_block_tokens × kv_bytes_per_token (layers of mixed kinds:
+    #                           a page of each layer of one KV cache group)
     kv_blocks_per_rank: int = 0  # MAX_FULL_SEQS × blocks of one full sequence + vLLM's null block
+    kv_group_layers: int = 0  # layers per KV cache group when the layers mix kinds of cache (0: one group of all)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -496,24 +501,36 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         terms += drafter_terms(drafter_config, drafter_dtype, tp, dspark)
     per_token = sum(t.bytes_per_token for t in terms)
     block = layout.block_tokens or mem.kv_block_tokens
+    if aligns_to_state(terms):
+        aligned = hybrid_block_tokens(terms)
+        if aligned != block:
+            notes.append(f"the recipe's kv_block_tokens={block} is not the block vLLM 0.33 pages this hybrid in: "
+                         f"planned with {aligned} (set kv_block_tokens = {aligned} in the recipe)")
+        block = aligned
     seq_tokens = math.ceil(max_len / dcp)
     blocks_per_seq = math.ceil(seq_tokens / block)
     # vLLM reserves one null block before it checks that the longest request fits.
     blocks = blocks_per_seq * seqs + 1
     kv_bytes = blocks * block * per_token
+    block_bytes = block * per_token
+    group_layers = 0
     if any(t.window is not None or t.state_bytes for t in terms):
         in_flight = IN_FLIGHT_BATCHES * max_num_batched_tokens(settings)
-        kv_bytes = hybrid_kv_bytes(terms, seq_tokens, in_flight, block, seqs)
+        paging = hybrid_paging(terms, seq_tokens, in_flight, block)
+        kv_bytes, blocks, block_bytes = paging.kv_bytes(seqs), paging.blocks(seqs), paging.block_bytes
+        group_layers = paging.group_layers
         if any(t.window is not None for t in terms):
             notes.append(f"sliding-window layers keep sliding_window − 1 + {in_flight} in-flight tokens (two batches: "
                          "vLLM's async scheduling on a GPU) + 1 block, as vLLM 0.33 sizes them (the fidelity suite "
                          "judges it for gpt-oss)")
         if any(t.state_bytes for t in terms):
-            notes.append("linear-attention / Mamba state per sequence is sparkctl's own arithmetic (Gated DeltaNet "
-                         "shapes, 16-token attention pages); vLLM 0.33 pages a hybrid's attention to hold a whole "
-                         "state page (576 tokens for Qwen3-Next at TP 2) and pads the state to it, so it needs more "
-                         "than planned: for Qwen3-Next it refuses the planned bytes at start-up (judged by the fidelity "
-                         "suite)")
+            notes.append(f"hybrid paging as vLLM 0.33 does it: {block}-token attention blocks, so that one attention "
+                         f"page ({paging.page_bytes:,} B per layer) holds a layer's linear-attention state, padded to "
+                         f"it; {paging.group_layers} layers per KV cache group; each state group keeps "
+                         f"{STATE_BLOCKS_PER_SEQUENCE} blocks per sequence (prefix caching's align mode: the running "
+                         "state, the last block-aligned one and a prefill checkpoint); "
+                         f"{paging.blocks_per_seq:,} blocks per sequence in all (judged by the fidelity suite for "
+                         "Qwen3-Next)")
     return Plan(
         tp=tp, dcp=dcp, max_model_len=max_len, max_full_seqs=seqs, kv_cache_dtype=kv_dtype,
         weights_total=total,
@@ -533,21 +550,100 @@ def make_plan(settings: Settings, ckpt: CheckpointInfo, node_memory_bytes: int |
         kv_cache_dtype_effective=layout.dtype,
         kv_backend_why=layout.why,
         kv_block_tokens=block,
-        kv_block_bytes=block * per_token,
+        kv_block_bytes=block_bytes,
         kv_blocks_per_rank=blocks,
+        kv_group_layers=group_layers,
         notes=notes,
     )
 
 
+# A model whose layers keep different kinds of cache (full attention with sliding windows, or with linear-
+# attention / Mamba state) is paged by vLLM 0.33 in KV cache groups of one page size, in one shared pool:
+#   - the attention block: vllm/platforms/interface.py `Platform.update_block_size_for_backend` (the worker runs
+#     it once its layers exist) → `_align_hybrid_block_size`: the block is the least multiple of the alignment
+#     whose attention page (block × one attention layer's bytes per token) holds one state layer's page:
+#     alignment = lcm(max(the backend's smallest kernel block, the block it prefers: 16 on GB10), the state
+#     layers' prefill checkpoint alignment) -- in mamba_cache_mode "align" (prefix caching on, vLLM's default)
+#     with FlashInfer's Gated DeltaNet prefill (GB10), FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
+#     (vllm/v1/attention/backends/gdn_attn.py) -- and the state page is padded to the attention page
+#     (CacheConfig.mamba_page_size_padded);
+#   - the state page: vllm/model_executor/layers/mamba/mamba_utils.py `MambaStateShapeCalculator
+#     .gated_delta_net_state_shape` (conv state + recurrent state, see linear_state_bytes), in the model's dtype
+#     (`MambaStateDtypeCalculator._mamba_state_dtype`: mamba_cache_dtype and mamba_ssm_cache_dtype "auto");
+#   - the groups: vllm/v1/core/kv_cache_planning.py `_get_kv_cache_groups_uniform_page_size`: the layers of one
+#     spec form ⌈layers ÷ group size⌉ groups; the group size is the fewest layers of any spec, or the most when
+#     that is below 1.5 × the fewest; one block of the pool is a page of every slot of a group
+#     (`_get_kv_cache_bytes_per_block`: page × group size);
+#   - a state group keeps `MambaSpec.max_memory_usage_bytes` ÷ page blocks per sequence: in "align" mode 2 (the
+#     running state and the last block-aligned one) + 1 prefill checkpoint block (FlashInfer's GDN prefill
+#     exports mid-prefill states: qwen_gdn_linear_attn.py `get_kv_cache_spec`, num_prefill_checkpoint_blocks=1)
+#     + the speculative tokens (none here); a token group its blocks (KvTerm.blocks_held);
+#   - `get_kv_cache_configs` allocates available ÷ pool block blocks and, one null block held back, refuses to
+#     start unless one request's blocks of every group fit (`_max_memory_usage_bytes_from_groups`: "To serve at
+#     least one request ...").
+ATTENTION_KERNEL_ALIGNMENT = 16  # the CUDA attention backend's block on GB10 (FlashAttention, as dense models)
+GDN_CHECKPOINT_ALIGNMENT = 64  # gdn_attn.py FLASHINFER_GDN_CHECKPOINT_ALIGNMENT: align-mode state checkpoints
+# MambaSpec.max_memory_usage_bytes in "align" mode: 2 + num_prefill_checkpoint_blocks (1) + speculative blocks (0)
+STATE_BLOCKS_PER_SEQUENCE = 3
+
+
+def aligns_to_state(terms: list[KvTerm]) -> bool:
+    """Whether vLLM aligns the attention block to a state page: attention layers and state layers both (a hybrid)."""
+    return any(t.state_bytes_per_layer for t in terms) and any(t.bytes_per_token_per_layer for t in terms)
+
+
+def hybrid_block_tokens(terms: list[KvTerm]) -> int:
+    """The attention block vLLM 0.33 picks for a model with state layers (update_block_size_for_backend): the least
+    multiple of lcm(16, 64) tokens whose page of one attention layer holds one state layer's page."""
+    attention = max((t.bytes_per_token_per_layer for t in terms if not t.state_bytes_per_layer), default=0)
+    state = max((t.state_bytes_per_layer for t in terms), default=0)
+    if not attention or not state:
+        raise ValueError("hybrid_block_tokens needs both attention and state layers (see aligns_to_state)")
+    unit = math.lcm(ATTENTION_KERNEL_ALIGNMENT, GDN_CHECKPOINT_ALIGNMENT)
+    return unit * -(-state // (unit * attention))  # cdiv, in integers
+
+
+def kv_group_layers(layer_counts: list[int]) -> int:
+    """Layers per KV cache group (_get_kv_cache_groups_uniform_page_size): the fewest layers of one kind, or the
+    most when the most are fewer than 1.5 × the fewest (fewer padded slots)."""
+    fewest, most = min(layer_counts), max(layer_counts)
+    return most if 2 * most < 3 * fewest else fewest
+
+
+@dataclass(frozen=True)
+class HybridPaging:
+    """One rank's KV pool for a model whose layers keep different kinds of cache, as vLLM 0.33 pages it."""
+
+    block_tokens: int
+    page_bytes: int  # one layer's page: block × the attention layer's bytes per token; state pages padded to it
+    group_layers: int  # layers (tensor slots) per KV cache group
+    blocks_per_seq: int  # one sequence's blocks in every group together
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of the shared pool: a page of every slot of a group."""
+        return self.page_bytes * self.group_layers
+
+    def blocks(self, seqs: int) -> int:
+        return seqs * self.blocks_per_seq + 1  # + vLLM's null block
+
+    def kv_bytes(self, seqs: int) -> int:
+        return self.blocks(seqs) * self.block_bytes
+
+
+def hybrid_paging(terms: list[KvTerm], seq_tokens: int, in_flight_tokens: int, block: int) -> HybridPaging:
+    """The pool of a model mixing full, sliding-window and state layers (the comment above: vLLM's functions)."""
+    page = block * max((t.bytes_per_token_per_layer for t in terms if not t.state_bytes_per_layer), default=0)
+    page = max([page, *(t.state_bytes_per_layer for t in terms)])  # a state page never exceeds it (the block)
+    group = kv_group_layers([t.layers for t in terms])
+    per_seq = sum(math.ceil(t.layers / group) * t.blocks_held(seq_tokens, in_flight_tokens, block) for t in terms)
+    return HybridPaging(block, page, group, per_seq)
+
+
 def hybrid_kv_bytes(terms: list[KvTerm], seq_tokens: int, in_flight_tokens: int, block: int, seqs: int) -> int:
-    """KV bytes per rank when the layers mix full, sliding-window and state caches: each sequence's blocks of
-    every term, plus vLLM's one null block of the shared pool (a block of the smallest group of token layers)."""
-    token_terms = [t for t in terms if not t.state_bytes_per_layer]
-    group = min((t.layers for t in token_terms), default=0)
-    null_block = block * max((t.bytes_per_token_per_layer for t in token_terms), default=0) * group
-    per_seq = sum(t.blocks_held(seq_tokens, in_flight_tokens, block) * block * t.bytes_per_token + t.state_bytes
-                  for t in terms)
-    return null_block + seqs * per_seq
+    """KV bytes per rank when the layers mix full, sliding-window and state caches: `seqs` sequences' blocks of
+    every group, plus vLLM's one null block of the shared pool."""
+    return hybrid_paging(terms, seq_tokens, in_flight_tokens, block).kv_bytes(seqs)
 
 
 IN_FLIGHT_BATCHES = 2  # vLLM's async scheduling (its default) keeps two batches in flight

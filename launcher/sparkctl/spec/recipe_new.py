@@ -25,10 +25,14 @@ from ..errors import UsageError
 from .planner import (
     GIB,
     IN_FLIGHT_BATCHES,
+    STATE_BLOCKS_PER_SEQUENCE,
     KvTerm,
+    aligns_to_state,
     attention_head_dim,
     gb,
+    hybrid_block_tokens,
     hybrid_kv_bytes,
+    hybrid_paging,
     kv_heads,
     kv_terms,
     layer_kinds,
@@ -155,6 +159,8 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
     block = MLA_BLOCK_TOKENS if mla else DENSE_BLOCK_TOKENS
     stored = "fp8_ds_mla" if sparse_mla else kv_dtype
     terms = kv_terms(config, stored, tp, where, mtp_layers=False)
+    if aligns_to_state(terms):  # vLLM pages a hybrid's attention to hold a state page (planner.py)
+        block = hybrid_block_tokens(terms)
     weights = math.ceil(src.weight_bytes / tp)
     overhead = int(GB10.overhead_gib * GIB)
     reserve = int(GB10.os_reserve_gib * GIB)
@@ -203,6 +209,15 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
                    f"{'-' if mla else attention_head_dim(config, where)}")
     d.why["fit"] = (f"{numbers}: {gb(budget)} left for the KV cache; {max_len:,} tokens need {gb(kv)} "
                     f"(blocks of {block} tokens, {max_full_seqs} full sequence(s) + vLLM's null block)")
+    if aligns_to_state(terms):
+        paging = hybrid_paging(terms, max_len, IN_FLIGHT_BATCHES * batched_tokens, block)
+        state = max(t.state_bytes_per_layer for t in terms)
+        d.why["block"] = (f"vLLM 0.33 pages a hybrid's attention in blocks of a multiple of 64 tokens whose page of "
+                          f"one attention layer ({block} × {paging.page_bytes // block:,} B = {paging.page_bytes:,} B) "
+                          f"holds one linear-attention layer's state ({state:,} B, padded to the page); "
+                          f"{paging.group_layers} layers per KV cache group, {STATE_BLOCKS_PER_SEQUENCE} state blocks "
+                          f"per sequence per state group (prefix caching's align mode: the running state, the last "
+                          f"block-aligned one and a prefill checkpoint)")
     d.why["max_model_len"] = (f"the largest length whose KV fits, capped at max_position_embeddings={cap:,}"
                               + (", rounded down to a multiple of 1024" if max_len != lo else ""))
     d.why["kv_dtype"] = ("fp8: GB10's only sparse-MLA backend stores fp8_ds_mla (656 B per token per layer)" if sparse_mla
@@ -237,6 +252,7 @@ def recipe_text(d: Draft, src: ModelSource, nodes: int, image: str | None = None
         f"# KV_CACHE_DTYPE: {d.why['kv_dtype']}.",
         f"# Quantization: {d.why['quant']}.",
         f"# Flags: {d.why['flags']}.",
+        *([f"# KV block: {d.why['block']}."] if "block" in d.why else []),
         "# Check it: `sparkctl recipe validate FILE`, then `sparkctl --recipe FILE plan` against the real checkpoint.",
         f"name = {_q(d.name)}",
         f"description = {_q(f'{d.served_name} ({d.weights_kind}), {nodes}x DGX Spark, TP{d.tp}, {d.max_model_len:,} tokens')}",

@@ -114,8 +114,10 @@ def render_env_tp4(settings: Settings, plan: Plan, pins: list[RankPins], *, cfg_
         "kv_cache_memory_bytes": kv_cache_bytes(settings, plan),
         "plan_summary": (
             f"weights {gb(plan.weights_per_rank)} + KV {gb(plan.kv_cache_memory_bytes)} "
-            f"({plan.kv_blocks_per_rank} blocks × {plan.kv_block_tokens} tokens × {plan.kv_bytes_per_token} B, "
-            f"{plan.kv_cache_dtype_effective} on SM{plan.compute_capability}) + overhead {gb(plan.overhead_bytes)} "
+            f"({plan.kv_blocks_per_rank} blocks × {plan.kv_block_tokens} tokens × "
+            + (f"{plan.kv_block_bytes // plan.kv_block_tokens} B of {plan.kv_group_layers}-layer groups, "
+               if plan.kv_group_layers else f"{plan.kv_bytes_per_token} B, ")
+            + f"{plan.kv_cache_dtype_effective} on SM{plan.compute_capability}) + overhead {gb(plan.overhead_bytes)} "
             f"= {gb(plan.per_rank_total)} per rank of {gb(plan.node_memory_bytes)}"
         ),
         "gpu_memory_utilization": f"{float(settings.get('GPU_MEMORY_UTILIZATION')):g}",

@@ -69,18 +69,22 @@ def test_gpt_oss_sliding_window_layers_hold_the_window_not_the_context():
     assert "12 full, 12 sliding" in d.why["KV"]
 
 
-def test_hybrid_linear_attention_state_is_per_sequence():
+def test_hybrid_linear_attention_state_is_per_sequence_in_pages_of_the_aligned_block():
     # A config written here, shaped like Qwen3-Next (every 4th layer full attention): not a real file.
     cfg = {"model_type": "qwen3_next", "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 2,
            "head_dim": 256, "hidden_size": 2048, "full_attention_interval": 4, "linear_num_key_heads": 16,
            "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
            "linear_conv_kernel_dim": 4, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
     d = draft(ModelSource(cfg, 1_000_000_000, "/m"), 2)
-    conv = (2 * 16 * 128 + 32 * 128) // 2 * 3
-    state = 16 * 128 * 128
-    per_layer = 2 * 1 * 256 * 2
-    assert d.kv_bytes == (4096 // 16 + 1) * 16 * per_layer * 2 + 6 * (conv + state) * 2  # the null block: 2 layers
+    state = ((2 * 16 * 128 + 32 * 128) // 2 * 3 + 16 * 128 * 128) * 2  # conv + recurrent, bf16: 548,864 B
+    per_layer = 2 * 1 * 256 * 2  # one attention layer's K+V per token on a rank: 1,024 B
+    # vLLM aligns the block to 64 tokens whose page holds a state page: ⌈548,864 ÷ (64 × 1,024)⌉ = 9 → 576 tokens
+    assert d.kv_block_tokens == 576 and 576 * per_layer >= state > 512 * per_layer
+    # groups of 2 layers (2 full, 6 state: 6 is not below 1.5 × 2): 1 attention group holding ⌈4,096 ÷ 576⌉ = 8
+    # blocks, 3 state groups holding 3 blocks each; + the null block; one block is a page of each of 2 layers
+    assert d.kv_bytes == (8 + 3 * 3 + 1) * 576 * per_layer * 2 == 21_233_664
     assert "2 full, 6 state" in d.why["KV"]
+    assert "576 × 1,024 B = 589,824 B" in d.why["block"] and "3 state blocks per sequence" in d.why["block"]
 
 
 def test_the_written_recipe_loads_and_explains_each_choice(tmp_path):
