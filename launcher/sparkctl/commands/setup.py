@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from ..errors import CheckFailed, Failure
+from ..errors import CheckFailed, Failure, UsageError
 from ..options import Globals
 from ..orchestrate.setup import SetupReport, apply, measure_cables, plan
 from ..output import console, finish
@@ -18,13 +18,17 @@ from .common import open_cluster, settings_of
 
 
 @click.command("setup")
+@click.option("--plan", "plan_only", is_flag=True, help="Show the plan and change nothing (the default without --yes).")
 @click.option("-y", "--yes", is_flag=True, help="Apply the plan (default: show it and change nothing).")
 @click.option("--speed", is_flag=True,
               help="Then measure each cable (iperf3 over its fabric addresses) against the recipe's floor.")
 @click.pass_obj
-def command(g: Globals, yes: bool, speed: bool) -> None:
+def command(g: Globals, plan_only: bool, yes: bool, speed: bool) -> None:
     """Discover every node (CX7 ports, cabling, SSH user, sudo, docker group, limits, earlyoom), plan the
     files and commands that make it ready, and with --yes apply them."""
+    if plan_only and yes:
+        raise UsageError("--plan and --yes: pick one", fix="`sparkctl setup` shows the plan, "
+                         "`sparkctl setup --yes` applies it")
     s = settings_of(g)
     with open_cluster(g, s) as cluster:
         report = plan(cluster, s)

@@ -262,7 +262,9 @@ def _cli(ln: LocalNodes, *args: str, env: dict[str, str] | None = None) -> Any:
 
 def test_the_command_plans_in_json_applies_with_yes_and_then_has_nothing_to_change(nodes: Any) -> None:
     ln, _ = nodes
-    r = _cli(ln, "setup", "--json")
+    r = _cli(ln, "setup", "--plan", "--yes")
+    assert getattr(r.exception, "exit_code", None) == 2 and "pick one" in str(r.exception)  # bad input: nothing runs
+    r = _cli(ln, "setup", "--plan", "--json")  # --plan: the default, said out loud (as deploy takes it)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["ok"] is True and doc["cabling"]["layout"] == "direct pair" and len(doc["changes"]) == 18
