@@ -92,8 +92,9 @@ def _ip(name: str, *argv: str) -> None:
 
 @contextmanager
 def fresh_fabric(lab: Lab) -> Iterator[None]:
-    """The lab as a new owner's nodes are: the fabric ports cabled (on the lab's switch) and up, without an
-    address, at MTU 1500, and nothing of `sparkctl setup`'s on any host. After: setup's files removed, and each
+    """The lab as a new owner's nodes are: one fabric port per host cabled (on the lab's switch) and up, without
+    an address, at MTU 1500 (the host's other port down: two ports of one host on one switch need ARP settings
+    setup does not write yet), and nothing of `sparkctl setup`'s on any host. After: setup's files removed, and each
     host's ports as the lab made them (its address on its own port, the other up or down as before, MTU 1500)."""
     from sparkctl.lab import net, seams
     from sparkctl.lab.state import FABRIC_NET, PORT_IFS
@@ -105,7 +106,9 @@ def fresh_fabric(lab: Lab) -> Iterator[None]:
         for port in PORT_IFS:
             _ip(h.name, "addr", "flush", "dev", port, "scope", "global")
             _ip(h.name, "link", "set", "dev", port, "mtu", "1500")
-        _ip(h.name, "link", "set", "dev", h.fabric_if, "up")
+            _ip(h.name, "link", "set", "dev", port, "up" if port == h.fabric_if else "down")
+            _ip(h.name, "neigh", "flush", "dev", port)  # a new node has seen no neighbour on it yet
+            _ip(h.name, "-6", "neigh", "flush", "dev", port)
         _gids_follow_addresses(paths, h.name)
     try:
         yield

@@ -152,7 +152,8 @@ def _sigterm_at(lab: Lab, state: Path, step: str, phase: str) -> subprocess.Comp
 @pytest.mark.parametrize(("step", "phase"), [("sync", "start"), ("up", "start"), ("wait", "start")])
 def test_sigterm_at_a_step_then_yes_again_serves_with_nothing_left(lab: Lab, scene: Path, step: str,
                                                                    phase: str) -> None:
-    if step != "sync":  # the checkpoint in place first, so the signal lands in the step named
+    if step != "sync":  # the fabric and the checkpoint in place first, so the signal lands in the step named
+        assert sk(lab, scene, "setup", "--yes").returncode == 0
         assert sk(lab, scene, "model", "sync").returncode == 0
     r = _sigterm_at(lab, scene, step, phase)
     assert r.returncode == 143, r.stdout + r.stderr

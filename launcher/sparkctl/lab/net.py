@@ -62,11 +62,18 @@ def check_no_collision() -> None:
                 )
 
 
+# The fabric's "switch" carries jumbo frames, as the DGX Spark's cables and a RoCE switch do: the hosts' ports
+# start at 1500 (a fresh node's), and `sparkctl setup` sets them to 9000 on both ends. With a 1500 bridge, an
+# SSH handshake between two 9000 ports (model sync over the fabric) was dropped: an MTU black hole.
+FABRIC_MTU = 9000
+
+
 def ensure_bridges() -> None:
     for name in BRIDGES:
         if not link_exists(name):
             run(["ip", "link", "add", "name", name, "type", "bridge"])
         run(["ip", "link", "set", "dev", name, "up"])
+    run(["ip", "link", "set", "dev", FABRIC_BRIDGE, "mtu", str(FABRIC_MTU)])
     addr = f"{MGMT_NET.network_address + 1}/{MGMT_NET.prefixlen}"
     if addr.split("/")[0] not in out(["ip", "-4", "-o", "addr", "show", "dev", MGMT_BRIDGE]):
         run(["ip", "addr", "add", addr, "dev", MGMT_BRIDGE])
@@ -141,6 +148,8 @@ def create_host_net(spec: HostSpec) -> None:
         if link_exists(outer):  # left behind by a crash
             run(["ip", "link", "delete", "dev", outer])
         run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns])
+        if bridge == FABRIC_BRIDGE:  # the switch's side of the cable takes jumbo frames (the host's starts at 1500)
+            run(["ip", "link", "set", "dev", outer, "mtu", str(FABRIC_MTU)])
         run(["ip", "link", "set", "dev", outer, "master", bridge, "up"])
     run(["ip", "-n", ns, "addr", "add", f"{spec.mgmt_ip}/{MGMT_NET.prefixlen}", "dev", MGMT_IF])
     run(["ip", "-n", ns, "link", "set", "dev", MGMT_IF, "up"])

@@ -63,13 +63,14 @@ def min_driver_for_cuda(cuda: str) -> str | None:
 
 
 def fabric_mtus(facts: F.NodeFacts) -> str | None:
-    """The MTU of the RDMA devices' netdevs that are up (the fabric ports that carry traffic): '9000' when they
-    agree, else each port's ('enp1s0f0np0=9000 enp1s0f1np1=1500'). A port without a cable keeps its default
-    MTU, and a node cabled on both ports beside nodes cabled on one is no difference that drops frames."""
+    """The MTU of the RDMA devices' netdevs that are up with an address (the fabric ports that carry RoCE v2
+    traffic): '9000' when they agree, else each port's ('enp1s0f0np0=9000 enp1s0f1np1=1500'). A port without a
+    cable or an address keeps its default MTU, and a node cabled on both ports beside nodes cabled on one is
+    no difference that drops frames."""
     if not facts.hcas or facts.netdevs is None:
         return None
     ports = sorted({d for h in facts.hcas for d in h.netdevs})
-    mtus = {d.name: d.mtu for d in facts.netdevs if d.is_up}
+    mtus = {d.name: d.mtu for d in facts.netdevs if d.is_up and d.ipv4}
     got = [f"{p}={mtus[p]}" for p in ports if mtus.get(p) is not None]
     if len({mtus[p] for p in ports if mtus.get(p) is not None}) == 1:
         return str(next(mtus[p] for p in ports if mtus.get(p) is not None))

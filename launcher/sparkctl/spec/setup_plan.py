@@ -15,8 +15,10 @@ and the commands: `usermod -aG docker USER`, `apt-get install -y earlyoom` (keep
 Addresses come from FABRIC_SUBNET (default DEFAULT_FABRIC_SUBNET): one segment (a switch, or one cable)
 takes the whole subnet; several take one aligned block each, in the order of their first port (node's
 position in NODES, then port name), the smallest block that holds its ports (a cable: a /30). A port's
-address is its segment's block + 1 + its position in the segment. The same cabling gives the same
-addresses on every run.
+address is its segment's block + 1 + its position in the segment. A node gets one address per segment: a
+second port of the node on the same segment (both cabled to one switch) stays without one, since two
+addresses of one subnet on two ports of one host make Linux answer and route through either (the lab's
+ranks could not reach the head). The same cabling gives the same addresses on every run.
 """
 
 from __future__ import annotations
@@ -105,19 +107,27 @@ def allocate(cabling: Cabling, net: ipaddress.IPv4Network) -> dict[End, ipaddres
         if block.num_addresses < len(s.ends) + 2:
             raise SetupInputError(f"FABRIC_SUBNET={net} is too small for {len(s.ends)} ports on one segment: "
                                   "use a /24 or larger")
-        for i, end in enumerate(s.ends):
-            out[end] = ipaddress.IPv4Interface((int(block.network_address) + 1 + i, block.prefixlen))
+        placed: set[str] = set()
+        for end in s.ends:
+            if end[0] in placed:  # the node's other port on this segment: no second address in one subnet
+                continue
+            placed.add(end[0])
+            out[end] = ipaddress.IPv4Interface((int(block.network_address) + 1 + len(placed) - 1, block.prefixlen))
     return out
 
 
 # ---------------------------------------------------------------------------------------- the files
 
 
-def render_netplan(cluster: str, addrs: Mapping[str, ipaddress.IPv4Interface]) -> str:
-    """The netplan file of one node: each cabled port (name -> address) with MTU 9000."""
+def render_netplan(cluster: str, addrs: Mapping[str, ipaddress.IPv4Interface | None]) -> str:
+    """The netplan file of one node: each cabled port (name -> address) with MTU 9000. A port without an address
+    (a node's second port on a segment that already has its first) still gets MTU 9000: a peer's jumbo frame
+    that reaches it (Linux answers ARP for any of its addresses on any port) is not dropped."""
     lines = [HEADER.format(cluster=cluster).rstrip("\n"), "network:", "  version: 2", "  ethernets:"]
     for port in sorted(addrs):
-        lines += [f"    {port}:", "      dhcp4: false", f"      addresses: [{addrs[port]}]", f"      mtu: {FABRIC_MTU}"]
+        a = addrs[port]
+        lines += [f"    {port}:", "      dhcp4: false"] + ([f"      addresses: [{a}]"] if a else []) + \
+            [f"      mtu: {FABRIC_MTU}"]
     return "\n".join(lines) + "\n"
 
 
@@ -228,7 +238,11 @@ def plan_node(node: str, f: SetupFacts, want: Wanted, cabling: Cabling,
               addrs: Mapping[End, ipaddress.IPv4Interface], doc: str) -> NodePlan:
     plan = NodePlan(node, privileged=f.is_root or f.sudo)
     user = f.user or "root"
-    mine = {p: a for (n, p), a in addrs.items() if n == node and p != f.ssh_iface}
+    mine: dict[str, ipaddress.IPv4Interface | None] = {
+        p: a for (n, p), a in addrs.items() if n == node and p != f.ssh_iface}
+    for p in cabling.cabled(node):  # a second port on an addressed segment: MTU 9000, no address
+        if p != f.ssh_iface and p not in mine and cabling.peers(node, p):
+            mine[p] = None
     if f.ssh_iface and (node, f.ssh_iface) in addrs:
         plan.warnings.append(f"{node}: {f.ssh_iface} carries the SSH session: setup leaves it as it is")
     files: list[DesiredFile] = []
@@ -258,8 +272,8 @@ def plan_node(node: str, f: SetupFacts, want: Wanted, cabling: Cabling,
         plan.commands.append((action, arg))
         plan.changes.append(Change(node, action, command=COMMANDS[action].format(arg=arg)))
 
-    live_ok = all((p := f.port(name)) is not None and str(a) in p.ipv4 and p.mtu == FABRIC_MTU
-                  for name, a in mine.items())
+    live_ok = all((live := f.port(name)) is not None and (a is None or str(a) in live.ipv4)
+                  and live.mtu == FABRIC_MTU for name, a in mine.items())
     if mine and (netplan_changes or not live_ok):
         command("netplan-apply")
     elif mine:

@@ -64,7 +64,7 @@ def test_odd_firmware_and_docker_warn() -> None:
 def test_mtu_1500_on_one_fabric_port_fails() -> None:
     by = {n: facts() for n in NODES} | {"d": facts(mtu=1500)}
     d = run(by)["d"]
-    assert d.status == FAIL and "enp1s0f0np0=1500" in d.reason and "(a, b, c)" in d.reason  # type: ignore[attr-defined]
+    assert d.status == FAIL and "fabric MTU 1500, the others have 9000" in d.reason and "(a, b, c)" in d.reason  # type: ignore[attr-defined]
 
 
 def test_a_port_without_a_cable_keeps_its_mtu_out_of_the_comparison() -> None:
@@ -76,7 +76,13 @@ def test_a_port_without_a_cable_keeps_its_mtu_out_of_the_comparison() -> None:
         f.netdevs[1] = F.NetDev("enP2p1s0f0np0", "DOWN", ("BROADCAST",), (), mtu=1500)
         return f
 
-    by = {"a": one_port_down(), "b": one_port_down(), "c": facts(), "d": one_port_down()}
+    def second_port_up_without_an_address() -> F.NodeFacts:  # a second cable to the switch setup left unaddressed
+        f = facts()
+        assert f.netdevs is not None
+        f.netdevs[1] = F.NetDev("enP2p1s0f0np0", "UP", ("UP", "LOWER_UP"), (), mtu=1500)
+        return f
+
+    by = {"a": one_port_down(), "b": one_port_down(), "c": second_port_up_without_an_address(), "d": one_port_down()}
     got = run(by)
     assert all(f.status == OK for f in got.values()), got  # type: ignore[attr-defined]
 

@@ -35,6 +35,21 @@ def test_addresses_are_one_30_per_cable_in_order_and_the_same_on_every_run() -> 
     assert len({x.network for x in a.values()}) == 4 and all(x.network.subnet_of(net) for x in a.values())
 
 
+def test_a_node_with_both_ports_on_one_switch_gets_one_address_there() -> None:
+    """Two addresses of one subnet on two ports of one host make Linux answer and route through either (on the
+    lab a rank could not reach the head): on one segment a node's first port gets the address, its other none."""
+    from sparkctl.facts.setup_facts import Port as SPort
+    from tests.unit.rules.test_cabling import PORTS, mac
+
+    macs = [mac(i, j) for i in range(4) for j in range(2)]
+    ports = {n: [SPort(p, f"hca{j}", mac(i, j)) for j, p in enumerate(PORTS)] for i, n in enumerate(N4)}
+    neigh = {n: {p: [m for m in macs if m != mac(i, j)] for j, p in enumerate(PORTS)} for i, n in enumerate(N4)}
+    c = find_cabling(N4, ports, neigh, N4)
+    a = sp.allocate(c, ipaddress.IPv4Network("192.168.100.0/24"))
+    assert sorted(a) == [(n, PORTS[0]) for n in N4]
+    assert [str(a[(n, PORTS[0])]) for n in N4] == [f"192.168.100.{i}/24" for i in (1, 2, 3, 4)]
+
+
 def test_a_subnet_too_small_or_overlapping_the_management_network_is_refused_with_one_line() -> None:
     _, c = ring4()
     with pytest.raises(sp.SetupInputError, match="too small"):
@@ -151,3 +166,19 @@ def test_a_node_without_cx7_or_two_nodes_with_one_machine_id_are_refused() -> No
     facts["s4"].machine_id = facts["s2"].machine_id
     with pytest.raises(sp.SetupInputError, match="^s2 and s4 have one machine-id"):
         sp.refuse_bad_nodes(N4, facts)
+
+
+@NEED
+def test_a_port_without_an_address_still_gets_jumbo_frames_as_netplan_reads_it(tmp_path: Path) -> None:
+    """A node's second port on a segment that has its first: in the netplan file with MTU 9000 and no address;
+    the real `netplan generate` gives it MTUBytes=9000 and no Address= (a peer's jumbo frame that reaches that
+    port, through ARP's any-port answers, is not dropped)."""
+    text = sp.render_netplan("c", {"p0": ipaddress.IPv4Interface("192.168.100.1/24"), "p1": None})
+    (tmp_path / "etc/netplan").mkdir(parents=True)
+    f = tmp_path / "etc/netplan/60-sparkctl-fabric.yaml"
+    f.write_text(text)
+    f.chmod(0o600)
+    subprocess.run(["netplan", "generate", "--root-dir", str(tmp_path)], check=True, capture_output=True)
+    p1 = (tmp_path / "run/systemd/network/10-netplan-p1.network").read_text()
+    assert "MTUBytes=9000" in p1 and "Address=" not in p1
+    assert "Address=192.168.100.1/24" in (tmp_path / "run/systemd/network/10-netplan-p0.network").read_text()
