@@ -110,6 +110,7 @@ def fresh_fabric(lab: Lab) -> Iterator[None]:
             _ip(h.name, "neigh", "flush", "dev", port)  # a new node has seen no neighbour on it yet
             _ip(h.name, "-6", "neigh", "flush", "dev", port)
         _gids_follow_addresses(paths, h.name)
+    _dad_done(lab)
     try:
         yield
     finally:
@@ -123,6 +124,25 @@ def fresh_fabric(lab: Lab) -> Iterator[None]:
             _ip(h.name, "addr", "add", f"{h.fabric_ip}/{FABRIC_NET.prefixlen}", "dev", h.fabric_if)
             seams.write_sysfs(paths.sysfs, spec, {p: net.iface_mac(spec, p) for p in PORT_IFS},
                               {p: net.iface_up(spec, p) for p in PORT_IFS})
+        _dad_done(lab)
+
+
+def _dad_done(lab: Lab, bound_s: float = 15.0) -> None:
+    """Until no fabric port's IPv6 link-local address is still tentative (duplicate address detection runs
+    for about a second after a link comes up; a port that is still in it answers no neighbour discovery, so
+    the next test's `setup` would see a segment without it). Bounded; a real node's ports are long past it."""
+    import time
+
+    from sparkctl.lab.state import PORT_IFS
+
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        tentative = [h.name for h in lab.hosts for p in PORT_IFS
+                     if subprocess.run(["ip", "-n", h.name, "-6", "addr", "show", "dev", p, "tentative"],
+                                       capture_output=True, text=True, timeout=10).stdout.strip()]
+        if not tentative:
+            return
+        time.sleep(0.2)
 
 
 def _gids_follow_addresses(paths: HostPaths, name: str) -> None:
