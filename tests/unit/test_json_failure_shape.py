@@ -9,7 +9,6 @@ click refuses before anything runs.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 from sparkctl import cli, output
 from sparkctl.errors import SCHEMA_PATH, SHAPE_KEYS, CheckFailed, Failure, failure_document
 from tests.conftest import run_cli
+from tests.unit.test_json_failures import lab_recipe_here
 
 # path -> (argv after the global options, the exit status). {R}: the refused loopback nodes (two, one port
 # nothing listens on); {BAD}: an env file with a bad value; {TMP}: the test's folder.
@@ -103,17 +103,8 @@ def test_every_command_has_a_row() -> None:
 @pytest.fixture
 def place(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, str]]:
     """No env file and no knobs from this machine; the lab recipe; two nodes whose port nothing listens on."""
-    monkeypatch.chdir(tmp_path)
+    lab_recipe_here(monkeypatch, tmp_path, tp=2, also_drop=("SSH_AUTH_SOCK",))
     monkeypatch.setenv("HOME", str(tmp_path))
-    for k in list(os.environ):
-        if k in ("NODES", "MODEL", "RECIPE", "TP", "DCP", "SSH_AUTH_SOCK") or \
-                k.startswith("SPARKCTL_") and k != "SPARKCTL_TEST_CACHE":
-            monkeypatch.delenv(k)
-    (tmp_path / "m").mkdir()
-    monkeypatch.setenv("RECIPE", "lab")
-    monkeypatch.setenv("TP", "2")
-    monkeypatch.setenv("DCP", "1")
-    monkeypatch.setenv("MODEL", str(tmp_path / "m"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -39,18 +39,25 @@ def _one_document(out: str) -> dict[str, Any]:
     return doc
 
 
-@pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No env file, no knobs from this machine's environment; the lab recipe on one node."""
+def lab_recipe_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tp: int, also_drop: tuple[str, ...] = ()) -> None:
+    """Work in tmp_path with no env file and no knobs from this machine's environment (nor `also_drop`): the lab
+    recipe at TP `tp`, DCP 1, MODEL an empty folder."""
     monkeypatch.chdir(tmp_path)
     for k in list(os.environ):
-        if k in ("NODES", "MODEL", "RECIPE", "TP", "DCP") or k.startswith("SPARKCTL_") and k != "SPARKCTL_TEST_CACHE":
+        if k in ("NODES", "MODEL", "RECIPE", "TP", "DCP", *also_drop) or \
+                k.startswith("SPARKCTL_") and k != "SPARKCTL_TEST_CACHE":
             monkeypatch.delenv(k)
     (tmp_path / "m").mkdir()
     monkeypatch.setenv("RECIPE", "lab")
-    monkeypatch.setenv("TP", "1")
+    monkeypatch.setenv("TP", str(tp))
     monkeypatch.setenv("DCP", "1")
     monkeypatch.setenv("MODEL", str(tmp_path / "m"))
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No env file, no knobs from this machine's environment; the lab recipe on one node."""
+    lab_recipe_here(monkeypatch, tmp_path, tp=1)
     return tmp_path
 
 

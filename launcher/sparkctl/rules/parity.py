@@ -70,11 +70,11 @@ def fabric_mtus(facts: F.NodeFacts) -> str | None:
     if not facts.hcas or facts.netdevs is None:
         return None
     ports = sorted({d for h in facts.hcas for d in h.netdevs})
-    mtus = {d.name: d.mtu for d in facts.netdevs if d.is_up and d.ipv4}
-    got = [f"{p}={mtus[p]}" for p in ports if mtus.get(p) is not None]
-    if len({mtus[p] for p in ports if mtus.get(p) is not None}) == 1:
-        return str(next(mtus[p] for p in ports if mtus.get(p) is not None))
-    return " ".join(got) or None
+    live = {d.name: d.mtu for d in facts.netdevs if d.is_up and d.ipv4}
+    mtus = [(p, live[p]) for p in ports if live.get(p) is not None]
+    if len({m for _, m in mtus}) == 1:
+        return str(mtus[0][1])
+    return " ".join(f"{p}={m}" for p, m in mtus) or None
 
 
 def _driver(facts: F.NodeFacts) -> str | None:

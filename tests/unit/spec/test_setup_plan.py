@@ -61,15 +61,22 @@ def test_a_subnet_too_small_or_overlapping_the_management_network_is_refused_wit
     assert str(sp.check_subnet("10.9.0.0/24", ["192.168.1.0/24"])) == "10.9.0.0/24"
 
 
+def netplan_generated(root: Path, text: str) -> Path:
+    """`text` as setup's netplan file under root, turned into networkd's files by the real `netplan generate`:
+    the folder they are in."""
+    (root / "etc/netplan").mkdir(parents=True)
+    f = root / "etc/netplan/60-sparkctl-fabric.yaml"
+    f.write_text(text)
+    f.chmod(0o600)
+    subprocess.run(["netplan", "generate", "--root-dir", str(root)], check=True, capture_output=True)
+    return root / "run/systemd/network"
+
+
 @NEED
 def test_the_netplan_file_is_what_netplan_generate_derives_addresses_and_mtu_from(tmp_path: Path) -> None:
     text = sp.render_netplan("c", {"p1": ipaddress.IPv4Interface("192.168.100.5/30"),
                                    "p0": ipaddress.IPv4Interface("192.168.100.1/30")})
-    (tmp_path / "etc/netplan").mkdir(parents=True)
-    f = tmp_path / "etc/netplan/60-sparkctl-fabric.yaml"
-    f.write_text(text)
-    f.chmod(0o600)
-    subprocess.run(["netplan", "generate", "--root-dir", str(tmp_path)], check=True, capture_output=True)
+    netplan_generated(tmp_path, text)
     net = (tmp_path / "run/systemd/network/10-netplan-p0.network").read_text()
     assert "Address=192.168.100.1/30" in net
     assert "MTUBytes=9000" in (tmp_path / "run/systemd/network/10-netplan-p0.link").read_text() + net
@@ -173,12 +180,8 @@ def test_a_port_without_an_address_still_gets_jumbo_frames_as_netplan_reads_it(t
     """A node's second port on a segment that has its first: in the netplan file with MTU 9000 and no address;
     the real `netplan generate` gives it MTUBytes=9000 and no Address= (a peer's jumbo frame that reaches that
     port, through ARP's any-port answers, is not dropped)."""
-    text = sp.render_netplan("c", {"p0": ipaddress.IPv4Interface("192.168.100.1/24"), "p1": None})
-    (tmp_path / "etc/netplan").mkdir(parents=True)
-    f = tmp_path / "etc/netplan/60-sparkctl-fabric.yaml"
-    f.write_text(text)
-    f.chmod(0o600)
-    subprocess.run(["netplan", "generate", "--root-dir", str(tmp_path)], check=True, capture_output=True)
-    p1 = (tmp_path / "run/systemd/network/10-netplan-p1.network").read_text()
+    out = netplan_generated(tmp_path, sp.render_netplan("c", {"p0": ipaddress.IPv4Interface("192.168.100.1/24"),
+                                                             "p1": None}))
+    p1 = (out / "10-netplan-p1.network").read_text()
     assert "MTUBytes=9000" in p1 and "Address=" not in p1
-    assert "Address=192.168.100.1/24" in (tmp_path / "run/systemd/network/10-netplan-p0.network").read_text()
+    assert "Address=192.168.100.1/24" in (out / "10-netplan-p0.network").read_text()
