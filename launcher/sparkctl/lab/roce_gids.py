@@ -22,6 +22,7 @@ ZERO_GID = ":".join(["0000"] * 8)
 
 
 def gid_text(addr: ipaddress.IPv6Address) -> str:
+    """sysfs spells a GID as eight 4-digit hex groups."""
     return ":".join(addr.exploded.split(":"))
 
 

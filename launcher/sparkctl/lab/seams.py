@@ -19,11 +19,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from .roce_gids import (  # one spelling of a GID: the table lab up writes and the one that follows addresses
+    ZERO_GID,
+    gid_text,
+)
 from .state import FABRIC_NET, PORT_HCAS, PORT_IFS, HostPaths, HostSpec
 
 HERE = Path(__file__).resolve().parent
 GID_SLOTS = 16  # real tables have up to 256 entries; the lab's unused ones read all-zero like real ones
-ZERO_GID = ":".join(["0000"] * 8)
 
 
 # The query `check` makes on every node, answered from a file the Python seam wrote at `lab up`:
@@ -99,11 +102,6 @@ def set_gpu_seam(bin_dir: Path, *, compute_apps: list[dict[str, Any]] | None = N
         cfg["release"] = release
     (bin_dir / "nvidia-smi.release-state.json").unlink(missing_ok=True)
     path.write_text(json.dumps(cfg) + "\n")
-
-
-def gid_text(addr: ipaddress.IPv6Address) -> str:
-    """sysfs spells a GID as eight 4-digit hex groups."""
-    return ":".join(addr.exploded.split(":"))
 
 
 def link_local(mac: str) -> ipaddress.IPv6Address:
