@@ -224,6 +224,17 @@ endpoint_demo() {  # one endpoint over the replicas: the rendered nginx.conf, ru
   rm -rf "$state"
 }
 
+end_builds() {  # end_builds DIR [PID...]: kill the venv builds still running, remove DIR. It runs as an EXIT
+  # trap under `set -e`, where a failing command would become the script's exit status: a build that already
+  # finished (kill fails) is what a green run always has, so nothing here may fail.
+  local dir="$1" job
+  shift
+  for job in "$@"; do
+    kill "$job" 2>/dev/null || true
+  done
+  rm -rf "$dir" || true
+}
+
 run_tests() {
   lap_start=$SECONDS
   test_packages
@@ -244,7 +255,7 @@ run_tests() {
     rjob=$!
   fi
   # shellcheck disable=SC2064 # expanded now: the jobs and the folder of this run
-  trap "kill $fjob $rjob 2>/dev/null; rm -rf '$venvs'" EXIT  # a failed step ends the builds too
+  trap "end_builds '$venvs' $fjob $rjob" EXIT  # a failed step ends the builds too
   say "ruff"
   "$venv/bin/ruff" check "$here/launcher" "$here/tests" "$here/bench" "$here/scripts"
   say "mypy"

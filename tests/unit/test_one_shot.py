@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,18 @@ def installs(venv: Path) -> list[str]:
     lines = log.read_text().splitlines() if log.exists() else []
     log.unlink(missing_ok=True)
     return [ln.split(" -e ", 1)[1] for ln in lines if " -e " in ln]
+
+
+def wait_gone(pid: int, seconds: float = 5.0) -> bool:
+    """Whether the process is gone (killed, and reaped by init once its parent exited) within the time."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def stamp(venv: Path) -> list[str]:
@@ -102,3 +115,19 @@ def test_help_shows_the_scripts_verbs_then_sparkctls_commands(venv: Path, args: 
     assert out.index("./one-shot.sh test") < out.index("Usage: sparkctl [OPTIONS] COMMAND")
     assert "check  Preflight every node" in out and "set -euo" not in out
     assert installs(venv) == [str(ROOT)]  # the help made the venv sparkctl's commands need, no more
+
+
+def test_the_exit_trap_of_the_venv_builds_keeps_a_green_run_green(venv: Path, tmp_path: Path) -> None:
+    """The trap that ends the background venv builds runs under `set -e` when the test run ends: builds that
+    finished long ago (kill fails on them) must leave the exit status 0, one still running is killed, and the
+    folder of their logs is removed either way."""
+    logs = tmp_path / "builds"
+    logs.mkdir()
+    r = one_shot(venv, source=f"sleep 0 & done=$!; wait $done; sleep 30 & running=$!; echo $running; "
+                              f"trap \"end_builds '{logs}' $done $running\" EXIT; true")
+    assert r.returncode == 0, r.stderr
+    assert not logs.exists()
+    running = int(r.stdout.split()[0])
+    assert wait_gone(running), "the build still running was not killed"
+    r = one_shot(venv, source=f"trap \"end_builds '{logs}'\" EXIT; false")  # SKIP_*: no build; a red run stays red
+    assert r.returncode == 1
