@@ -336,6 +336,33 @@ def test_put_bytes_mode_and_content(sshlab: SshLab) -> None:
     assert exc.value.kind == "sftp"
 
 
+
+def test_put_bytes_from_many_threads_on_one_node_all_land(sshlab: SshLab) -> None:
+    """One node's SFTP session written by several threads at once (the sync chain's streams write their lists on
+    one sender): every file lands with its content, none waits for ever (bounded here by the join)."""
+    with Cluster(["n1"], sshlab.ssh_config) as cluster:
+        node = cluster.node("n1")
+        node.put_bytes(str(sshlab.dir / "warm"), b"")  # the SFTP session exists before the threads race
+        failed: list[BaseException] = []
+
+        def write(i: int) -> None:
+            try:
+                for j in range(20):
+                    node.put_bytes(str(sshlab.dir / f"par-{i}-{j}"), f"{i}-{j}".encode() * 100)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failed.append(exc)
+
+        threads = [threading.Thread(target=write, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a put_bytes never returned"
+        assert failed == []
+    for i in range(4):
+        for j in range(20):
+            assert (sshlab.dir / f"par-{i}-{j}").read_bytes() == f"{i}-{j}".encode() * 100
+
 def test_stream_stops_on_event(sshlab: SshLab) -> None:
     stop = threading.Event()
     lines = []

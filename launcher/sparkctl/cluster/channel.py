@@ -65,6 +65,9 @@ class Node:
         self._command_timeout = command_timeout
         self._sftp: paramiko.SFTPClient | None = None
         self._sftp_lock = threading.Lock()
+        # paramiko's SFTPClient takes one request at a time: two threads writing at once on one node wait
+        # for each other's replies for ever (two relay streams from one sender did)
+        self._sftp_io = threading.Lock()
         # A connection that drops between commands (sshd, a NAT, a flaky link) is opened once more,
         # verified as the first was, and only once per Node: a node that keeps dropping is lost.
         self._reconnect = reconnect
@@ -207,10 +210,11 @@ class Node:
                     self._sftp = self._transport.open_sftp_client()
                 sftp = self._sftp
             assert sftp is not None
-            with sftp.open(tmp, "wb") as f:
-                f.chmod(mode)
-                f.write(data)
-            sftp.posix_rename(tmp, path)
+            with self._sftp_io:
+                with sftp.open(tmp, "wb") as f:
+                    f.chmod(mode)
+                    f.write(data)
+                sftp.posix_rename(tmp, path)
         except OSError as exc:  # SFTP reports remote failures as IOError with the server's message
             raise NodeError(
                 self.name,
