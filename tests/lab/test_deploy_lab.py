@@ -97,7 +97,8 @@ def test_plan_lists_every_step_and_changes_nothing(lab: Lab, scene: Path) -> Non
     by = {s["step"]: s for s in d["steps"]}
     assert by["setup"]["todo"] and "no fabric document" in by["setup"]["why"]
     assert any("/etc/netplan/60-sparkctl-fabric.yaml" in w for w in by["setup"]["would"])
-    assert by["sync"]["todo"] and len(by["sync"]["would"]) == 3
+    assert by["sync"]["todo"] and len(by["sync"]["would"]) == 4  # a line per rank, then the chain
+    assert by["sync"]["would"][-1].startswith("along the chain spark1 -> spark2 -> spark3 -> spark4")
     assert by["up"]["todo"] and by["wait"]["todo"]
     for n in NODES[1:]:
         assert not (lab.host(n).model_dir / FOLDER).exists()

@@ -151,6 +151,11 @@ def test_sync_to_three_ranks_then_nothing_then_one_shard(lab: Lab, tmp_path: Pat
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
         assert [x["status"] for x in doc["ranks"]] == ["complete"] * 3
+        # the chain: the head sends one copy, to spark2; each rank forwards to the next
+        assert doc["topology"] == "chain"
+        assert [x["from"] for x in doc["ranks"]] == [["spark1"], ["spark2"], ["spark3"]]
+        total = sum(p.stat().st_size for p in head_dir.rglob("*") if p.is_file())
+        assert total <= doc["ranks"][0]["bytes_sent"] <= 1.1 * total + 65536
         want = _fps(head_dir)
         for n in ("spark2", "spark3", "spark4"):
             assert _fps(lab.host(n).model_dir / "synctest") == want, n
@@ -162,11 +167,12 @@ def test_sync_to_three_ranks_then_nothing_then_one_shard(lab: Lab, tmp_path: Pat
         assert all(x["bytes_sent"] is None for x in doc["ranks"])
 
         changed = ckptgen.new_revision_of_shard(head_dir, 2)
-        r = _sparkctl(env, "model", "sync", "--json")
+        r = _sparkctl(env, "model", "sync", "--topology", "star", "--json")  # every copy from the head
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
+        assert doc["topology"] == "star"
         for x in doc["ranks"]:
-            assert x["status"] == "complete" and x["files"] == 1, x
+            assert x["status"] == "complete" and x["files"] == 1 and x["from"] == ["spark1"], x
             assert 0 < x["bytes_sent"] <= 1.05 * changed.stat().st_size, x
         for n in ("spark2", "spark3", "spark4"):
             assert _fps(lab.host(n).model_dir / "synctest") == _fps(head_dir), n
@@ -267,6 +273,8 @@ def test_sync_survives_a_rank_lost_midway(lab: Lab, tmp_path: Path) -> None:
         doc = json.loads(out)
         status = {x["node"]: x["status"] for x in doc["ranks"]}
         assert status == {"spark2": "complete", "spark3": "resumable", "spark4": "complete"}, doc
+        # spark4, after spark3 in the chain, got the rest around it, from spark2
+        assert {x["node"]: x["from"] for x in doc["ranks"]}["spark4"] == ["spark3", "spark2"], doc
         assert "spark3" in err
         _no_partial_under_final_name(lab, "losttest", head_dir)
         r = _sparkctl(env, "model", "sync", "--json")  # resume

@@ -15,9 +15,12 @@ How it goes (the user's machine only orchestrates; no checkpoint byte passes thr
      address (`restrict,from="IP"`), and the source's known_hosts for the sync
      (~/.sparkctl/<cluster>/sync_known_hosts) lists each rank's fabric address with the host key our
      own connection verified -- no trust on first use anywhere;
-  5. one rsync per rank, all at once, from the source over the ranks' fabric addresses:
-     `--ignore-times` on exactly the planned files (the fingerprints decided), `--partial-dir` so a
-     cut transfer is kept aside and resumed, never left under its final name;
+  5. the copy, over the ranks' fabric addresses, by rsync: along a chain (the default: the source sends to
+     the first rank, each rank forwards what it received to the next while it receives the rest; each sender
+     holds its own key, installed on the next rank only, from the sender's address: sparkctl.checkpoint.relay),
+     or as a star (one rsync per rank from the source, all at once): `--ignore-times` on exactly the planned
+     files (the fingerprints decided), `--partial-dir` so a cut transfer is kept aside and resumed, never
+     left under its final name;
   6. the cross-node fingerprint comparison of verify-model on the result.
 """
 
@@ -37,6 +40,7 @@ PARTIAL_DIR = ".sparkctl-partial"
 SCAN_TIMEOUT = 300.0
 RSYNC_IO_TIMEOUT = 60  # rsync gives up on a rank that moves no data for this long
 SYNC_TIMEOUT = 48 * 3600.0  # the whole copy of one rank; liveness is RSYNC_IO_TIMEOUT's job
+TOPOLOGIES = ("chain", "star")
 SHARD_FP = ("size", "header_sha256", "head_sha256", "tail_sha256")
 
 # The source runs rsync under this: stdin is a lifeline -- when sparkctl goes away (Ctrl-C, a lost
@@ -213,9 +217,11 @@ class RankSync:
     seconds: float = 0.0
     message: str = ""
     partial_bytes: int = 0
+    via: list[str] = field(default_factory=list)  # the nodes it got files from: the source, or the rank before it
+    # in the chain (then the one before that, had that rank been lost midway)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "status": self.status, "files": len(self.files), "need_bytes": self.need_bytes,
+        return {"node": self.node, "status": self.status, "from": self.via, "files": len(self.files), "need_bytes": self.need_bytes,
                 "free_bytes": self.free_bytes, "bytes_sent": self.bytes_sent, "seconds": round(self.seconds, 3),
                 "message": self.message, "partial_bytes": self.partial_bytes}
 
@@ -227,6 +233,7 @@ class SyncReport:
     findings: list[Finding]
     seconds: float = 0.0
     interrupted: bool = False
+    topology: str = "chain"
 
     @property
     def ok(self) -> bool:
@@ -234,7 +241,7 @@ class SyncReport:
             and not any(f.severity == "error" for f in self.findings)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "source": self.source, "seconds": round(self.seconds, 3),
+        return {"ok": self.ok, "source": self.source, "topology": self.topology, "seconds": round(self.seconds, 3),
                 "interrupted": self.interrupted, "ranks": [r.as_dict() for r in self.ranks.values()],
                 "findings": [finding_doc(f) for f in self.findings]}
 

@@ -160,9 +160,15 @@ def _verify_head(g: Any, s: Any, layout_name: str | None) -> Any:
 @group.command("sync")
 @click.option("--from", "source_node", metavar="NODE", help="Copy from this node (default: the head).")
 @click.option("--to", "only", metavar="NODE", multiple=True, help="Only these ranks (repeatable; default: all).")
+@click.option("--topology", type=click.Choice(["chain", "star"]), default="chain", show_default=True,
+              help="chain: the source sends once, each rank forwards to the next as it receives; star: one copy "
+                   "per rank from the source.")
+@click.option("--streams", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="Batches in flight per hop of the chain.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON document on stdout.")
 @click.pass_context
-def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...], as_json: bool) -> None:
+def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...], topology: str, streams: int,
+             as_json: bool) -> None:
     """Copy MODEL from the head to every rank that lacks it or differs, node to node over the fabric."""
     from ..checkpoint import sync_plan as modelsync
     from ..orchestrate.model_sync import sync
@@ -190,13 +196,14 @@ def sync_cmd(ctx: click.Context, source_node: str | None, only: tuple[str, ...],
 
         try:
             report = sync(s, g.ssh_config_path(), source_node=source_node, progress=progress, stop=stop,
-                                    only=list(only) or None)
+                          only=list(only) or None, topology=topology, streams=streams)
         except KeyboardInterrupt:
             raise click.exceptions.Exit(130) from None
     doc = report.as_dict()
     if not as_json:
         for r in report.ranks.values():
             sent = "" if r.bytes_sent is None else f", {_fmt_bytes(r.bytes_sent)} sent"
+            sent += f" from {', then '.join(r.via)}" if r.via else ""
             what = {"up-to-date": "up to date, nothing sent", "complete": f"complete: {len(r.files)} file(s){sent}",
                     "resumable": f"NOT complete, resumable (run `sparkctl model sync` again): {r.message}",
                     "unreachable": f"unreachable, nothing copied: {r.message}",

@@ -358,6 +358,9 @@ def probe_sync(ctx: Context) -> dp.StepPlan:
     note = f" ({', '.join(shared)} share{'s' if len(shared) == 1 else ''} its folder)" if shared else ""
     if not per_rank:
         return dp.StepPlan(False, f"every rank holds {s.head}'s checkpoint{note}", detail={"shared": shared})
+    if len(per_rank) > 1:
+        would.append(f"along the chain {' -> '.join([s.head, *per_rank])}: {s.head} sends one copy, each rank "
+                     "forwards to the next as it receives")
     return dp.StepPlan(True, f"{len(per_rank)} rank(s) lack files of {s.head}'s checkpoint or differ{note}", would,
                        {"ranks": per_rank, "shared": shared})
 
@@ -386,7 +389,7 @@ def apply_sync(ctx: Context, plan: dp.StepPlan) -> dict[str, Any]:
                           + "".join(f"; {f.reason}" for f in report.findings if f.severity == "fail"),
                           node=first.node if first else None,
                           fix="run `sparkctl deploy --yes` again (the copy resumes), or `sparkctl model sync`")
-    return {"ranks": {r.node: {"status": r.status, "files": len(r.files), "bytes_sent": r.bytes_sent}
+    return {"ranks": {r.node: {"status": r.status, "files": len(r.files), "bytes_sent": r.bytes_sent, "from": r.via}
                       for r in report.ranks.values()}}
 
 

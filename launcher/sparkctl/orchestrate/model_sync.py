@@ -1,6 +1,6 @@
 """`sparkctl model sync`'s flow (`sync`): MODEL from one node to the ranks that lack it or differ, node to
 node, with rsync. The steps (scan, refuse a shared folder, plan and check space, node-to-node keys,
-one rsync per rank, compare) are in `sparkctl.checkpoint.sync_plan`'s docstring, beside the pure parts they use
+the chain of rsyncs through the ranks or one per rank, compare) are in `sparkctl.checkpoint.sync_plan`'s docstring, beside the pure parts they use
 (the file plan, the authorized_keys line, the rsync argv, its output's parsers, the report types).
 """
 
@@ -14,12 +14,14 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
+from ..checkpoint.relay import STREAMS, Relay, chain_order
 from ..checkpoint.sync_plan import (
     INSTALL_KEY,
     LIFELINE,
     SCAN_TIMEOUT,
     SOURCE_KEY,
     SYNC_TIMEOUT,
+    TOPOLOGIES,
     Progress,
     RankSync,
     SyncReport,
@@ -119,41 +121,158 @@ def _setup_auth(cluster: Cluster, settings: Any, src: str, targets: Sequence[str
     return f"{home}/{key}", f"{home}/{known}"
 
 
-def _push(node: Node, argv: list[str], rank: RankSync, progress: Progress, stop: threading.Event) -> None:
-    """rsync on the source for one rank, reporting as it goes; stop -> the lifeline ends it."""
-    started = time.monotonic()
+def _rsync(node: Node, argv: list[str], seen: Callable[[int, str], None], stop: threading.Event) -> tuple[int | None, str, str]:
+    """One rsync on `node` under the lifeline, `seen(bytes so far, rate)` as it reports: (its exit code, or
+    None when `stop` ended it; its output's last 64 KiB; its stderr)."""
     session = node.start(["sh", "-c", LIFELINE, "sh", *argv], timeout=SYNC_TIMEOUT)
     text = ""
     running = True
+    while running:
+        if stop.is_set():
+            session.close()
+            return None, text, ""
+        running = session.poll(0.5)
+        chunk = bytes(session.out).decode("utf-8", "replace")
+        del session.out[:]
+        text = (text + chunk)[-65536:]
+        got = parse_progress(chunk)
+        if got:
+            seen(*got)
+    result = session.finish()
+    return result.exit_code, text, bytes(session.err).decode("utf-8", "replace")
+
+
+def _push(node: Node, argv: list[str], rank: RankSync, progress: Progress, stop: threading.Event) -> None:
+    """rsync on the source for one rank (the star), reporting as it goes; stop -> the lifeline ends it."""
+    started = time.monotonic()
+
+    def seen(done: int, rate: str) -> None:
+        rank.bytes_done, rank.rate = done, rate
+        rank.seconds = time.monotonic() - started
+        progress(rank)
+
     try:
-        while running:
-            if stop.is_set():
-                session.close()
-                rank.status, rank.message = "resumable", "interrupted"
-                return
-            running = session.poll(0.5)
-            chunk = bytes(session.out).decode("utf-8", "replace")
-            del session.out[:]
-            text = (text + chunk)[-65536:]
-            got = parse_progress(chunk)
-            if got:
-                rank.bytes_done, rank.rate = got
-            rank.seconds = time.monotonic() - started
-            progress(rank)
-        result = session.finish()
+        code, text, err = _rsync(node, argv, seen, stop)
     finally:
         rank.seconds = time.monotonic() - started
+    if code is None:
+        rank.status, rank.message = "resumable", "interrupted"
+        return
     rank.bytes_sent = parse_sent(text)
-    if result.exit_code == 0:
+    if code == 0:
         rank.status, rank.bytes_done = "complete", rank.need_bytes
     else:
         rank.status = "resumable"
-        rank.message = f"rsync exit {result.exit_code}: {why(bytes(session.err).decode('utf-8', 'replace'))}"
+        rank.message = f"rsync exit {code}: {why(err)}"
     progress(rank)
 
 
+def _relay(cluster: Cluster, settings: Any, src: str, todo: Sequence[str], report: SyncReport, sizes: Mapping[str, int],
+           ips: Mapping[str, str], progress: Progress, stop: threading.Event, streams: int) -> None:
+    """The chain (sparkctl.checkpoint.relay): each hop's rsync runs on its sender, `streams` batches at once.
+    Every sender's key is on every rank after it: a hop whose sender is lost reroutes upstream."""
+    model = str(settings.model)
+    chain = chain_order(src, todo)
+    relay = Relay(chain, {t: report.ranks[t].files for t in todo}, sizes)
+    auth = {sender: _setup_auth(cluster, settings, sender, chain[i + 1:], ips) for i, sender in enumerate(chain[:-1])}
+    lock = threading.Lock()
+    done = {t: 0 for t in todo}
+    inflight: dict[tuple[str, int], int] = {}
+    started = time.monotonic()
+
+    def report_rank(t: str) -> None:
+        r = report.ranks[t]
+        with lock:
+            r.bytes_done = done[t] + sum(v for (n, _), v in inflight.items() if n == t)
+        r.seconds = time.monotonic() - started
+        progress(r)
+
+    def send(sender: str, receiver: str, stream: int, batch: list[str]) -> tuple[int | None, str]:
+        """One batch by rsync on the sender: (its exit code, None when stopped; why it failed)."""
+        node, r = cluster.node(sender), report.ranks[receiver]
+        key, known = auth[sender]
+        lst = f"{posixpath.dirname(key)}/relay-{receiver}-{stream}.list"
+        node.put_bytes(lst, files_list(batch))
+
+        def seen(got: int, rate: str) -> None:
+            with lock:
+                inflight[(receiver, stream)] = got
+            r.rate = rate
+            report_rank(receiver)
+
+        user = cluster.target(receiver).user or "root"
+        try:
+            code, text, err = _rsync(node, rsync_argv(model, user, ips[receiver], model, lst, key, known), seen, stop)
+        finally:
+            with lock:
+                inflight.pop((receiver, stream), None)
+        if code == 0:
+            with lock:
+                done[receiver] += sum(sizes.get(n, 0) for n in batch)
+                r.bytes_sent = (r.bytes_sent or 0) + (parse_sent(text) or 0)
+        return code, f"{sender} -> {receiver}: rsync exit {code}: {why(err)}"
+
+    def reachable(sender: str) -> bool:
+        try:
+            return cluster.node(sender).run(["true"], timeout=15).ok
+        except NodeError:
+            return False
+
+    def hop(receiver: str, stream: int) -> None:
+        while not stop.is_set():
+            got = relay.take(receiver, 0.5)
+            if got is None:
+                return
+            sender, batch = got
+            if not batch:
+                continue
+            try:
+                code, reason = send(sender, receiver, stream, batch)
+            except NodeError as exc:
+                code, reason = -1, f"{sender} -> {receiver}: {exc.reason}"
+            if code is None:
+                return  # stopped: the batch stays where rsync left it (its partial kept aside)
+            if code != 0:
+                relay.failed(receiver, sender, batch, reason, sender_lost=not reachable(sender))
+                continue
+            relay.arrived(receiver, batch)
+            report_rank(receiver)
+
+    def guarded(receiver: str, stream: int) -> None:
+        try:
+            hop(receiver, stream)
+        except Exception as exc:  # a bug must not leave the hops after it waiting: they reroute
+            relay.failed(receiver, relay.hops[receiver].sender, [], f"{type(exc).__name__}: {exc}")
+
+    workers: list[threading.Event] = []
+    try:
+        for t in todo:
+            for stream in range(streams):
+                workers.append(spawn(functools.partial(guarded, t, stream), f"relay-{t}-{stream}"))
+        wait_all(workers, 0.2)
+    except KeyboardInterrupt:
+        stop.set()
+        report.interrupted = True
+        wait_bounded(workers, 10 * len(workers))
+    for t in todo:
+        r = report.ranks[t]
+        r.via = list(relay.hops[t].senders)
+        r.seconds = r.seconds or time.monotonic() - started
+        if relay.complete(t):
+            r.status, r.bytes_done = "complete", r.need_bytes
+        else:
+            r.status = "resumable"
+            r.message = "interrupted" if stop.is_set() else relay.why(t) or "not every file arrived"
+        progress(r)
+
+
 def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, progress: Progress | None = None,
-         stop: threading.Event | None = None, only: Sequence[str] | None = None) -> SyncReport:
+         stop: threading.Event | None = None, only: Sequence[str] | None = None, topology: str = "chain",
+         streams: int = STREAMS) -> SyncReport:
+    """Copy MODEL from `source_node` (the head) to the ranks that lack it or differ: along a chain through the
+    ranks (the default: sparkctl.checkpoint.relay), or one rsync per rank from the source ("star")."""
+    if topology not in TOPOLOGIES:
+        raise UsageError(f"topology {topology!r}: expected one of {', '.join(TOPOLOGIES)}", fix="--topology chain")
     started = time.monotonic()
     progress = progress or (lambda r: None)
     stop = stop or threading.Event()
@@ -165,7 +284,7 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
     if not targets:
         raise UsageError("only one node: nothing to sync to", fix="set NODES to the head and its ranks")
     model = str(settings.model)
-    report = SyncReport(src, {t: RankSync(t) for t in targets}, [])
+    report = SyncReport(src, {t: RankSync(t) for t in targets}, [], topology=topology)
     with Cluster(nodes, ssh_config) as cluster, ExitStack() as held:
         if src in cluster.errors:
             err = cluster.errors[src]
@@ -232,30 +351,11 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
             if missing:
                 raise CheckFailed(f"no fabric address for {', '.join(missing)}",
                                   fix="run `sparkctl check` (it writes RANK<n>_FABRIC_IP) or set them")
-            key, known = _setup_auth(cluster, settings, src, todo, ips)
-            state = state_dir(settings.cluster_name)
-            src_node = cluster.node(src)
-            for t in todo:
-                src_node.put_bytes(f"{state}/sync-{t}.list", files_list(report.ranks[t].files))
-
-            def push(node: Node, t: str) -> None:
-                r = report.ranks[t]
-                argv = rsync_argv(model, cluster.target(t).user or "root", ips[t], model,
-                                  f"{posixpath.dirname(key)}/sync-{t}.list", key, known)
-                _push(node, argv, r, progress, stop)
-
-            # One channel per rank on the source's one connection, all at once.
-            # (waited for through Events, not join: a join that Ctrl-C interrupts stops waiting for
-            # good, and the rank's final report would be lost: sparkctl.threads)
-            workers: list[threading.Event] = []
-            try:
-                for t in todo:
-                    workers.append(spawn(functools.partial(_guard, push, src_node, t, report.ranks[t]), f"sync-{t}"))
-                wait_all(workers, 0.2)
-            except KeyboardInterrupt:
-                stop.set()
-                report.interrupted = True
-                wait_bounded(workers, 10 * len(workers))
+            if topology == "chain":
+                sizes = {n: int(m.get("size") or 0) for n, m in (src_scan.get("files") or {}).items()}
+                _relay(cluster, settings, src, todo, report, sizes, ips, progress, stop, streams)
+            else:
+                _star(cluster, settings, src, todo, report, ips, progress, stop)
         # The end: verify-model's cross-node comparison on what every node holds now (the scans
         # already taken when nothing was copied).
         if not todo:
@@ -267,6 +367,37 @@ def sync(settings: Any, ssh_config: str, *, source_node: str | None = None, prog
                 report.findings.append(issue(FAIL, "node-unreachable", f"{n}: {e.reason}", e.fix or "", n))
     report.seconds = time.monotonic() - started
     return report
+
+
+def _star(cluster: Cluster, settings: Any, src: str, todo: Sequence[str], report: SyncReport, ips: Mapping[str, str],
+          progress: Progress, stop: threading.Event) -> None:
+    """One rsync per rank from the source, all at once (every copy leaves the source)."""
+    model = str(settings.model)
+    key, known = _setup_auth(cluster, settings, src, todo, ips)
+    state = state_dir(settings.cluster_name)
+    src_node = cluster.node(src)
+    for t in todo:
+        report.ranks[t].via = [src]
+        src_node.put_bytes(f"{state}/sync-{t}.list", files_list(report.ranks[t].files))
+
+    def push(node: Node, t: str) -> None:
+        r = report.ranks[t]
+        argv = rsync_argv(model, cluster.target(t).user or "root", ips[t], model,
+                          f"{posixpath.dirname(key)}/sync-{t}.list", key, known)
+        _push(node, argv, r, progress, stop)
+
+    # One channel per rank on the source's one connection, all at once.
+    # (waited for through Events, not join: a join that Ctrl-C interrupts stops waiting for
+    # good, and the rank's final report would be lost: sparkctl.threads)
+    workers: list[threading.Event] = []
+    try:
+        for t in todo:
+            workers.append(spawn(functools.partial(_guard, push, src_node, t, report.ranks[t]), f"sync-{t}"))
+        wait_all(workers, 0.2)
+    except KeyboardInterrupt:
+        stop.set()
+        report.interrupted = True
+        wait_bounded(workers, 10 * len(workers))
 
 
 def _guard(push: Callable[[Node, str], None], node: Node, t: str, rank: RankSync) -> None:
