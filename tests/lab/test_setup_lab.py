@@ -94,3 +94,22 @@ def test_the_plan_on_the_lab_finds_its_fabric_switch_and_changes_nothing(lab: La
         assert (n, "/etc/netplan/60-sparkctl-fabric.yaml") in {(c["node"], c.get("path")) for c in plan["changes"]}
     assert _plan(lab)["changes"] == plan["changes"]
     assert {p: os.path.exists(p) for p in before} == before
+
+
+def test_a_neighbour_entry_whose_host_does_not_answer_is_not_a_cable(lab: Lab) -> None:
+    """A cable moved a minute ago leaves its neighbour entry in the table (STALE) though nothing answers at that
+    address any more: spark1's cabled port is given one naming spark2's second port (down, on no segment); the
+    real ping and `ip neigh` of setup's discovery leave it out of every segment."""
+    ns = "spark1"
+    port = lab.host(ns).fabric_if
+    link = json.loads(subprocess.run(["ip", "-n", "spark2", "-j", "link", "show", "dev", "enp1s0f1np1"],
+                                     capture_output=True, text=True, check=True, timeout=10).stdout)[0]
+    subprocess.run(["ip", "-n", ns, "-6", "neigh", "replace", "fe80::dead:1", "lladdr", link["address"], "dev", port,
+                    "nud", "stale"], check=True, timeout=10)
+    try:
+        cab = _plan(lab)["cabling"]
+    finally:
+        subprocess.run(["ip", "-n", ns, "-6", "neigh", "del", "fe80::dead:1", "dev", port], check=False, timeout=10)
+    ends = {e for seg in cab["segments"] for e in seg}
+    assert "spark2:enp1s0f1np1" not in ends, cab
+    assert cab["layout"] == "switch" and cab["errors"] == [], cab

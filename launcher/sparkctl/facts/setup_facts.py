@@ -124,14 +124,27 @@ def parse_ssh_route(text: str) -> tuple[str | None, str | None]:
     return client, dev if isinstance(dev, str) and _NAME_RE.match(dev) else None
 
 
+def _replier(line: str) -> str | None:
+    """The address of one `bytes from ADDR` line of ping (`fe80::1%dev:` in iputils, `fe80::1:` before)."""
+    word = line.removeprefix("bytes from ").strip().split("%", 1)[0].rstrip(":")
+    try:
+        return str(ipaddress.IPv6Address(word))
+    except ValueError:
+        return None
+
+
 @guard
 def parse_neighbours(text: str) -> dict[str, tuple[str, ...]]:
-    """`@@dev DEV` then `ip -j -6 neigh show dev DEV`, per port: port -> the MACs it saw (sorted)."""
+    """`@@dev DEV`, `ip -j -6 neigh show dev DEV`, then `@@replied` and ping's `bytes from ADDR` lines, per port:
+    port -> the MACs of the neighbours that answered the ping (sorted). Without `@@replied` (no ping on the
+    node) every neighbour entry counts."""
     out: dict[str, tuple[str, ...]] = {}
     for chunk in text.split("@@dev\t")[1:]:
         dev, _, body = chunk.partition("\n")
         if not _NAME_RE.match(dev):
             raise ParseError(f"bad netdev name {dev[:40]!r}")
+        body, marked, replied = body.partition("@@replied\n")
+        repliers = {a for a in map(_replier, replied.splitlines()) if a}
         macs: set[str] = set()
         if body.strip():
             data = parse_json(body)
@@ -139,8 +152,11 @@ def parse_neighbours(text: str) -> dict[str, tuple[str, ...]]:
                 raise ParseError("`ip -j neigh` did not print a list")
             for n in data:
                 mac = n.get("lladdr") if isinstance(n, dict) else None
-                if isinstance(mac, str) and MAC_RE.match(mac.lower()):
-                    macs.add(mac.lower())
+                if not (isinstance(mac, str) and MAC_RE.match(mac.lower())):
+                    continue
+                if marked and _replier(str(n.get("dst", ""))) not in repliers:
+                    continue  # in the table, but silent now: a cable since moved, a host since gone
+                macs.add(mac.lower())
         out[dev] = tuple(sorted(macs))
     return out
 

@@ -47,19 +47,27 @@ ssh_route() {
     return 0
 }
 
-# The CX7 netdevs' neighbours after a bounded ping of every host on the port's link (all ports at once).
+# The CX7 netdevs' neighbours after a bounded ping of every host on the port's link (all ports at once), and
+# who answered that ping: a neighbour entry of a cable since moved stays in the table for minutes, so only the
+# hosts that replied now count (when ping is missing, every entry does: no `@@replied` section).
 neighbours() {
     [ "$NEIGH" = yes ] || return 0
     devs=$(ib_walk | awk -F '\t' '$1 == "netdev" { print $3 }')
+    pings=$(mktemp -d) || return 0
     for d in $devs; do
-        ping -6 -c 2 -W 1 -I "$d" ff02::1 >/dev/null 2>&1 &
+        ping -6 -n -c 2 -W 1 -I "$d" ff02::1 >"$pings/$d" 2>/dev/null &
     done
     wait
     for d in $devs; do
         printf '@@dev\t%s\n' "$d"
         ip -j -6 neigh show dev "$d"
         printf '\n'
+        if command -v ping >/dev/null 2>&1; then
+            printf '@@replied\n'
+            grep -o 'bytes from [^ ]*' "$pings/$d" | sort -u
+        fi
     done
+    rm -rf "$pings"
 }
 
 # earlyoom's program: on the PATH, or under the seam's root when there is one (R stands for / of every path).

@@ -52,3 +52,18 @@ def test_what_cannot_be_read_is_a_problem_naming_it() -> None:
     assert "/etc/machine-id" in said and "ulimit -Hn: exit 2" in said and "CX7 ports" in said
     assert "the SSH session's route: not reported" in said
     assert S.setup_facts_from_probe("garbage", "x").problems  # a bad nonce: one problem, no exception
+
+
+def test_only_neighbours_that_answered_the_ping_count() -> None:
+    """A neighbour entry whose host did not answer now (a cable since moved: its entry stays STALE for minutes)
+    is not a cable; iputils' `fe80::…%dev:` and the older `fe80::…:` both name a replier. Without a ping
+    section (no ping on the node) every entry counts."""
+    table = json.dumps([{"dst": "fe80::2", "lladdr": "02:00:00:00:02:00", "state": ["STALE"]},
+                        {"dst": "fe80::3", "lladdr": "02:00:00:00:03:00", "state": ["STALE"]},
+                        {"dst": "fe80::4", "lladdr": "02:00:00:00:04:00", "state": ["STALE"]}])
+    text = (f"@@dev\tenp1s0f0np0\n{table}\n@@replied\nbytes from fe80::2%enp1s0f0np0:\nbytes from fe80:0::4:\n"
+            f"@@dev\tenp1s0f1np1\n{table}\n@@replied\n"
+            f"@@dev\tenp2s0f0np0\n{table}\n")
+    assert S.parse_neighbours(text) == {"enp1s0f0np0": ("02:00:00:00:02:00", "02:00:00:00:04:00"),
+                                        "enp1s0f1np1": (),
+                                        "enp2s0f0np0": ("02:00:00:00:02:00", "02:00:00:00:03:00", "02:00:00:00:04:00")}

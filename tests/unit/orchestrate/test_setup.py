@@ -37,6 +37,15 @@ case "$*" in
   *) echo "ip stub: $*" >&2; exit 1 ;;
 esac
 """
+# ping on a port: a reply from every neighbour of the node's table for that port (iputils' words)
+PING_STUB = r"""#!/bin/sh
+while [ $# -gt 1 ]; do [ "$1" = -I ] && dev=$2; shift; done
+python3 -c 'import json, sys
+for n in json.load(open(sys.argv[1])):
+    print("64 bytes from %s%%%s: icmp_seq=1 ttl=64 time=0.1 ms" % (n["dst"], sys.argv[2]))' \
+  "$SPARKCTL_SETUP_ROOT/neigh-$dev.json" "$dev" 2>/dev/null
+exit 0
+"""
 # What the lab's hosts need too: apply exactly what `netplan generate` derives from the node's netplan folder.
 APPLY_SEAM = r"""#!/usr/bin/env python3
 import json, pathlib, subprocess, sys
@@ -87,7 +96,7 @@ def _scene(ln: LocalNodes, root: Path) -> None:
         (r / f"neigh-{PORTS[0]}.json").write_text(json.dumps([{"dst": "fe80::1", "lladdr": mac(3 - i, 0)}]))
         stubs = {
             "ip": IP_STUB,
-            "ping": "#!/bin/sh\nexit 0\n",
+            "ping": PING_STUB,
             "id": '#!/bin/sh\ncase "$1" in -un) echo spark ;; -u) echo 1000 ;; -Gn) tr "\\n" " " <"$SPARKCTL_SETUP_ROOT/groups"; echo ;; '
                   '*) exec /usr/bin/id "$@" ;; esac\n',
             "sudo": '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n',
@@ -243,7 +252,7 @@ def test_bad_input_is_refused_before_anything_is_touched(nodes: Any, monkeypatch
                                         "CLUSTER_NAME": "t", "SERVED_MODEL_NAME": "m", "FABRIC_SUBNET": "10.0.0.0/16"})
     with pytest.raises(UsageError, match="overlaps the management network 10.0.0.0/24"):
         _plan(s2)
-    (_root(ln, "n1") / f"neigh-{PORTS[0]}.json").write_text(json.dumps([{"lladdr": mac(1, 1)}]))
+    (_root(ln, "n1") / f"neigh-{PORTS[0]}.json").write_text(json.dumps([{"dst": "fe80::9", "lladdr": mac(1, 1)}]))
     with pytest.raises(UsageError, match="n1: port enp1s0f0np0 is cabled to its own port enp1s0f1np1"):
         _plan(s)
     assert not any((_root(ln, n) / "etc" / d).exists() for n in NODES for d in ("netplan", "sudoers.d", "sparkctl"))
