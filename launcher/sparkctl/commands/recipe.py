@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import tomllib
 from pathlib import Path
 
 import click
@@ -13,7 +14,7 @@ import click
 from ..errors import Failure, UsageError
 from ..orchestrate.recipe import read_model
 from ..output import console, emit_json
-from ..spec.recipe_new import GB10_NODE_MEMORY_BYTES, draft, recipe_text
+from ..spec.recipe_new import GB10_NODE_MEMORY_BYTES, base_plan_inputs, draft, recipe_like_text, recipe_text
 from ..spec.recipe_schema import default_problems
 from ..spec.recipes import available_recipes, load_recipe
 from ..spec.settings import IMAGE_RE
@@ -91,16 +92,31 @@ def validate_cmd(ctx: click.Context, file: str) -> None:
 @click.option("--image", "image", metavar="REF", help="The vLLM image, pinned by digest (repo@sha256:...).")
 @click.option("--node-memory", "node_memory", type=int, metavar="BYTES", default=GB10_NODE_MEMORY_BYTES,
               show_default=True, help="Memory of one node.")
+@click.option("--like", "like", metavar="RECIPE",
+              help="Take the platform (image, memory model, container, env, ports, fabric test) from this recipe, "
+                   "a shipped NAME or a FILE; plan only the model's own values.")
 @click.pass_context
 def new_cmd(ctx: click.Context, model: str, nodes: int, out: str | None, name: str | None, image: str | None,
-            node_memory: int) -> None:
+            node_memory: int, like: str | None) -> None:
     """Write a recipe for a checkpoint from its config.json, every choice explained in a comment; refuse (exit
     2, with the numbers) a model that cannot split over the nodes or fit on them."""
     if image is not None and (not IMAGE_RE.match(image) or "@sha256:" not in image):
         raise UsageError(f"--image {image}: pin the image by its digest (repo@sha256:<64 hex>)")
+    if like is not None and image is not None:
+        raise UsageError("--like and --image: the image is the base recipe's", fix="leave one out")
     src = read_model(model)
-    d = draft(src, nodes, node_memory=node_memory, name=name)
-    text = recipe_text(d, src, nodes, image=image, node_memory=node_memory)
+    if like is not None:
+        try:
+            base = load_recipe(like)  # judged as every recipe is: a bad base is the user's one-line error
+        except UsageError as exc:
+            raise UsageError(f"--like {like}: {exc.message.removeprefix(f'RECIPE={like!r}: ')}", fix=exc.fix) from None
+        raw = tomllib.loads(base.path.read_text())
+        memory, profile, block, seqs = base_plan_inputs(raw)
+        d = draft(src, nodes, node_memory=memory, name=name, profile=profile, dense_block=block, max_full_seqs=seqs)
+        text = recipe_like_text(d, src, nodes, raw, base.name)
+    else:
+        d = draft(src, nodes, node_memory=node_memory, name=name)
+        text = recipe_text(d, src, nodes, image=image, node_memory=node_memory)
     _check_written(text)
     if out:
         target = Path(out)

@@ -3,7 +3,8 @@
 #
 # The real `netplan generate` turns ROOT/etc/netplan/*.yaml into systemd-networkd files, and this applies
 # what those files say, as networkd would on a real node, to the links they match in this host's network
-# namespace: each `Address=` (IPv4 ones not listed are removed from that link), `MTUBytes=`, the link up.
+# namespace: IPv4 addresses not listed are removed from that link, then each `Address=` added, `MTUBytes=`, the
+# link up.
 # Links no file matches are left as they are. The port's RoCE GID table then follows its addresses (roce_gids.py). Installed in each lab host's bin/ by `sparkctl lab up` and
 # named by $SPARKCTL_NETPLAN_APPLY in the host's sshd environment (setup_apply.sh runs it with the root).
 set -eu
@@ -24,14 +25,16 @@ for f in "$out"/run/systemd/network/*.network; do
     mtu=$(sed -n 's/^MTUBytes=//p' "$f" | head -n 1)
     [ -z "$mtu" ] || ip link set dev "$name" mtu "$mtu"
     want=$(sed -n 's/^Address=//p' "$f")
-    for a in $want; do
-        ip addr replace "$a" dev "$name"
-    done
+    # the addresses no file lists go first: deleting a subnet's primary address takes the kernel's secondary
+    # ones of that subnet with it (networkd sets promote_secondaries; deleting first needs no such setting)
     for have in $(ip -o -4 addr show dev "$name" scope global | awk '{print $4}'); do
         case " $(echo $want) " in
             *" $have "*) ;;
             *) ip addr del "$have" dev "$name" ;;
         esac
+    done
+    for a in $want; do
+        ip addr replace "$a" dev "$name"
     done
     ip link set dev "$name" up
     # the kernel adds and drops a port's RoCE GIDs with its addresses: so does the lab's sysfs seam

@@ -139,8 +139,10 @@ def _kv_bytes(terms: list[KvTerm], max_len: int, block: int, seqs: int, batched:
 
 
 def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_BYTES, name: str | None = None,
-          max_full_seqs: int = 1, batched_tokens: int = 8192) -> Draft:
-    """Every choice of the recipe for `nodes` GB10 nodes, or a UsageError with the numbers."""
+          max_full_seqs: int = 1, batched_tokens: int = 8192, profile: MemoryProfile = GB10,
+          dense_block: int = DENSE_BLOCK_TOKENS) -> Draft:
+    """Every choice of the recipe for `nodes` nodes (GB10's memory model unless `profile` and `dense_block`, the
+    KV page of plain attention, say another platform's: `--like`), or a UsageError with the numbers."""
     config = _text_config(src.config)
     where = Path(src.where)
     tp = nodes
@@ -156,14 +158,14 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
     mla = "kv_lora_rank" in config
     sparse_mla = mla and ("index_topk" in config or "index_head_dim" in config)
     kv_dtype = "fp8" if sparse_mla else "auto"
-    block = MLA_BLOCK_TOKENS if mla else DENSE_BLOCK_TOKENS
+    block = MLA_BLOCK_TOKENS if mla else dense_block
     stored = "fp8_ds_mla" if sparse_mla else kv_dtype
     terms = kv_terms(config, stored, tp, where, mtp_layers=False)
     if aligns_to_state(terms):  # vLLM pages a hybrid's attention to hold a state page (planner.py)
         block = hybrid_block_tokens(terms)
     weights = math.ceil(src.weight_bytes / tp)
-    overhead = int(GB10.overhead_gib * GIB)
-    reserve = int(GB10.os_reserve_gib * GIB)
+    overhead = int(profile.overhead_gib * GIB)
+    reserve = int(profile.os_reserve_gib * GIB)
     budget = node_memory - reserve - overhead - weights
     numbers = (f"per rank {gb(weights)} weights ({gb(src.weight_bytes)} ÷ TP={tp}) + {gb(overhead)} overhead, "
                f"a node has {gb(node_memory)} − {gb(reserve)} OS reserve")
@@ -309,4 +311,115 @@ def recipe_text(d: Draft, src: ModelSource, nodes: int, image: str | None = None
         "[checkpoint]",
         'layout = "hf-safetensors"           # recipes/layouts/hf-safetensors.json: shards and headers, no model-specific rules',
     ]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ --like
+#: The model's own keys of [defaults]: `--like` plans them; every other key is the base recipe's platform.
+MODEL_KEYS = ("MODEL_REPO", "TP", "DCP", "MAX_MODEL_LEN", "KV_CACHE_DTYPE", "SERVED_MODEL_NAME", "SPEC_METHOD",
+              "MAX_FULL_SEQS")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML for {type(value).__name__}")
+
+
+def _toml_table(name: str, table: dict[str, Any], comments: dict[str, str] | None = None) -> list[str]:
+    """`[name]` with its scalars and arrays, then its sub-tables (arrays of tables as `[[name.key]]`)."""
+    comments = comments or {}
+    lines = [f"[{name}]"]
+    subs: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            subs.append((key, value))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            subs.append((key, value))
+        else:
+            note = f"  # {comments[key]}" if key in comments else ""
+            lines.append(f"{key} = {_toml_value(value)}{note}")
+    for key, value in subs:
+        if isinstance(value, dict):
+            lines += ["", *_toml_table(f"{name}.{key}", value)]
+        else:
+            for item in value:
+                lines += ["", f"[[{name}.{key}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items())]
+    return lines
+
+
+def base_plan_inputs(base: dict[str, Any]) -> tuple[int, MemoryProfile, int, int]:
+    """What `--like` takes from the base recipe to plan the model: node memory, memory profile, the KV page of
+    plain attention, the full-length sequences."""
+    defaults, mem = base.get("defaults") or {}, base.get("memory") or {}
+    profile = MemoryProfile(overhead_gib=float(mem.get("overhead_gib", GB10.overhead_gib)),
+                            os_reserve_gib=float(mem.get("os_reserve_gib", GB10.os_reserve_gib)),
+                            gpu_memory_utilization_cap=float(mem.get("gpu_memory_utilization_cap",
+                                                                     GB10.gpu_memory_utilization_cap)),
+                            kv_block_tokens=int(mem.get("kv_block_tokens", DENSE_BLOCK_TOKENS)))
+    return (int(defaults.get("NODE_MEMORY_BYTES", GB10_NODE_MEMORY_BYTES)), profile, profile.kv_block_tokens,
+            int(defaults.get("MAX_FULL_SEQS", 1)))
+
+
+def recipe_like_text(d: Draft, src: ModelSource, nodes: int, base: dict[str, Any], base_name: str) -> str:
+    """The recipe on another recipe's platform (`--like BASE`): BASE's image, memory model, container, env,
+    ports and fabric test; the model's own keys planned here. A base that builds a chain (its layers belong to
+    its own checkpoint's serving/ folder) gives its BASE_IMAGE, run prebuilt."""
+    defaults = {k: v for k, v in (base.get("defaults") or {}).items() if k not in MODEL_KEYS}
+    images = dict(base.get("images") or {})
+    image_note = f"{base_name}'s image"
+    if images.get("layers"):
+        if not defaults.get("BASE_IMAGE"):
+            raise UsageError(f"--like {base_name}: it builds a chain on no BASE_IMAGE; nothing to run prebuilt",
+                             fix="--like a recipe with a prebuilt IMAGE or a BASE_IMAGE")
+        defaults["IMAGE"] = defaults.pop("BASE_IMAGE")
+        image_note = (f"{base_name}'s BASE_IMAGE, run prebuilt: its chain's layers belong to its own checkpoint's "
+                      "serving/ folder")
+        images = {k: v for k, v in images.items() if k not in ("layers", "tag_prefix")}  # its tags: the chain's
+        images["prebuilt"] = {"source": f"the base image of recipe {base_name} (`recipe new --like {base_name}`)"}
+    planned: dict[str, Any] = {}
+    if src.repo:
+        planned["MODEL_REPO"] = src.repo
+    planned.update(TP=d.tp, DCP=1, MAX_MODEL_LEN=d.max_model_len, KV_CACHE_DTYPE=d.kv_cache_dtype,
+                   MAX_FULL_SEQS=int((base.get("defaults") or {}).get("MAX_FULL_SEQS", 1)),
+                   SERVED_MODEL_NAME=d.served_name, SPEC_METHOD="off")
+    base_args = list((base.get("vllm") or {}).get("extra_args") or [])
+    family = [a for a in d.extra_args[2:] if a not in base_args]  # the draft's after `--distributed-executor-backend mp`
+    vllm = {**(base.get("vllm") or {}), "extra_args": base_args + family}
+    vllm.pop("dspark_speculative_config", None)  # the base model's draft model, not this one's
+    memory = {**(base.get("memory") or {}), "kv_block_tokens": d.kv_block_tokens}
+    comments = {"TP": d.why["TP"], "MAX_MODEL_LEN": d.why["max_model_len"], "KV_CACHE_DTYPE": d.why["kv_dtype"],
+                "IMAGE": image_note}
+    lines = [
+        f"# {d.name} — written by `sparkctl recipe new --like {base_name}` for {nodes} node(s) from {src.where}:",
+        f"# the platform (image, memory model, container, env, ports, fabric test) is {base_name}'s; the model's own",
+        "# values are planned from its config.json.",
+        f"# KV per token per layer: {d.why['KV']}.",
+        f"# Memory per rank: {d.why['fit']}.",
+        f"# Quantization: {d.why['quant']}.",
+        f"# Flags: {base_name}'s [vllm] extra_args" + (f", and {' '.join(family)}" if family else "") + ".",
+        *([f"# KV block: {d.why['block']}."] if "block" in d.why else []),
+        f"name = {_q(d.name)}",
+        f"description = {_q(f'{d.served_name} ({d.weights_kind}) on the {base_name} platform, TP{d.tp}, {d.max_model_len:,} tokens')}",
+        "",
+        *_toml_table("defaults", {**planned, **defaults}, comments),
+        "",
+        *_toml_table("memory", memory),
+        "",
+        *_toml_table("vllm", vllm),
+    ]
+    for section in ("container", "fabric"):
+        if base.get(section):
+            lines += ["", *_toml_table(section, base[section])]
+    if images:
+        lines += ["", *_toml_table("images", images)]
+    lines += ["", *_toml_table("checkpoint", {"layout": "hf-safetensors"})]
     return "\n".join(lines) + "\n"

@@ -113,3 +113,19 @@ def test_new_from_a_hub_repo_reads_only_config_json(capsys, tmp_path, monkeypatc
     assert doc["weights_per_rank"] == (4_625_017_896 + 4_115_586_736 + 4_055_141_184 + 1) // 2
     text = doc["text"]
     assert 'MODEL_REPO = "openai/gpt-oss-20b"' in text and "sliding window 128" in text
+
+
+def test_new_like_a_shipped_recipe_writes_one_that_validates_and_refuses_what_cannot_be(capsys, tmp_path):
+    model = write_model(tmp_path / "Qwen3-4B", 8_044_000_000, 3,
+                        config=json.loads((CONFIGS / "qwen3-4b.json").read_text()))
+    out_file = tmp_path / "like.toml"
+    rc, out, err = run_cli(["recipe", "new", "--model", str(model), "--like", "lab-vllm", "--out", str(out_file)],
+                           capsys)
+    assert rc == 0, err
+    assert tomllib.loads(out_file.read_text())["defaults"]["NODE_MEMORY_BYTES"] == 16_000_000_000
+    assert run_cli(["recipe", "validate", str(out_file)], capsys)[0] == 0
+    rc, out, err = run_cli(["recipe", "new", "--model", str(model), "--like", "nosuch"], capsys)
+    assert rc == 2 and out == "" and "--like nosuch: no such recipe" in err and "Traceback" not in err
+    rc, out, err = run_cli(["recipe", "new", "--model", str(model), "--like", "lab-vllm",
+                            "--image", "vllm/vllm-openai@sha256:" + "a" * 64], capsys)
+    assert rc == 2 and "--like and --image" in err

@@ -125,3 +125,45 @@ def test_the_description_names_the_stored_dtype_or_the_quantization():
     text = recipe_text(plain, ModelSource(real("qwen3-4b"), 8_044_000_000, "/m", repo="Qwen/Qwen3-4B"), 2,
                        image="vllm/vllm-openai@sha256:" + "a" * 64)
     assert 'description = "Qwen3-4B (bf16), 2x DGX Spark' in text and "(none)" not in text
+
+
+def test_like_takes_the_platform_of_the_base_and_plans_the_model_on_its_memory_model(tmp_path):
+    """`--like lab-vllm`: the base's image (its chain's BASE_IMAGE, run prebuilt), memory profile, node memory,
+    container, env, ports and fabric test; the model's TP, length, KV dtype and served name planned on that
+    memory model (the CPU engine's 128-token pages, its 2 GiB overhead, its 16 GB nodes); it loads."""
+    from sparkctl.spec.recipe_new import base_plan_inputs, recipe_like_text
+    from sparkctl.spec.recipes import load_recipe, recipes_dir
+
+    base_path = recipes_dir() / "lab-vllm.toml"
+    base = tomllib.loads(base_path.read_text())
+    src = ModelSource(real("qwen3-4b"), 8_044_000_000, "/models/Qwen3-4B", repo="Qwen/Qwen3-4B")
+    memory, profile, block, seqs = base_plan_inputs(base)
+    assert (memory, profile.overhead_gib, block, seqs) == (16_000_000_000, 2, 128, 4)
+    d = draft(src, 2, node_memory=memory, profile=profile, dense_block=block, max_full_seqs=seqs)
+    per_token = 36 * 2 * 4 * 128 * 2
+    budget = memory - 1 * GIB - 2 * GIB - math.ceil(8_044_000_000 / 2)
+    assert d.kv_block_tokens == 128 and d.kv_bytes <= budget
+    assert d.kv_bytes == (math.ceil(d.max_model_len / 128) * 4 + 1) * 128 * per_token
+    text = recipe_like_text(d, src, 2, base, "lab-vllm")
+    path = tmp_path / "like.toml"
+    path.write_text(text)
+    r, b = load_recipe(str(path)), load_recipe("lab-vllm")
+    assert r.prebuilt is not None and not r.layers and r.tag_prefix != b.tag_prefix
+    assert r.defaults["IMAGE"] == b.defaults["BASE_IMAGE"] and "BASE_IMAGE" not in r.defaults
+    assert (r.memory.overhead_gib, r.memory.os_reserve_gib, r.memory.kv_block_tokens) == (2, 1, 128)
+    assert r.container == b.container and r.fabric == b.fabric and r.vllm_extra_args == b.vllm_extra_args
+    for key in ("PORT", "MASTER_PORT", "NODE_MEMORY_BYTES", "ULIMIT_NOFILE", "SHM_SIZE"):
+        assert r.defaults[key] == b.defaults[key], key
+    assert (r.defaults["TP"], r.defaults["MAX_MODEL_LEN"], r.defaults["SERVED_MODEL_NAME"]) == (2, d.max_model_len,
+                                                                                                 "Qwen3-4B")
+    assert r.defaults["MODEL_REPO"] == "Qwen/Qwen3-4B" and r.layout_name == "hf-safetensors"
+    assert "is lab-vllm's" in text and "# KV per token per layer:" in text
+
+
+def test_like_refuses_a_chain_with_nothing_to_run_prebuilt():
+    from sparkctl.spec.recipe_new import recipe_like_text
+
+    src = ModelSource(real("qwen3-4b"), 8_044_000_000, "/m")
+    base = {"name": "b", "defaults": {"TP": 2}, "images": {"layers": [{"name": "x"}]}}
+    with pytest.raises(UsageError, match="no BASE_IMAGE"):
+        recipe_like_text(draft(src, 2), src, 2, base, "b")
