@@ -111,8 +111,9 @@ def new_cmd(ctx: click.Context, model: str, nodes: int, out: str | None, name: s
         except UsageError as exc:
             raise UsageError(f"--like {like}: {exc.message.removeprefix(f'RECIPE={like!r}: ')}", fix=exc.fix) from None
         raw = tomllib.loads(base.path.read_text())
-        memory, profile, block, seqs = base_plan_inputs(raw)
-        d = draft(src, nodes, node_memory=memory, name=name, profile=profile, dense_block=block, max_full_seqs=seqs)
+        memory, profile, seqs = base_plan_inputs(raw)
+        d = draft(src, nodes, node_memory=memory, name=name, profile=profile, dense_block=profile.kv_block_tokens,
+                  max_full_seqs=seqs)
         text = recipe_like_text(d, src, nodes, raw, base.name)
     else:
         d = draft(src, nodes, node_memory=node_memory, name=name)

@@ -59,6 +59,8 @@ QUANT_METHODS = {
 FAMILY_FLAGS: dict[str, tuple[list[str], str]] = {
     "glm_moe_dsa": (["--trust-remote-code"], "GLM-5's remote code (as the flagship recipes pass it)"),
 }
+#: Every sparkctl recipe's executor (one process per rank); a draft's extra_args start with it.
+EXECUTOR_ARGS = ("--distributed-executor-backend", "mp")
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -186,7 +188,7 @@ def draft(src: ModelSource, nodes: int, *, node_memory: int = GB10_NODE_MEMORY_B
     method = quant_method(src)
     model_type = str(config.get("model_type", "?"))
     flags, flags_why = FAMILY_FLAGS.get(model_type, ([], f"none for model_type {model_type}"))
-    extra = ["--distributed-executor-backend", "mp"]
+    extra = list(EXECUTOR_ARGS)
     if method == "exl3":
         extra += ["--quantization", "exl3"]
     extra += flags
@@ -356,17 +358,16 @@ def _toml_table(name: str, table: dict[str, Any], comments: dict[str, str] | Non
     return lines
 
 
-def base_plan_inputs(base: dict[str, Any]) -> tuple[int, MemoryProfile, int, int]:
-    """What `--like` takes from the base recipe to plan the model: node memory, memory profile, the KV page of
-    plain attention, the full-length sequences."""
+def base_plan_inputs(base: dict[str, Any]) -> tuple[int, MemoryProfile, int]:
+    """What `--like` takes from the base recipe to plan the model: node memory, memory profile (its
+    kv_block_tokens the KV page of plain attention), the full-length sequences."""
     defaults, mem = base.get("defaults") or {}, base.get("memory") or {}
     profile = MemoryProfile(overhead_gib=float(mem.get("overhead_gib", GB10.overhead_gib)),
                             os_reserve_gib=float(mem.get("os_reserve_gib", GB10.os_reserve_gib)),
                             gpu_memory_utilization_cap=float(mem.get("gpu_memory_utilization_cap",
                                                                      GB10.gpu_memory_utilization_cap)),
                             kv_block_tokens=int(mem.get("kv_block_tokens", DENSE_BLOCK_TOKENS)))
-    return (int(defaults.get("NODE_MEMORY_BYTES", GB10_NODE_MEMORY_BYTES)), profile, profile.kv_block_tokens,
-            int(defaults.get("MAX_FULL_SEQS", 1)))
+    return int(defaults.get("NODE_MEMORY_BYTES", GB10_NODE_MEMORY_BYTES)), profile, int(defaults.get("MAX_FULL_SEQS", 1))
 
 
 def recipe_like_text(d: Draft, src: ModelSource, nodes: int, base: dict[str, Any], base_name: str) -> str:
@@ -392,7 +393,7 @@ def recipe_like_text(d: Draft, src: ModelSource, nodes: int, base: dict[str, Any
                    MAX_FULL_SEQS=int((base.get("defaults") or {}).get("MAX_FULL_SEQS", 1)),
                    SERVED_MODEL_NAME=d.served_name, SPEC_METHOD="off")
     base_args = list((base.get("vllm") or {}).get("extra_args") or [])
-    family = [a for a in d.extra_args[2:] if a not in base_args]  # the draft's after `--distributed-executor-backend mp`
+    family = [a for a in d.extra_args[len(EXECUTOR_ARGS):] if a not in base_args]  # the base has its executor
     vllm = {**(base.get("vllm") or {}), "extra_args": base_args + family}
     vllm.pop("dspark_speculative_config", None)  # the base model's draft model, not this one's
     memory = {**(base.get("memory") or {}), "kv_block_tokens": d.kv_block_tokens}

@@ -137,9 +137,9 @@ def test_like_takes_the_platform_of_the_base_and_plans_the_model_on_its_memory_m
     base_path = recipes_dir() / "lab-vllm.toml"
     base = tomllib.loads(base_path.read_text())
     src = ModelSource(real("qwen3-4b"), 8_044_000_000, "/models/Qwen3-4B", repo="Qwen/Qwen3-4B")
-    memory, profile, block, seqs = base_plan_inputs(base)
-    assert (memory, profile.overhead_gib, block, seqs) == (16_000_000_000, 2, 128, 4)
-    d = draft(src, 2, node_memory=memory, profile=profile, dense_block=block, max_full_seqs=seqs)
+    memory, profile, seqs = base_plan_inputs(base)
+    assert (memory, profile.overhead_gib, profile.kv_block_tokens, seqs) == (16_000_000_000, 2, 128, 4)
+    d = draft(src, 2, node_memory=memory, profile=profile, dense_block=profile.kv_block_tokens, max_full_seqs=seqs)
     per_token = 36 * 2 * 4 * 128 * 2
     budget = memory - 1 * GIB - 2 * GIB - math.ceil(8_044_000_000 / 2)
     assert d.kv_block_tokens == 128 and d.kv_bytes <= budget
