@@ -191,6 +191,18 @@ exit 0
 """
 
 
+def _setup_root_with_fabric_yaml(tmp_path: Path, address: str) -> Path:
+    """A node's setup root holding setup's netplan file: enp1s0f0np0 at `address`, MTU 9000 (mode 0600, as
+    setup writes it)."""
+    root = tmp_path / "root"
+    (root / "etc" / "netplan").mkdir(parents=True)
+    yaml = root / "etc" / "netplan" / "60-sparkctl-fabric.yaml"
+    yaml.write_text("network:\n  version: 2\n  ethernets:\n    enp1s0f0np0:\n      dhcp4: false\n"
+                    f"      addresses: [{address}]\n      mtu: 9000\n")
+    yaml.chmod(0o600)
+    return root
+
+
 def test_the_netplan_apply_seam_applies_what_the_real_netplan_generate_makes(tmp_path: Path) -> None:
     """The lab's `netplan apply`: the real `netplan generate` turns setup's YAML into networkd files, and the
     seam applies exactly their addresses and MTU to the links they name (an `ip` that records its calls),
@@ -203,12 +215,7 @@ def test_the_netplan_apply_seam_applies_what_the_real_netplan_generate_makes(tmp
         if __import__("os").environ.get("CI"):
             pytest.fail("netplan is not installed (netplan.io is in one-shot.sh's TEST_PACKAGES)")
         pytest.skip("netplan is not installed")
-    root = tmp_path / "root"
-    (root / "etc" / "netplan").mkdir(parents=True)
-    yaml = root / "etc" / "netplan" / "60-sparkctl-fabric.yaml"
-    yaml.write_text("network:\n  version: 2\n  ethernets:\n    enp1s0f0np0:\n      dhcp4: false\n"
-                    "      addresses: [192.168.100.1/24]\n      mtu: 9000\n")
-    yaml.chmod(0o600)
+    root = _setup_root_with_fabric_yaml(tmp_path, "192.168.100.1/24")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ip").write_text(FAKE_IP)
@@ -243,12 +250,7 @@ def test_the_netplan_apply_seam_moves_a_port_to_another_address_of_its_subnet_on
         if os.environ.get("CI"):
             pytest.fail("CI runs as root with unshare and netplan (one-shot.sh's TEST_PACKAGES)")
         pytest.skip("needs root, unshare and netplan")
-    root = tmp_path / "root"
-    (root / "etc" / "netplan").mkdir(parents=True)
-    yaml = root / "etc" / "netplan" / "60-sparkctl-fabric.yaml"
-    yaml.write_text("network:\n  version: 2\n  ethernets:\n    enp1s0f0np0:\n      dhcp4: false\n"
-                    "      addresses: [10.232.0.1/24]\n      mtu: 9000\n")
-    yaml.chmod(0o600)
+    root = _setup_root_with_fabric_yaml(tmp_path, "10.232.0.1/24")
     script = ("set -e; ip link add enp1s0f0np0 type veth peer name peer0; ip addr add 10.232.0.11/24 dev enp1s0f0np0; "
               f"ip link set enp1s0f0np0 up; sh {NETPLAN_APPLY} {root} >/dev/null; "
               "ip -o -4 addr show dev enp1s0f0np0 | awk '{print $4}'; ip -o link show dev enp1s0f0np0")
