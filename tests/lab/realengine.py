@@ -83,8 +83,8 @@ def health(lab: Lab) -> int:
         return 0
 
 
-def chat(lab: Lab, timeout: float = 60) -> tuple[int, dict[str, Any]]:
-    body = json.dumps({"model": "lab-llama", "messages": [{"role": "user", "content": "hello"}],
+def chat(lab: Lab, timeout: float = 60, model: str = "lab-llama") -> tuple[int, dict[str, Any]]:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hello"}],
                        "max_tokens": 4}).encode()
     req = urllib.request.Request(head_url(lab, "/v1/chat/completions"), data=body,
                                  headers={"Content-Type": "application/json"})

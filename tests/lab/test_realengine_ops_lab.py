@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -201,13 +200,9 @@ def test_a_second_family_from_its_config_alone_serves_on_the_real_engine(real: d
         must(sk(env, "check", timeout=600), "check")
         must(sk(env, "up", timeout=300), "up")
         must(sk(env, "wait", "--timeout", str(START_S), timeout=START_S + 60), "wait")
-        body = json.dumps({"model": "lab-qwen3", "messages": [{"role": "user", "content": "hello"}],
-                           "max_tokens": 4}).encode()
-        req = urllib.request.Request(head_url(lab, "/v1/chat/completions"), data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:  # noqa: S310 - the lab's head
-            answer = json.loads(resp.read())
-        assert answer["model"] == "lab-qwen3" and answer["choices"][0]["message"]["content"] is not None, answer
+        status, answer = chat(lab, timeout=120, model="lab-qwen3")
+        assert status == 200 and answer["model"] == "lab-qwen3", answer
+        assert answer["choices"][0]["message"]["content"] is not None, answer
         ids = rank_containers(lab)
         ran = json.loads(lab.docker(PAIR[0], "inspect", ids[PAIR[0]], check=True).stdout)[0]["Config"]
         assert f"{lab.model_path}/qwen3-tiny" in [*(ran.get("Entrypoint") or []), *(ran.get("Cmd") or [])]
