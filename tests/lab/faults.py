@@ -38,6 +38,23 @@ def docker_stopped(lab: Lab, name: str) -> Iterator[None]:
 
 
 @contextmanager
+def docker_frozen(lab: Lab, name: str) -> Iterator[None]:
+    """The host's dockerd stopped in its tracks (SIGSTOP): a wedged engine, whose socket accepts and never
+    answers, so every docker command there hangs. Thawed (SIGCONT) after."""
+    import os
+    import signal
+
+    paths, _ = _host(lab, name)
+    pid = read_pid(paths.docker_pid)
+    assert pid, f"{name}: no dockerd pid"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextmanager
 def link_down(lab: Lab, name: str, iface: str | None = None) -> Iterator[str]:
     iface = iface or lab.host(name).fabric_if
     subprocess.run(["ip", "-n", name, "link", "set", iface, "down"], check=True, timeout=10)

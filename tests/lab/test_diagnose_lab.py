@@ -21,7 +21,7 @@ from sparkctl.lab import hosts as labhosts
 from sparkctl.lab import seams
 from sparkctl.lab.state import HostPaths
 from tests.kit.lab import Lab
-from tests.lab.faults import sshd_stopped
+from tests.lab.faults import docker_frozen, sshd_stopped
 from tests.lab.test_secrets_lab import SECRETS, leaks, secret_env  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.lab
@@ -175,3 +175,18 @@ def test_diagnose_with_a_node_down_names_it(chain: Lab, tmp_path: Path) -> None:
     gone = [f for f in manifest["files"] if f["node"] == "spark3"]
     assert gone and all(f.get("missing") and f["why"] for f in gone)
     assert "nodes/spark2/kernel.txt" in files and "check.json" in files
+
+
+def test_a_wedged_engine_costs_only_the_docker_files(chain: Lab, tmp_path: Path) -> None:
+    """spark1's dockerd frozen: the probe's deadline passes in its docker sections; what it read before (the
+    kernel, the fabric, the kernel's lines) is in the bundle, each docker file missing with the deadline as why."""
+    env = {**chain.env(), "NODES": " ".join(NODES), **chain.pin_knobs(NODES)}
+    with docker_frozen(chain, "spark1"):
+        manifest, files = bundle(env, tmp_path, "--no-check", "--timeout", "3")
+    assert manifest["unreachable"] == {}
+    for kept in ("kernel.txt", "fabric.txt", "kernel-lines.txt"):
+        assert f"nodes/spark1/{kept}" in files, kept
+    why = {f["path"]: f.get("why", "") for f in manifest["files"] if f.get("missing")}
+    assert why["nodes/spark1/docker-version.txt"].startswith("cut short:"), why
+    assert "did not finish within 13s" in why["nodes/spark1/docker-inspect.json"], why
+    assert "nodes/spark2/docker-version.txt" in files

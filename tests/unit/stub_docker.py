@@ -4,7 +4,8 @@ Records every call (argv, node, order) in $STUB_ROOT/docker-calls.jsonl and keep
 $STUB_ROOT/docker-<node>.json: enough of run / ps / inspect / rm / logs / image inspect for sparkctl's
 lifecycle commands. $STUB_ROOT/docker-fail-<node> makes `docker run` fail on that node;
 $STUB_ROOT/docker-exited-<node> shows that node's containers exited (code 1), and
-$STUB_ROOT/docker-logs-<node> is what `docker logs` prints there. `container inspect NAME`, `logs NAME`
+$STUB_ROOT/docker-logs-<node> is what `docker logs` prints there; $STUB_ROOT/docker-hang-<node> (a number
+of seconds) makes every call there hang that long first, as a wedged engine does. `container inspect NAME`, `logs NAME`
 and `exec NAME CMD...` know a container by its name or ID (`exec` prints what it would run).
 """
 import fcntl
@@ -19,6 +20,12 @@ argv = sys.argv[1:]
 with open(os.path.join(ROOT, "docker-calls.jsonl"), "a") as log:
     fcntl.flock(log, fcntl.LOCK_EX)
     log.write(json.dumps({"node": NODE, "argv": argv, "seq": time.monotonic_ns()}) + "\n")
+
+try:
+    with open(os.path.join(ROOT, f"docker-hang-{NODE}")) as _hang:
+        time.sleep(float(_hang.read()))
+except FileNotFoundError:
+    pass
 
 STATE = os.path.join(ROOT, f"docker-{NODE}.json")
 IMAGE_ID = "sha256:" + "a" * 64

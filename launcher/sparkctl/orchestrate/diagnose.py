@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..cluster import Cluster, NodeError, parallel
+from ..cluster import Cluster, Node, NodeError, parallel
 from ..errors import SparkctlError
 from ..facts import inspect_raw
 from ..facts import node_facts as F
@@ -143,19 +143,46 @@ def collect(settings: Settings, ssh_config: Any, *, tail: int = 200, klines: int
     return b
 
 
+PROBE_SLACK_S = 10.0
+"""The probe's deadline on a node is the per-command timeout plus this (its commands run one after another)."""
+
+
+@dataclass(frozen=True)
+class ProbeOutput:
+    """One node's probe sections; `cut` says why the sections after the last one read are missing (the
+    probe did not finish in time), None when it ran to the end."""
+
+    sections: dict[str, F.Section]
+    cut: str | None = None
+
+
 def _probe_all(cluster: Cluster, s: Settings, tail: int, klines: int, timeout: float) -> dict[str, Any]:
     nonce = _secrets.token_hex(8)
     image = s.get("IMAGE")
     argv = ["sh", "-s", "--", nonce, s.cluster_name, str(int(tail)), str(int(klines)), *([image] if image else [])]
     script = probe_script("kernel_lines.sh") + b"\n" + probe_script("diagnose.sh")
-    results = cluster.run_all(argv, stdin=script, timeout=timeout + 10)
+
+    def probe(node: Node) -> tuple[str, str, str | None]:
+        """The probe's output; on a timeout, what it printed before (its finished sections still count)."""
+        session = node.start(argv, timeout=timeout + PROBE_SLACK_S)
+        try:
+            r = session.finish(script)
+        except NodeError as exc:
+            if exc.kind != "command-timeout":
+                raise
+            return (bytes(session.out).decode("utf-8", "replace"), bytes(session.err).decode("utf-8", "replace"),
+                    exc.reason)
+        return r.stdout, r.stderr, None
+
+    results = cluster.run_all(probe)
     out: dict[str, Any] = {}
     for n, r in results.items():
         if isinstance(r, NodeError):
             out[n] = r
             continue
+        stdout, stderr, cut = r
         try:
-            out[n] = F.parse_probe_sections(r.stdout, nonce, r.stderr)
+            out[n] = ProbeOutput(F.parse_probe_sections(stdout, nonce, stderr), cut)
         except F.ParseError as exc:
             out[n] = NodeError(n, "output", f"the diagnose probe's output could not be read: {exc}")
     return out
@@ -264,16 +291,17 @@ def _rendered(b: Bundle, s: Settings, check: Any) -> None:
 
 def _node_files(b: Bundle, n: str, got: Any, logs: dict[str, str]) -> None:
     cmd = "sh -s < probes/diagnose.sh"
-    if not isinstance(got, dict):
+    if not isinstance(got, ProbeOutput):
         why = _why(got) if isinstance(got, BaseException) else "the probe did not run"
         for _section, (name, what) in PROBE_FILES.items():
             b.add(f"nodes/{n}/{name}", what, n, cmd, missing=why)
         b.add(f"nodes/{n}/ranks.json", "this node's ranks: state, exit code, OOM-killed, why", n, cmd, missing=why)
         return
+    cut = f"cut short: {got.cut}" if got.cut else "no output (the probe was cut short)"
     for section, (name, what) in PROBE_FILES.items():
-        sec = got.get(section)
+        sec = got.sections.get(section)
         if sec is None:
-            b.add(f"nodes/{n}/{name}", what, n, f"{cmd}: {section}", missing="no output (the probe was cut short)")
+            b.add(f"nodes/{n}/{name}", what, n, f"{cmd}: {section}", missing=cut)
             continue
         text = sec.stdout
         if sec.rc != 0:
@@ -283,7 +311,7 @@ def _node_files(b: Bundle, n: str, got: Any, logs: dict[str, str]) -> None:
                 continue
             text += f"\n[exit status {sec.rc}: {err[:300]}]\n"
         b.add(f"nodes/{n}/{name}", what, n, f"{cmd}: {section}", text)
-    _rank_files(b, n, got, logs)
+    _rank_files(b, n, got.sections, logs)
 
 
 def _rank_files(b: Bundle, n: str, got: dict[str, Any], logs: dict[str, str]) -> None:

@@ -132,3 +132,27 @@ def test_service_down_still_bundles_and_caps_are_kept(monkeypatch: pytest.Monkey
     assert any(f.get("missing") and "archive's cap" in f["why"] for f in manifest["files"])
     status = next(f for f in manifest["files"] if f["path"] == "status.json")
     assert not status.get("missing"), status
+
+
+def test_a_probe_that_runs_out_of_time_keeps_the_sections_it_finished(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path, capsys: Any) -> None:
+    """A node whose Docker engine hangs: the probe's deadline passes inside its first docker section; the
+    files of the sections before it (kernel, meminfo, the kernel's lines) are in the bundle, and each later one
+    is missing with the deadline as why. The node is not called unreachable, and the other nodes are whole."""
+    from sparkctl.orchestrate import diagnose as D
+
+    monkeypatch.setattr(D, "PROBE_SLACK_S", 1.0)
+    with served_scene(monkeypatch, tmp_path, NODES, ENV) as nodes:
+        (nodes.root / "docker-hang-spark2").write_text("4")
+        out = tmp_path / "b.tar.gz"
+        code, stdout, err = run(["--json", "diagnose", "--out", str(out), "--no-check", "--timeout", "1"], capsys)
+        assert code == 0, err
+        manifest = json.loads(stdout)
+    files = {f["path"]: f for f in manifest["files"]}
+    assert manifest["unreachable"] == {}
+    for kept in ("kernel.txt", "meminfo.txt", "fabric.txt", "kernel-lines.txt"):
+        assert not files[f"nodes/spark2/{kept}"].get("missing"), files[f"nodes/spark2/{kept}"]
+    for cut in ("docker-version.txt", "docker-inspect.json", "docker-logs.txt"):
+        f = files[f"nodes/spark2/{cut}"]
+        assert f.get("missing") and f["why"].startswith("cut short:") and "did not finish within 2s" in f["why"], f
+    assert not any(f.get("missing") for p, f in files.items() if p.startswith("nodes/spark3/docker-"))
