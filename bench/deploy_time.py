@@ -77,8 +77,9 @@ def main() -> int:
             misses.append(f"own share {own:.2f}s > {OWN_TARGET_S}s")
         wall, doc, r = run(env, "deploy", "--yes", "--json", "--no-bench")
         skipped = all(s["status"] == "skipped" for s in doc.get("steps", []) if s["step"] != "report")
+        steps = ", ".join(f"{s['step']} {s['seconds']:.2f}s" for s in doc.get("steps", []))
         print(f"no-op re-run: {wall:.2f}s wall (target <= {NOOP_TARGET_S}s), every step skipped: {skipped}, "
-              f"noop: {doc.get('noop')}")
+              f"noop: {doc.get('noop')}; {steps}")
         if r.returncode != 0 or not doc.get("noop"):
             misses.append(f"the re-run was not a no-op (exit {r.returncode}): {r.stderr[-500:]}")
         if wall > NOOP_TARGET_S:

@@ -229,3 +229,42 @@ def test_a_running_service_of_this_cluster_does_not_stop_a_redeploy_but_anything
     assert flow.blocking_findings([containers, ports]) == ([], True)
     assert flow.blocking_findings([containers, ports, disk]) == ([disk], True)
     assert flow.blocking_findings([ports]) == ([ports], False)
+
+
+def test_the_report_of_a_service_already_serving_asks_for_a_short_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When `wait` did not run (nothing changed), the report's completion is a proof of life: ANSWER_TOKENS at
+    most, not the length of a measure. After a `wait` its answer is reused and no second request is made."""
+    from sparkctl.remote import readiness, service
+
+    asked: list[int] = []
+
+    class Api:
+        base_url = "http://head:8000"
+
+        def __init__(self, url: str, key: object) -> None:
+            pass
+
+        def models(self) -> list[str]:
+            return ["m"]
+
+        def chat(self, model: str, prompt: str, max_tokens: int = 32, timeout: float = 120.0) -> tuple[str, float]:
+            asked.append(max_tokens)
+            return "hello there", 0.1
+
+    monkeypatch.setattr(readiness, "HeadApi", Api)
+    monkeypatch.setattr(service, "head_base_url", lambda cluster, s: Api.base_url)
+
+    class Settings:
+        nodes = ["spark1"]
+
+        def get(self, key: str) -> str | None:
+            return None
+
+    ctx = flow.Context(cast(Any, Settings()), None, Feed("deploy", io.StringIO()), bench=False)
+    ctx.cluster = cast(Any, object())
+    out = flow.apply_report(ctx, dp.StepPlan(True, "x"))
+    assert asked == [flow.ANSWER_TOKENS] and flow.ANSWER_TOKENS <= 16 and out["completion"] == "hello there"
+    ctx.memo.clear()
+    ctx.answer = {"url": Api.base_url, "models": ["m"], "completion": "after wait", "latency_s": 0.2}
+    ctx.forget()  # a step changed the cluster after wait: the probes' reads go, wait's answer stays
+    assert flow.apply_report(ctx, dp.StepPlan(True, "x"))["completion"] == "after wait" and asked == [flow.ANSWER_TOKENS]
