@@ -144,6 +144,63 @@ def fresh_fabric(lab: Lab) -> Iterator[None]:
         _dad_done(lab)
 
 
+@contextmanager
+def recabled(lab: Lab, cables: list[tuple[str, int, str, int]], slow: dict[int, str] | None = None) -> Iterator[None]:
+    """The fabric re-cabled without the switch: each (node, port index, node, port index) is a cable of its own (a
+    two-port bridge, jumbo frames), both its ends up; every other port down. `slow` {cable index: rate}: that
+    cable's both ends shaped to `rate` (tc tbf) -- a bad cable. Use inside fresh_fabric (which puts addresses back);
+    after: every port on the lab's switch again, up or down as before, no shaping."""
+    from sparkctl.lab.state import FABRIC_BRIDGE, PORT_IFS
+
+    was_up = {(h.name, p): hosts_port_up(h.name, p) for h in lab.hosts for p in PORT_IFS}
+    outers = {(h.name, i): _host(lab, h.name)[1].veth_port(i) for h in lab.hosts for i in (0, 1)}
+    bridges = [f"slcab{k}" for k in range(len(cables))]
+    used = {(a, i) for a, i, _, _ in cables} | {(b, j) for _, _, b, j in cables}
+    # Docker's FORWARD policy drops bridged traffic (br_netfilter): accept the cables' own bridges, as the lab's
+    forward = [["FORWARD", flag, br, "-j", "ACCEPT"] for br in bridges for flag in ("-i", "-o")]
+    try:
+        for rule in forward:
+            subprocess.run(["iptables", "-I", *rule], check=True, timeout=10)
+        for outer in outers.values():
+            subprocess.run(["ip", "link", "set", "dev", outer, "nomaster"], check=True, timeout=10)
+        for name, i in outers:
+            if (name, i) not in used:
+                _ip(name, "link", "set", "dev", PORT_IFS[i], "down")
+        for k, (a, i, b, j) in enumerate(cables):
+            br = bridges[k]
+            subprocess.run(["ip", "link", "add", "name", br, "type", "bridge"], check=True, timeout=10)
+            subprocess.run(["ip", "link", "set", "dev", br, "mtu", "9000", "up"], check=True, timeout=10)
+            for name, idx in ((a, i), (b, j)):
+                subprocess.run(["ip", "link", "set", "dev", outers[(name, idx)], "master", br, "up"], check=True,
+                               timeout=10)
+                _ip(name, "link", "set", "dev", PORT_IFS[idx], "up")
+                if slow and k in slow:
+                    subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "replace", "dev", PORT_IFS[idx],
+                                    "root", "tbf", "rate", slow[k], "burst", "64kb", "latency", "50ms"],
+                                   check=True, timeout=10, capture_output=True)
+        for h in lab.hosts:
+            for port in PORT_IFS:
+                _ip(h.name, "neigh", "flush", "dev", port)
+                _ip(h.name, "-6", "neigh", "flush", "dev", port)
+        _dad_done(lab)
+        yield
+    finally:
+        for h in lab.hosts:
+            for port in PORT_IFS:
+                subprocess.run(["ip", "netns", "exec", h.name, "tc", "qdisc", "del", "dev", port, "root"],
+                               timeout=10, capture_output=True)  # none there: an error, nothing to undo
+        for outer in outers.values():
+            subprocess.run(["ip", "link", "set", "dev", outer, "master", FABRIC_BRIDGE, "up"], timeout=10,
+                           capture_output=True)
+        for br in bridges:
+            subprocess.run(["ip", "link", "delete", "dev", br], timeout=10, capture_output=True)
+        for rule in forward:
+            subprocess.run(["iptables", "-D", *rule], timeout=10, capture_output=True)
+        for (name, port), up in was_up.items():
+            _ip(name, "link", "set", "dev", port, "up" if up else "down")
+        _dad_done(lab)
+
+
 def _dad_done(lab: Lab, bound_s: float = 15.0) -> None:
     """Until no fabric port's IPv6 link-local address is still tentative (duplicate address detection runs
     for about a second after a link comes up; a port that is still in it answers no neighbour discovery, so

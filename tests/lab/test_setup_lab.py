@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -113,3 +114,49 @@ def test_a_neighbour_entry_whose_host_does_not_answer_is_not_a_cable(lab: Lab) -
     ends = {e for seg in cab["segments"] for e in seg}
     assert "spark2:enp1s0f1np1" not in ends, cab
     assert cab["layout"] == "switch" and cab["errors"] == [], cab
+
+
+RING_CROSSED = [("spark1", 1, "spark3", 0), ("spark3", 1, "spark2", 0), ("spark2", 1, "spark4", 0), ("spark4", 1, "spark1", 0)]
+RING = [("spark1", 1, "spark2", 0), ("spark2", 1, "spark3", 0), ("spark3", 1, "spark4", 0), ("spark4", 1, "spark1", 0)]
+
+
+def test_a_ring_cabled_across_nodes_order_is_named_with_the_move(fresh: Lab) -> None:
+    """Four cables, no switch, in the ring spark1 -> spark3 -> spark2 -> spark4: found by real neighbour discovery
+    over each cable, named a ring, and for NODES' order (TP 4) the move is said exactly: the NODES order of the
+    cables, and the two cables between ranks that are not neighbours."""
+    from sparkctl.lab.state import PORT_IFS
+    from tests.lab.faults import recabled
+
+    with recabled(fresh, RING_CROSSED):
+        cab = _plan(fresh)["cabling"]
+    assert cab["layout"] == "ring" and cab["errors"] == [], cab
+    got = {frozenset(seg) for seg in cab["segments"]}
+    assert got == {frozenset({f"{a}:{PORT_IFS[i]}", f"{b}:{PORT_IFS[j]}"}) for a, i, b, j in RING_CROSSED}, cab
+    assert len(cab["moves"]) == 1, cab
+    move = cab["moves"][0]
+    assert "crossed" in move and "NODES='spark1 spark3 spark2 spark4'" in move, move
+    assert f"spark1:{PORT_IFS[1]} <-> spark3:{PORT_IFS[0]}" in move and f"spark2:{PORT_IFS[1]} <-> spark4:{PORT_IFS[0]}" in move
+
+
+def test_a_ring_in_order_is_set_up_and_its_slow_cable_warned(fresh: Lab, tmp_path: Path) -> None:
+    """The ring in NODES' order, one cable shaped to 200 Mbit/s (tc): nothing to move; `setup --yes --speed`
+    addresses every cable's two ends (a /30 each) and measures each cable with the real iperf3 over them; the
+    slow one, and only it, is a warning naming both its ends (the recipe's floor here: 1 Gbit/s), not a failure."""
+    from sparkctl.lab.state import PORT_IFS
+    from tests.lab.faults import recabled
+
+    recipe = tmp_path / "lab-floor.toml"
+    text = (Path(__file__).resolve().parents[2] / "launcher/sparkctl/recipes/lab.toml").read_text()
+    recipe.write_text(text.replace("[fabric]", "[fabric]\nbusbw_floor_gbps = 0.125", 1))
+    with recabled(fresh, RING, slow={2: "200mbit"}):
+        plan = _plan(fresh)
+        assert plan["cabling"]["layout"] == "ring" and plan["cabling"]["moves"] == [], plan["cabling"]
+        r = _sparkctl(fresh, "--json", "setup", "--yes", "--speed", env={"RECIPE": str(recipe)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    speeds = {c["cable"]: c["gbit_per_s"] for c in doc["cables"]}
+    slow = f"spark3:{PORT_IFS[1]} <-> spark4:{PORT_IFS[0]}"
+    assert len(speeds) == 4 and all(v for v in speeds.values()), doc["cables"]
+    assert speeds[slow] < 0.3 and all(v > 1.0 for c, v in speeds.items() if c != slow), speeds
+    assert [w.split(":")[0] for w in doc["speed_warnings"]] == [f"cable {slow.split(':')[0]}"], doc["speed_warnings"]
+    assert slow in doc["speed_warnings"][0] and "below the recipe's floor" in doc["speed_warnings"][0]
