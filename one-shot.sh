@@ -2,8 +2,10 @@
 # one-shot.sh — the whole day in one script.
 #
 #   ./one-shot.sh check | build | up | wait | status | logs | down | bench   run sparkctl on your cluster
-#   ./one-shot.sh demo [--nodes 8]   bring up the built-in lab (root) and walk the user's path on it
-#                         (8 hosts: 2 replicas of TP4 and one nginx endpoint over them;
+#   ./one-shot.sh demo [--nodes 8]   bring up the built-in lab (root), fresh, and walk the user's path on it:
+#                         setup, setup --yes, deploy, deploy --yes, status, logs, down
+#                         (8 hosts: setup, then the steps one by one for 2 replicas of TP4 and one nginx
+#                         endpoint over them;
 #                         --engine vllm: the same path on the real vLLM for CPU, TP 2, recipe lab-vllm)
 #   ./one-shot.sh test    CI's test command: as root it first installs every Debian package the tests need,
 #                         then lint, type-check, unit tests, the fidelity suite (vLLM's code), the real-engine
@@ -170,12 +172,20 @@ demo() {
     demo_vllm "$nodes"
     return
   fi
-  say "bringing up the lab ($nodes hosts, each with its own sshd and Docker engine; $replicas replica(s))"
-  export_lab_env < <(sparkctl lab up --nodes "$nodes")
+  say "bringing up the lab ($nodes hosts, each with its own sshd and Docker engine; $replicas replica(s)), its"
+  say "hosts as a new owner's nodes are: fabric ports cabled but without addresses, nothing set up"
+  export_lab_env < <(sparkctl lab up --nodes "$nodes" --fresh)
   [[ -n "${SPARKCTL_ENV_FILE:-}" ]] || die "lab up did not say where its env file is"
   say "the lab's cluster input: $SPARKCTL_ENV_FILE (ssh config $SPARKCTL_SSH_CONFIG)"
-  demo_path wait
-  if ((replicas > 1)); then
+  step config
+  step setup
+  step setup --yes
+  if ((replicas == 1)); then
+    step deploy
+    step deploy --yes
+    step status
+  else  # deploy serves one service; replicas take the steps one by one, then one endpoint over them
+    demo_path wait
     command -v nginx >/dev/null || as_root_install nginx
     endpoint_demo
   fi
@@ -184,8 +194,7 @@ demo() {
   say "demo done: the lab is still up for you to explore (\`./one-shot.sh lab down\` removes it)"
 }
 
-demo_path() {  # the user's path up to a serving, checked service: `demo_path wait [wait's arguments]`
-  step config
+demo_path() {  # the steps `deploy` chains, one by one, up to a serving, checked service: `demo_path wait [wait's arguments]`
   step plan
   step verify-model
   step check
@@ -202,6 +211,7 @@ demo_vllm() {  # the same path on the real vLLM for CPU: recipe lab-vllm, TP 2 o
   export_lab_env < <(sparkctl lab up --nodes "$nodes" --engine vllm)
   [[ -n "${SPARKCTL_ENV_FILE:-}" ]] || die "lab up did not say where its env file is"
   say "lab up --engine vllm: $((SECONDS - t0)) s; the cluster input: $SPARKCTL_ENV_FILE"
+  step config
   demo_path wait --timeout 900
   step logs --tail 5
   step down

@@ -10,7 +10,7 @@ Use it like this (see tests.kit.lab for the full API):
         lab.host("spark3").fabric_if == "enp1s0f1np1"            # truths to compare discoveries with
 
 If a healthy lab with at least 4 hosts is already up (as `.ci/run` leaves it), it is reused and left
-up; otherwise the fixture runs `lab up --nodes 4` and runs `lab down` at the end of the session
+up (a lab made `--fresh`, whose fabric `sparkctl setup` addressed, gets the lab's own fabric back first); otherwise the fixture runs `lab up --nodes 4` and runs `lab down` at the end of the session
 (set SPARKCTL_LAB_KEEP=1 to keep it). Tests that change a host (its model folder, containers) must
 undo that in a `finally:`; Lab.run_rank / Lab.rm / Lab.wait_exit / Lab.rank_env help with containers.
 """
@@ -34,11 +34,13 @@ def lab() -> Iterator[Lab]:
         pytest.skip("lab tests need root (network namespaces, sshd and dockerd per host); run .ci/run as root")
     from sparkctl.lab import manage
 
-    _, hosts, _ = manage.status(deep=False)
+    _, hosts, state = manage.status(deep=False)
     started = False
     if len(hosts) < 4 or not all(h.ok for h in hosts):
         manage.up(nodes=max(4, len(hosts)))
         started = True
+    elif state.get("fabric") == "setup":  # a lab made --fresh (the demo's): the tests need the lab's own fabric
+        manage.up(nodes=len(hosts))
     try:
         yield Lab.load()
     finally:

@@ -88,60 +88,24 @@ def path_dropped(lab: Lab, src: str, dst: str) -> Iterator[str]:
         subprocess.run(["ip", "netns", "exec", src, "iptables", "-D", *rule], check=True, timeout=10)
 
 
-def _reset_setup_root(paths: HostPaths) -> None:
-    """Everything `sparkctl setup` wrote or installed on the host removed: its root holds only the host's
-    machine-id and the lab's stand-ins (sbin/)."""
-    import shutil
-
-    root = paths.setup_root
-    if root.exists():
-        for child in root.iterdir():
-            if child.name not in ("etc", "sbin"):
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        for child in (root / "etc").iterdir():
-            if child.name != "machine-id":
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-
-
 def _ip(name: str, *argv: str) -> None:
     subprocess.run(["ip", "-n", name, *argv], check=True, timeout=10, capture_output=True)
 
 
 @contextmanager
 def fresh_fabric(lab: Lab) -> Iterator[None]:
-    """The lab as a new owner's nodes are: one fabric port per host cabled (on the lab's switch) and up, without
-    an address, at MTU 1500 (the host's other port down: two ports of one host on one switch need ARP settings
-    setup does not write yet), and nothing of `sparkctl setup`'s on any host. After: setup's files removed, and each
-    host's ports as the lab made them (its address on its own port, the other up or down as before, MTU 1500)."""
-    from sparkctl.lab import net, seams
-    from sparkctl.lab.state import FABRIC_NET, PORT_IFS
+    """The lab as a new owner's nodes are (sparkctl.lab.fresh.make_fresh: fabric ports cabled, without an
+    address, MTU 1500, nothing of setup's), and after: each host's ports as the lab made them, setup's files gone."""
+    from sparkctl.lab import fresh
+    from sparkctl.lab.state import PORT_IFS
 
-    was_up = {(h.name, p): hosts_port_up(h.name, p) for h in lab.hosts for p in PORT_IFS}
-    for h in lab.hosts:
-        paths = HostPaths.of(h.name, lab.root)
-        _reset_setup_root(paths)
-        for port in PORT_IFS:
-            _ip(h.name, "addr", "flush", "dev", port, "scope", "global")
-            _ip(h.name, "link", "set", "dev", port, "mtu", "1500")
-            _ip(h.name, "link", "set", "dev", port, "up" if port == h.fabric_if else "down")
-            _ip(h.name, "neigh", "flush", "dev", port)  # a new node has seen no neighbour on it yet
-            _ip(h.name, "-6", "neigh", "flush", "dev", port)
-        _gids_follow_addresses(paths, h.name)
-    _dad_done(lab)
+    hosts_ = [_host(lab, h.name) for h in lab.hosts]
+    was_up = {(h.name, p): fresh.port_up(h.name, p) for h in lab.hosts for p in PORT_IFS}
+    fresh.make_fresh(hosts_)
     try:
         yield
     finally:
-        for h in lab.hosts:
-            paths, spec = _host(lab, h.name)
-            _reset_setup_root(paths)
-            for port in PORT_IFS:
-                _ip(h.name, "addr", "flush", "dev", port, "scope", "global")
-                _ip(h.name, "link", "set", "dev", port, "mtu", "1500")
-                _ip(h.name, "link", "set", "dev", port, "up" if was_up[(h.name, port)] else "down")
-            _ip(h.name, "addr", "add", f"{h.fabric_ip}/{FABRIC_NET.prefixlen}", "dev", h.fabric_if)
-            seams.write_sysfs(paths.sysfs, spec, {p: net.iface_mac(spec, p) for p in PORT_IFS},
-                              {p: net.iface_up(spec, p) for p in PORT_IFS})
-        _dad_done(lab)
+        fresh.restore(hosts_, was_up)
 
 
 @contextmanager
@@ -201,35 +165,13 @@ def recabled(lab: Lab, cables: list[tuple[str, int, str, int]], slow: dict[int, 
         _dad_done(lab)
 
 
-def _dad_done(lab: Lab, bound_s: float = 15.0) -> None:
-    """Until no fabric port's IPv6 link-local address is still tentative (duplicate address detection runs
-    for about a second after a link comes up; a port that is still in it answers no neighbour discovery, so
-    the next test's `setup` would see a segment without it). Bounded; a real node's ports are long past it."""
-    import time
+def _dad_done(lab: Lab) -> None:
+    from sparkctl.lab import fresh
 
-    from sparkctl.lab.state import PORT_IFS
-
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        tentative = [h.name for h in lab.hosts for p in PORT_IFS
-                     if subprocess.run(["ip", "-n", h.name, "-6", "addr", "show", "dev", p, "tentative"],
-                                       capture_output=True, text=True, timeout=10).stdout.strip()]
-        if not tentative:
-            return
-        time.sleep(0.2)
-
-
-def _gids_follow_addresses(paths: HostPaths, name: str) -> None:
-    """The host's RoCE GID table as the kernel would have it after its ports' addresses changed."""
-    from sparkctl.lab.state import PORT_IFS
-
-    subprocess.run(["ip", "netns", "exec", name, "python3", str(paths.bin_dir / "roce_gids.py"), *PORT_IFS],
-                   check=True, timeout=30, capture_output=True, env={"SPARKCTL_SYSFS_ROOT": str(paths.sysfs),
-                                                                     "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    fresh.dad_done([h.name for h in lab.hosts])
 
 
 def hosts_port_up(name: str, port: str) -> bool:
-    r = subprocess.run(["ip", "-n", name, "-o", "link", "show", "dev", port], capture_output=True, text=True,
-                       timeout=10)
-    flags = r.stdout.split("<", 1)[-1].split(">", 1)[0].split(",")
-    return "UP" in flags
+    from sparkctl.lab import fresh
+
+    return fresh.port_up(name, port)

@@ -269,3 +269,44 @@ def test_lab_up_reuses_a_healthy_lab_and_status_reports_it(lab: Lab) -> None:
     assert doc["ok"] and [h["name"] for h in doc["hosts"]] == lab.names
     env = dict(line.split("=", 1) for line in lab.env_file.read_text().splitlines() if "=" in line and line[0] != "#")
     assert env["NODES"].strip('"').split() == lab.names and env["MODEL"] == "/models/lab" and env["RECIPE"] == "lab"
+
+
+def _cli(lab: Lab, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sparkctl", *args], env={**lab.env(), **(env or {})},
+                          capture_output=True, text=True, timeout=900)
+
+
+def _ipv4(name: str, port: str) -> list[str]:
+    got = json.loads(subprocess.run(["ip", "-n", name, "-j", "-4", "addr", "show", "dev", port], capture_output=True,
+                                    text=True, timeout=10, check=True).stdout)
+    return [a["local"] for link in got for a in link.get("addr_info", [])]
+
+
+def test_lab_up_fresh_then_setup_then_lab_up_puts_the_lab_back(lab: Lab) -> None:
+    """`lab up --fresh`: no fabric port has an address, every host is healthy (its fabric is setup's to make),
+    and setup plans the netplan file on every host and applies it; `lab up` after: each host back on the lab's
+    own fabric address, and nothing setup wrote left in its root."""
+    from sparkctl.lab.state import PORT_IFS, HostPaths
+
+    names = [h.name for h in lab.hosts]
+    env = {"NODES": " ".join(names[:4]), "CLUSTER_NAME": "freshlab"}
+    try:
+        r = _cli(lab, "lab", "up", "--nodes", str(len(names)), "--fresh")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert all(_ipv4(n, p) == [] for n in names for p in PORT_IFS)
+        assert _cli(lab, "lab", "status").returncode == 0
+        plan = json.loads(_cli(lab, "--json", "setup", env=env).stdout)
+        assert plan["cabling"]["layout"] == "switch", plan["cabling"]
+        assert {c["node"] for c in plan["changes"] if c.get("path") == "/etc/netplan/60-sparkctl-fabric.yaml"} == set(names[:4])
+        r = _cli(lab, "setup", "--yes", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert all(_ipv4(n, lab.host(n).fabric_if) for n in names[:4])  # setup's addresses
+        assert _cli(lab, "lab", "status").returncode == 0
+    finally:
+        r = _cli(lab, "lab", "up", "--nodes", str(len(names)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _cli(lab, "lab", "status").returncode == 0
+    for h in lab.hosts:
+        assert _ipv4(h.name, h.fabric_if) == [h.fabric_ip], h.name
+        etc = HostPaths.of(h.name, lab.root).setup_root / "etc"
+        assert sorted(p.name for p in etc.iterdir()) == ["machine-id"], h.name

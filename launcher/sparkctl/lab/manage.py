@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckFailed, UsageError
+from . import fresh as fresh_mod
 from . import hosts, image, net, seams
 from .proc import ok, out, run, say
 from .state import (
@@ -246,11 +247,14 @@ def _bring_up_host(files: LabFiles, spec: HostSpec, checkpoint: Path, base: Futu
 
 
 def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None, engine: str = "standin",
-       engine_hosts: list[str] | None = None) -> LabFiles:
+       engine_hosts: list[str] | None = None, fresh: bool = False) -> LabFiles:
     """The lab (`lab up`). engine="vllm" adds the real engine: its checkpoint on every host, its image on
     `engine_hosts` (default: every host; a 2 GB load costs about 75 s per host here, so the real-engine lab
-    tests load it only where they run it)."""
+    tests load it only where they run it). fresh: then its hosts as a new owner's nodes are (lab/fresh.py)."""
     _require_root()
+    if fresh and engine != "standin":
+        raise UsageError("--fresh with --engine vllm: the real-engine lab keeps the lab's own fabric",
+                         fix="sparkctl lab up --fresh (the stand-in engine), or --engine vllm without --fresh")
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"--nodes {nodes}: the lab builds 1 to {MAX_NODES} hosts")
     if engine not in ENGINES:
@@ -266,7 +270,15 @@ def up(nodes: int = 4, checkpoint: Path | None = None, tp: int | None = None, en
             files = _up(nodes, checkpoint, None)
             _up_vllm(files, nodes, tp, engine_hosts)
             return files
-        return _up(nodes, checkpoint, tp)
+        files = _up(nodes, checkpoint, tp)
+        if fresh:
+            fresh_mod.make_fresh([(HostPaths.of(spec.name, files.root), spec) for spec in hosts_for(nodes)])
+            state = read_state(files)
+            state["fabric"] = "setup"
+            write_state(files, state)
+            say(f"lab: {nodes} hosts fresh (fabric ports without addresses, nothing of `sparkctl setup`'s): "
+                "`sparkctl setup` readies them")
+        return files
 
 
 def _up(nodes: int, checkpoint: Path | None, tp: int | None = None) -> LabFiles:
@@ -288,7 +300,7 @@ def _up(nodes: int, checkpoint: Path | None, tp: int | None = None) -> LabFiles:
         net.ensure_bridges()
         rules = state.get("iptables_rules", []) + net.ensure_forward_rules()
         state.update({"nodes": nodes, "iptables_rules": rules, "mgmt_subnet": str(MGMT_NET),
-                      "fabric_subnet": str(FABRIC_NET), "hosts": [s.to_json() for s in specs]})
+                      "fabric_subnet": str(FABRIC_NET), "hosts": [s.to_json() for s in specs], "fabric": "lab"})
         write_state(files, state)
         hosts.ensure_ns_dir()
         client_pub = ensure_client_key(files)
@@ -300,6 +312,8 @@ def _up(nodes: int, checkpoint: Path | None, tp: int | None = None) -> LabFiles:
                 hosts.teardown_processes(HostPaths.of(spec.name, files.root))
                 net.delete_host_net(spec)
                 net.create_host_net(spec)
+                # what setup wrote there described the network just replaced
+                fresh_mod.reset_setup_root(HostPaths.of(spec.name, files.root))
             _prepare_host_files(files, spec, client_pub)
         checkpoint = ensure_checkpoint(files, checkpoint)
         write_client_files(files, specs, tp)
@@ -407,10 +421,11 @@ def _up_vllm(files: LabFiles, nodes: int, tp: int | None, engine_hosts: list[str
 
 
 # ------------------------------------------------------------------------------------------- status
-def host_status(files: LabFiles, spec: HostSpec, deep: bool = True) -> HostStatus:
+def host_status(files: LabFiles, spec: HostSpec, deep: bool = True, lab_fabric: bool = True) -> HostStatus:
+    """What is wrong with a host; lab_fabric=False (a lab made --fresh): its fabric addresses are setup's."""
     st = HostStatus(spec.name, spec.mgmt_ip)
     paths = HostPaths.of(spec.name, files.root)
-    st.problems += net.host_net_ok(spec)
+    st.problems += net.host_net_ok(spec, lab_fabric=lab_fabric)
     if st.problems:
         return st
     if not hosts.mntns_ok(paths):
@@ -440,7 +455,8 @@ def status(deep: bool = True) -> tuple[LabFiles, list[HostStatus], dict[str, Any
         return files, [], state
     specs = hosts_for(nodes)
     with ThreadPoolExecutor(max_workers=min(nodes, 8)) as pool:
-        result = list(pool.map(lambda s: host_status(files, s, deep), specs))
+        lab_fabric = state.get("fabric", "lab") != "setup"
+        result = list(pool.map(lambda s: host_status(files, s, deep, lab_fabric), specs))
     return files, result, state
 
 

@@ -34,6 +34,11 @@ case "$*" in
   "-j addr show") cat "$S/ip-addr.json" ;;
   "-j route get "*) printf '[{"dst":"%s","dev":"eth0"}]\n' "$4" ;;
   "-j -6 neigh show dev "*) cat "$S/neigh-$6.json" 2>/dev/null || echo '[]' ;;
+  "-o link show dev "*) python3 -c 'import json, sys
+for link in json.load(open(sys.argv[1])):
+    if link["ifname"] == sys.argv[2]:
+        print("2: %s: <%s> mtu %d" % (link["ifname"], ",".join(link.get("flags", [])), link.get("mtu", 1500)))' \
+    "$S/ip-addr.json" "$5" ;;
   *) echo "ip stub: $*" >&2; exit 1 ;;
 esac
 """
