@@ -139,16 +139,17 @@ def test_a_ring_cabled_across_nodes_order_is_named_with_the_move(fresh: Lab) -> 
 
 
 def test_a_ring_in_order_is_set_up_and_its_slow_cable_warned(fresh: Lab, tmp_path: Path) -> None:
-    """The ring in NODES' order, one cable shaped to 200 Mbit/s (tc): nothing to move; `setup --yes --speed`
+    """The ring in NODES' order, one cable shaped to 100 Mbit/s (tc): nothing to move; `setup --yes --speed`
     addresses every cable's two ends (a /30 each) and measures each cable with the real iperf3 over them; the
-    slow one, and only it, is a warning naming both its ends (the recipe's floor here: 1 Gbit/s), not a failure."""
+    slow one, and only it, is a warning naming both its ends (the recipe's floor here: 0.5 Gbit/s, five times the
+    slow cable's rate and far below what a veth carries even on a busy machine), not a failure."""
     from sparkctl.lab.state import PORT_IFS
     from tests.lab.faults import recabled
 
     recipe = tmp_path / "lab-floor.toml"
     text = (Path(__file__).resolve().parents[2] / "launcher/sparkctl/recipes/lab.toml").read_text()
-    recipe.write_text(text.replace("[fabric]", "[fabric]\nbusbw_floor_gbps = 0.125", 1))
-    with recabled(fresh, RING, slow={2: "200mbit"}):
+    recipe.write_text(text.replace("[fabric]", "[fabric]\nbusbw_floor_gbps = 0.0625", 1))
+    with recabled(fresh, RING, slow={2: "100mbit"}):
         plan = _plan(fresh)
         assert plan["cabling"]["layout"] == "ring" and plan["cabling"]["moves"] == [], plan["cabling"]
         r = _sparkctl(fresh, "--json", "setup", "--yes", "--speed", env={"RECIPE": str(recipe)})
@@ -157,6 +158,6 @@ def test_a_ring_in_order_is_set_up_and_its_slow_cable_warned(fresh: Lab, tmp_pat
     speeds = {c["cable"]: c["gbit_per_s"] for c in doc["cables"]}
     slow = f"spark3:{PORT_IFS[1]} <-> spark4:{PORT_IFS[0]}"
     assert len(speeds) == 4 and all(v for v in speeds.values()), doc["cables"]
-    assert speeds[slow] < 0.3 and all(v > 1.0 for c, v in speeds.items() if c != slow), speeds
+    assert speeds[slow] < 0.15 and all(v > 0.5 for c, v in speeds.items() if c != slow), speeds
     assert [w.split(":")[0] for w in doc["speed_warnings"]] == [f"cable {slow.split(':')[0]}"], doc["speed_warnings"]
     assert slow in doc["speed_warnings"][0] and "below the recipe's floor" in doc["speed_warnings"][0]

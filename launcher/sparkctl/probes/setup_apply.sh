@@ -144,9 +144,13 @@ date +%s >"$pending" && date +%s >"$applying" || fail "cannot write in $STATE"
 command -v setsid >/dev/null 2>&1 && SETSID=setsid || SETSID=
 # The timer: TRY_S after the start, and after the apply ended (at most TRY_S more), it claims the try by
 # renaming the pending mark (the confirmation claims it the same way: one of the two wins), restores the old
-# file, applies again and leaves netplan.reverted.
+# file, applies again and leaves netplan.reverted. It looks at the mark every second: once a confirmation
+# claimed it, the timer ends then, not TRY_S later.
 # shellcheck disable=SC2016 # the timer's own script: its values are its positional arguments
-$SETSID nohup sh -c 'sleep "$1"; i=0
+$SETSID nohup sh -c 'i=0
+while [ -e "$2" ] && [ "$i" -lt "$1" ]; do sleep 1; i=$((i + 1)); done
+[ -e "$2" ] || exit 0
+i=0
 while [ -e "$7" ] && [ "$i" -lt "$1" ]; do sleep 1; i=$((i + 1)); done
 mv -- "$2" "$2.reverting" 2>/dev/null || exit 0
 if [ -e "$3" ]; then mv -f -- "$3" "$4"; else rm -f -- "$4"; fi

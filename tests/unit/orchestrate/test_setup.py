@@ -154,6 +154,25 @@ def _plan(s: Any) -> flow.SetupReport:
         return flow.plan(c, s)
 
 
+def _revert_timers(marks: list[Path], bound_s: float = 10.0) -> list[str]:
+    """The netplan revert timers still running for these pending marks (their argv names the mark), after
+    waiting up to bound_s for them to end: a confirmed try's timer looks at its mark every second."""
+    want = [str(m).encode() for m in marks]
+    deadline = time.monotonic() + bound_s
+    while True:
+        left = []
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"sparkctl-netplan-revert" in argv and any(w in argv for w in want):
+                left.append(proc.name)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 def test_plan_changes_nothing_yes_applies_everything_and_a_second_plan_has_nothing_to_do(nodes: Any) -> None:
     ln, s = nodes
     before = {n: sorted(p.relative_to(_root(ln, n)) for p in _root(ln, n).rglob("*")) for n in NODES}
@@ -177,6 +196,8 @@ def test_plan_changes_nothing_yes_applies_everything_and_a_second_plan_has_nothi
     assert live["enp1s0f0np0"]["addr_info"][0]["local"] == "192.168.100.1" and live["enp1s0f0np0"]["mtu"] == 9000
     assert live["eth0"]["addr_info"][0]["local"] == "10.0.0.1"
     assert not (r1 / "etc/sparkctl/t/netplan.pending").exists()  # confirmed: the try ended
+    timers = _revert_timers([_root(ln, n) / "etc/sparkctl/t/netplan.pending" for n in NODES])
+    assert timers == [], f"the revert timers of a confirmed try still run (of a {600} s try): {timers}"
     docs = {(_root(ln, n) / "etc/sparkctl/t/fabric.json").read_text() for n in NODES}
     assert len(docs) == 1 and json.loads(docs.pop())["ports"]["n2"]["enp1s0f0np0"]["peers"] == ["n1:enp1s0f0np0"]
     audit = (ln.home("n1") / ".sparkctl/t/audit.log").read_text()
