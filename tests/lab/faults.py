@@ -96,11 +96,11 @@ def _ip(name: str, *argv: str) -> None:
 def fresh_fabric(lab: Lab) -> Iterator[None]:
     """The lab as a new owner's nodes are (sparkctl.lab.fresh.make_fresh: fabric ports cabled, without an
     address, MTU 1500, nothing of setup's), and after: each host's ports as the lab made them, setup's files gone."""
-    from sparkctl.lab import fresh
+    from sparkctl.lab import fresh, net
     from sparkctl.lab.state import PORT_IFS
 
     hosts_ = [_host(lab, h.name) for h in lab.hosts]
-    was_up = {(h.name, p): fresh.port_up(h.name, p) for h in lab.hosts for p in PORT_IFS}
+    was_up = {(spec.name, p): net.iface_up(spec, p) for _, spec in hosts_ for p in PORT_IFS}
     fresh.make_fresh(hosts_)
     try:
         yield
@@ -114,10 +114,12 @@ def recabled(lab: Lab, cables: list[tuple[str, int, str, int]], slow: dict[int, 
     two-port bridge, jumbo frames), both its ends up; every other port down. `slow` {cable index: rate}: that
     cable's both ends shaped to `rate` (tc tbf) -- a bad cable. Use inside fresh_fabric (which puts addresses back);
     after: every port on the lab's switch again, up or down as before, no shaping."""
+    from sparkctl.lab import fresh, net
     from sparkctl.lab.state import FABRIC_BRIDGE, PORT_IFS
 
-    was_up = {(h.name, p): hosts_port_up(h.name, p) for h in lab.hosts for p in PORT_IFS}
-    outers = {(h.name, i): _host(lab, h.name)[1].veth_port(i) for h in lab.hosts for i in (0, 1)}
+    specs = [_host(lab, h.name)[1] for h in lab.hosts]
+    was_up = {(spec.name, p): net.iface_up(spec, p) for spec in specs for p in PORT_IFS}
+    outers = {(spec.name, i): spec.veth_port(i) for spec in specs for i in (0, 1)}
     bridges = [f"slcab{k}" for k in range(len(cables))]
     used = {(a, i) for a, i, _, _ in cables} | {(b, j) for _, _, b, j in cables}
     # Docker's FORWARD policy drops bridged traffic (br_netfilter): accept the cables' own bridges, as the lab's
@@ -146,7 +148,7 @@ def recabled(lab: Lab, cables: list[tuple[str, int, str, int]], slow: dict[int, 
             for port in PORT_IFS:
                 _ip(h.name, "neigh", "flush", "dev", port)
                 _ip(h.name, "-6", "neigh", "flush", "dev", port)
-        _dad_done(lab)
+        fresh.dad_done([spec.name for spec in specs])
         yield
     finally:
         for h in lab.hosts:
@@ -162,16 +164,4 @@ def recabled(lab: Lab, cables: list[tuple[str, int, str, int]], slow: dict[int, 
             subprocess.run(["iptables", "-D", *rule], timeout=10, capture_output=True)
         for (name, port), up in was_up.items():
             _ip(name, "link", "set", "dev", port, "up" if up else "down")
-        _dad_done(lab)
-
-
-def _dad_done(lab: Lab) -> None:
-    from sparkctl.lab import fresh
-
-    fresh.dad_done([h.name for h in lab.hosts])
-
-
-def hosts_port_up(name: str, port: str) -> bool:
-    from sparkctl.lab import fresh
-
-    return fresh.port_up(name, port)
+        fresh.dad_done([spec.name for spec in specs])

@@ -80,13 +80,6 @@ def restore(root_paths: list[tuple[HostPaths, HostSpec]], was_up: dict[tuple[str
     dad_done([spec.name for _, spec in root_paths])
 
 
-def port_up(name: str, port: str) -> bool:
-    r = subprocess.run(["ip", "-n", name, "-o", "link", "show", "dev", port], capture_output=True, text=True,
-                       timeout=10)
-    flags = r.stdout.split("<", 1)[-1].split(">", 1)[0].split(",")
-    return "UP" in flags
-
-
 def dad_done(names: list[str], bound_s: float = DAD_BOUND_S) -> None:
     """Until no fabric port's IPv6 link-local address is still tentative (duplicate address detection runs
     for about a second after a link comes up; a port that is still in it answers no neighbour discovery, so
